@@ -1,0 +1,192 @@
+// kvbank block and payload layout: the one place that computes byte offsets.
+//
+// This header is dependency-free (standard library only) and is shared by the server core, the
+// kernels (CPU and CUDA), the codecs and the client SDK. Nothing else computes offsets: every
+// other component asks a BlockLayout or a PayloadLayout.
+//
+// Block (one contiguous byte range, block_bytes long, 64-byte aligned):
+//   for each layer l: [K part][V part][scales of layer l]
+//   K part = [num_kv_heads][block_tokens][head_dim]   elements of layer l's storage dtype
+//   V part = [num_kv_heads][block_tokens][head_dim_v] (absent for MLA: V is K[..., :head_dim_v])
+//   scales = int8: f32 scale [kv][num_kv_heads][block_tokens] then u8 zero point, same shape
+//            fp8:  f32 scale [kv][num_kv_heads]
+//            fp16/bf16/fp32: nothing
+//   where kv is 2 (K and V) or 1 (MLA). Every part starts on a 16-byte boundary.
+//
+// Payload (what travels on the wire for an append or fetch of layers [l0, l1) x n tokens):
+//   for each layer l in [l0, l1): K [num_kv_heads][n][head_dim], then V [num_kv_heads][n][head_dim_v]
+//   (no V for MLA), dense, in the layer's storage dtype.
+#ifndef KVBANK_LAYOUT_H_
+#define KVBANK_LAYOUT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#if defined(__CUDACC__)
+#define KVBANK_HD __host__ __device__
+#else
+#define KVBANK_HD
+#endif
+
+namespace kvbank {
+
+// Element types. Values are stable: they appear in fingerprints and on the wire.
+enum class DType : uint8_t {
+  kFp32 = 0,
+  kFp16 = 1,
+  kBf16 = 2,
+  kInt8 = 3,     // asymmetric uint8, scale + zero point per (K/V, head, token)
+  kFp8E4M3 = 4,  // scale per (K/V, head) per block
+  kFp8E5M2 = 5,  // scale per (K/V, head) per block
+};
+
+enum class AttentionKind : uint8_t { kMha = 0, kGqa = 1, kMqa = 2, kMla = 3 };
+
+KVBANK_HD constexpr uint32_t DTypeBytes(DType d) {
+  return d == DType::kFp32 ? 4u : (d == DType::kFp16 || d == DType::kBf16) ? 2u : 1u;
+}
+KVBANK_HD constexpr bool IsQuantized(DType d) {
+  return d == DType::kInt8 || d == DType::kFp8E4M3 || d == DType::kFp8E5M2;
+}
+constexpr uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+inline const char* DTypeName(DType d) {
+  switch (d) {
+    case DType::kFp32: return "fp32";
+    case DType::kFp16: return "fp16";
+    case DType::kBf16: return "bf16";
+    case DType::kInt8: return "int8";
+    case DType::kFp8E4M3: return "fp8_e4m3";
+    case DType::kFp8E5M2: return "fp8_e5m2";
+  }
+  return "unknown";
+}
+inline bool ParseDType(std::string_view s, DType* out) {
+  for (DType d : {DType::kFp32, DType::kFp16, DType::kBf16, DType::kInt8, DType::kFp8E4M3,
+                  DType::kFp8E5M2}) {
+    if (s == DTypeName(d)) { *out = d; return true; }
+  }
+  return false;
+}
+inline const char* AttentionKindName(AttentionKind k) {
+  switch (k) {
+    case AttentionKind::kMha: return "mha";
+    case AttentionKind::kGqa: return "gqa";
+    case AttentionKind::kMqa: return "mqa";
+    case AttentionKind::kMla: return "mla";
+  }
+  return "unknown";
+}
+
+// Where one layer lives inside a block. Plain data, usable on host and device.
+struct LayerView {
+  uint64_t k_offset = 0;      // K part: [num_kv_heads][block_tokens][head_dim]
+  uint64_t v_offset = 0;      // V part: [num_kv_heads][block_tokens][head_dim_v]; MLA: == k_offset
+  uint64_t scale_offset = 0;  // scales region (see file comment); scale_bytes long
+  uint64_t scale_bytes = 0;
+  uint64_t zero_point_offset = 0;  // int8 only: u8 zero points [kv][num_kv_heads][block_tokens]
+  uint32_t num_kv_heads = 0;
+  uint32_t block_tokens = 0;
+  uint32_t head_dim = 0;
+  uint32_t head_dim_v = 0;
+  uint32_t elem_bytes = 0;
+  DType dtype = DType::kFp16;
+  bool has_v = true;  // false for MLA
+
+  KVBANK_HD uint64_t KRowBytes() const { return uint64_t{head_dim} * elem_bytes; }
+  KVBANK_HD uint64_t VRowBytes() const { return uint64_t{head_dim_v} * elem_bytes; }
+  // Byte offset, within a block, of token `t`'s row of head `h` in K or V.
+  KVBANK_HD uint64_t KRow(uint32_t h, uint32_t t) const {
+    return k_offset + (uint64_t{h} * block_tokens + t) * KRowBytes();
+  }
+  KVBANK_HD uint64_t VRow(uint32_t h, uint32_t t) const {
+    return v_offset + (uint64_t{h} * block_tokens + t) * VRowBytes();
+  }
+  KVBANK_HD uint32_t KvParts() const { return has_v ? 2u : 1u; }
+  // int8: offsets of the f32 scale and u8 zero point of (kv part, head, token); kv 0 = K, 1 = V.
+  KVBANK_HD uint64_t Int8Scale(uint32_t kv, uint32_t h, uint32_t t) const {
+    return scale_offset + ((uint64_t{kv} * num_kv_heads + h) * block_tokens + t) * 4;
+  }
+  KVBANK_HD uint64_t Int8ZeroPoint(uint32_t kv, uint32_t h, uint32_t t) const {
+    return zero_point_offset + (uint64_t{kv} * num_kv_heads + h) * block_tokens + t;
+  }
+  // fp8: offset of the f32 scale of (kv part, head) in this block.
+  KVBANK_HD uint64_t Fp8Scale(uint32_t kv, uint32_t h) const {
+    return scale_offset + (uint64_t{kv} * num_kv_heads + h) * 4;
+  }
+  // Bytes one token of this layer occupies in a dense payload (K and V, all heads).
+  KVBANK_HD uint64_t PayloadBytesPerToken() const {
+    return uint64_t{num_kv_heads} * (KRowBytes() + (has_v ? VRowBytes() : 0));
+  }
+};
+
+// A model's KV shape. MHA/GQA/MQA differ only in num_kv_heads; MLA stores one latent vector per
+// token (kv_lora_rank + rope_dim wide) as K, and V is its first kv_lora_rank dims.
+struct ModelLayout {
+  std::string name;
+  uint32_t num_layers = 0;
+  uint32_t num_q_heads = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;    // K width; MLA: kv_lora_rank + rope_dim
+  uint32_t head_dim_v = 0;  // V width; MLA: kv_lora_rank
+  uint32_t block_tokens = 16;
+  AttentionKind kind = AttentionKind::kGqa;
+  uint32_t kv_lora_rank = 0;  // MLA only
+  uint32_t rope_dim = 0;      // MLA only
+  DType input_dtype = DType::kFp16;
+  std::vector<DType> layer_dtypes;  // storage dtype of each layer; size num_layers
+
+  bool operator==(const ModelLayout& o) const;
+  bool operator!=(const ModelLayout& o) const { return !(*this == o); }
+};
+
+// Returns an empty string when the layout is valid, else a message naming the bad field.
+std::string ValidateLayout(const ModelLayout& m);
+
+// A canonical, stable text encoding of everything that determines the bytes of a block (name
+// excluded). Equal fingerprints <=> interchangeable blocks; later the prefix-hash root.
+std::string LayoutFingerprint(const ModelLayout& m);
+
+// Offsets of every part of a block for one model layout. Computed once by ComputeBlockLayout.
+struct BlockLayout {
+  uint64_t block_bytes = 0;  // stride between blocks; multiple of kBlockAlign
+  uint32_t block_tokens = 0;
+  std::vector<LayerView> layers;
+
+  static constexpr uint64_t kPartAlign = 16;
+  static constexpr uint64_t kBlockAlign = 64;
+
+  uint32_t num_layers() const { return static_cast<uint32_t>(layers.size()); }
+  // Dense payload bytes of layers [l0, l1) for n tokens; 0 on overflow (callers bound n first).
+  uint64_t PayloadBytes(uint32_t l0, uint32_t l1, uint64_t n) const;
+  // Payload bytes one token of all layers takes (the fp16 "bytes per token" figure, uncompressed).
+  uint64_t PayloadBytesPerToken() const { return PayloadBytes(0, num_layers(), 1); }
+};
+
+// The one layout function. REQUIRES: ValidateLayout(m).empty().
+BlockLayout ComputeBlockLayout(const ModelLayout& m);
+
+// The dense payload of layers [l0, l1) x n tokens, described for the copy kernels.
+// layer_offset[i] is the payload byte offset of layer l0 + i; within it K is [heads][n][head_dim]
+// then V [heads][n][head_dim_v].
+struct PayloadLayout {
+  uint32_t layer_begin = 0;
+  uint32_t layer_end = 0;
+  uint64_t num_tokens = 0;
+  uint64_t total_bytes = 0;
+  std::vector<uint64_t> layer_offset;  // size layer_end - layer_begin
+
+  static PayloadLayout Make(const BlockLayout& b, uint32_t l0, uint32_t l1, uint64_t n);
+};
+
+// Built-in model presets (llama-3.1-8b, llama-3-70b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b,
+// deepseek-v3). Returns false for an unknown name. Storage dtype = `storage` for every layer.
+bool PresetLayout(std::string_view preset, ModelLayout* out, DType storage = DType::kBf16);
+std::vector<std::string> PresetNames();
+
+}  // namespace kvbank
+
+#endif  // KVBANK_LAYOUT_H_

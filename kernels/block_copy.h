@@ -1,0 +1,50 @@
+// Block copy and token gather/scatter between a paged pool and a dense payload.
+//
+// The CPU functions are what the host backend runs; the CUDA launchers (block_copy_cuda.h) do the
+// same on a device pool. Both take the same LayerView (from kvbank/layout.h), so the offsets come
+// from the one layout function. No gRPC, protobuf or Abseil here.
+#ifndef KVBANK_KERNELS_BLOCK_COPY_H_
+#define KVBANK_KERNELS_BLOCK_COPY_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvbank/layout.h"
+
+namespace kvbank::kernels {
+
+// A dense payload of layers [l0, l1) x num_tokens mapped onto a sequence's blocks.
+// All pointers are in the memory the function runs on (host for *Cpu, device for *Cuda).
+struct PayloadMap {
+  uint8_t* pool = nullptr;             // [num_blocks][block_bytes]
+  uint64_t block_bytes = 0;            // stride between blocks
+  const LayerView* layers = nullptr;   // [num_layers]: the views of layers l0 .. l1-1
+  const uint64_t* layer_offset = nullptr;  // [num_layers]: payload offset of each layer
+  uint32_t num_layers = 0;
+  const int32_t* block_table = nullptr;  // [ceil((token_begin + num_tokens) / block_tokens)]
+  uint64_t token_begin = 0;              // sequence position of payload token 0
+  uint64_t num_tokens = 0;
+  uint64_t total_bytes = 0;              // payload size; == PayloadLayout::total_bytes
+};
+
+enum class CopyDirection { kPayloadToPool, kPoolToPayload };
+
+// Copies payload bytes [offset, offset + len) to or from the pool. `buf` holds exactly those
+// bytes (buf[0] is payload byte `offset`). Any offset and length is allowed (chunks may split
+// rows). REQUIRES: offset + len <= map.total_bytes; block_table covers every touched token.
+void PayloadCopyCpu(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                    uint64_t len);
+
+// Copies whole blocks: dst_ids[i] <- src_ids[i], each block_bytes long.
+void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
+                   const int32_t* dst_ids, size_t n);
+
+// Copies, for every layer, the first rows[l] token rows (all heads, K and V) of block `src` to
+// block `dst`; bytes past those rows are not touched (another writer may own them).
+// `layers` has num_layers entries, `rows` too.
+void CopyTokenRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                      const uint32_t* rows, uint32_t num_layers, int32_t src, int32_t dst);
+
+}  // namespace kvbank::kernels
+
+#endif  // KVBANK_KERNELS_BLOCK_COPY_H_

@@ -1,0 +1,101 @@
+#include <algorithm>
+#include <cstring>
+
+#include "block_copy.h"
+
+namespace kvbank::kernels {
+
+namespace {
+
+// One contiguous run: `rows` consecutive token rows of one head in one block. In the payload the
+// same run is contiguous too (tokens are the inner-most-but-one axis of both).
+inline void CopyRun(uint8_t* pool_bytes, uint64_t bytes, uint64_t run_begin, uint64_t offset,
+                    uint8_t* buf, uint64_t len, CopyDirection dir) {
+  // Intersect the run [run_begin, run_begin + bytes) with the window [offset, offset + len).
+  const uint64_t lo = std::max(run_begin, offset);
+  const uint64_t hi = std::min(run_begin + bytes, offset + len);
+  if (lo >= hi) return;
+  uint8_t* pool_at = pool_bytes + (lo - run_begin);
+  uint8_t* buf_at = buf + (lo - offset);
+  if (dir == CopyDirection::kPayloadToPool) {
+    std::memcpy(pool_at, buf_at, hi - lo);
+  } else {
+    std::memcpy(buf_at, pool_at, hi - lo);
+  }
+}
+
+}  // namespace
+
+void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                    uint64_t len) {
+  if (len == 0 || m.num_tokens == 0) return;
+  const uint64_t end = offset + len;
+  for (uint32_t li = 0; li < m.num_layers; ++li) {
+    const LayerView& v = m.layers[li];
+    const uint64_t layer_begin = m.layer_offset[li];
+    const uint64_t layer_bytes = v.PayloadBytesPerToken() * m.num_tokens;
+    if (layer_begin >= end) break;
+    if (layer_begin + layer_bytes <= offset) continue;
+    for (int part = 0; part < (v.has_v ? 2 : 1); ++part) {
+      const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
+      const uint64_t part_begin =
+          layer_begin + (part == 0 ? 0 : uint64_t{v.num_kv_heads} * m.num_tokens * v.KRowBytes());
+      const uint64_t head_bytes = m.num_tokens * row_bytes;
+      for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+        const uint64_t head_begin = part_begin + h * head_bytes;
+        if (head_begin >= end || head_begin + head_bytes <= offset) continue;
+        uint64_t t = 0;
+        while (t < m.num_tokens) {
+          const uint64_t pos = m.token_begin + t;
+          const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);
+          const uint64_t run = std::min<uint64_t>(v.block_tokens - row, m.num_tokens - t);
+          const uint64_t run_begin = head_begin + t * row_bytes;
+          if (run_begin >= end) break;
+          if (run_begin + run * row_bytes > offset) {
+            uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
+            const uint64_t at = part == 0 ? v.KRow(h, row) : v.VRow(h, row);
+            CopyRun(block + at, run * row_bytes, run_begin, offset, buf, len, dir);
+          }
+          t += run;
+        }
+      }
+    }
+  }
+}
+
+void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
+                   const int32_t* dst_ids, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(pool + uint64_t(dst_ids[i]) * block_bytes, pool + uint64_t(src_ids[i]) * block_bytes,
+                block_bytes);
+  }
+}
+
+void CopyTokenRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                      const uint32_t* rows, uint32_t num_layers, int32_t src, int32_t dst) {
+  const uint8_t* s = pool + uint64_t(src) * block_bytes;
+  uint8_t* d = pool + uint64_t(dst) * block_bytes;
+  for (uint32_t l = 0; l < num_layers; ++l) {
+    const LayerView& v = layers[l];
+    const uint32_t n = std::min(rows[l], v.block_tokens);
+    if (n == 0) continue;
+    for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+      std::memcpy(d + v.KRow(h, 0), s + v.KRow(h, 0), n * v.KRowBytes());
+      if (v.has_v) std::memcpy(d + v.VRow(h, 0), s + v.VRow(h, 0), n * v.VRowBytes());
+    }
+    if (v.dtype == DType::kInt8) {
+      // Per-token scales [kv][heads][block_tokens] f32, then zero points of the same shape (u8).
+      for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
+        for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+          std::memcpy(d + v.Int8Scale(kv, h, 0), s + v.Int8Scale(kv, h, 0), n * 4);
+          std::memcpy(d + v.Int8ZeroPoint(kv, h, 0), s + v.Int8ZeroPoint(kv, h, 0), n);
+        }
+      }
+    } else if (v.scale_bytes) {
+      // NOTE: fp8 scales are per block; a partial fp8 block's scales are copied whole.
+      std::memcpy(d + v.scale_offset, s + v.scale_offset, v.scale_bytes);
+    }
+  }
+}
+
+}  // namespace kvbank::kernels

@@ -1,0 +1,107 @@
+#include "server/core/model_registry.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvbank {
+
+std::string FirstLayoutDifference(const ModelLayout& a, const ModelLayout& b) {
+#define KVBANK_DIFF(field)                                                                     \
+  if (a.field != b.field) {                                                                    \
+    return absl::StrCat(#field " ", static_cast<uint64_t>(a.field), " vs ",                   \
+                        static_cast<uint64_t>(b.field));                                       \
+  }
+  KVBANK_DIFF(num_layers)
+  KVBANK_DIFF(num_q_heads)
+  KVBANK_DIFF(num_kv_heads)
+  KVBANK_DIFF(head_dim)
+  KVBANK_DIFF(head_dim_v)
+  KVBANK_DIFF(block_tokens)
+  KVBANK_DIFF(kind)
+  KVBANK_DIFF(kv_lora_rank)
+  KVBANK_DIFF(rope_dim)
+  KVBANK_DIFF(input_dtype)
+#undef KVBANK_DIFF
+  for (size_t l = 0; l < std::min(a.layer_dtypes.size(), b.layer_dtypes.size()); ++l) {
+    if (a.layer_dtypes[l] != b.layer_dtypes[l]) {
+      return absl::StrCat("storage dtype of layer ", l, " ", DTypeName(a.layer_dtypes[l]), " vs ",
+                          DTypeName(b.layer_dtypes[l]));
+    }
+  }
+  return "";
+}
+
+absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
+  const std::string& name = config.layout.name;
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError("model name must be 1 to 128 characters");
+  }
+  if (std::string e = ValidateLayout(config.layout); !e.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("model '", name, "': ", e));
+  }
+  for (uint32_t l = 0; l < config.layout.num_layers; ++l) {
+    if (IsQuantized(config.layout.layer_dtypes[l])) {
+      return absl::UnimplementedError(absl::StrCat(
+          "model '", name, "': layer ", l, " storage dtype ",
+          DTypeName(config.layout.layer_dtypes[l]), " is not built yet (fp32, fp16, bf16 are)"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (auto it = models_.find(name); it != models_.end()) {
+    const ModelLayout& have = it->second->layout();
+    if (have != config.layout) {
+      return absl::AlreadyExistsError(absl::StrCat("model '", name,
+                                                   "' exists with a different layout: ",
+                                                   FirstLayoutDifference(config.layout, have)));
+    }
+    return EnsureResult{it->second, false};
+  }
+  if (config.pool_bytes > total_pool_bytes_ - pool_bytes_used_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "model '", name, "': pool_bytes ", config.pool_bytes, " exceeds the ",
+        total_pool_bytes_ - pool_bytes_used_, " bytes left of the server's pool budget"));
+  }
+  auto pool = BlockPool::CreateHost(ComputeBlockLayout(config.layout), config.pool_bytes);
+  if (!pool.ok()) {
+    return absl::Status(pool.status().code(),
+                        absl::StrCat("model '", name, "': ", pool.status().message()));
+  }
+  pool_bytes_used_ += (*pool)->pool_bytes();
+  auto store = std::make_shared<SequenceStore>(config.layout, *std::move(pool),
+                                               std::move(config.store));
+  models_[name] = store;
+  return EnsureResult{store, true};
+}
+
+absl::StatusOr<std::shared_ptr<SequenceStore>> ModelRegistry::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("model '", name, "' not found"));
+  return it->second;
+}
+
+std::vector<std::shared_ptr<SequenceStore>> ModelRegistry::List() const {
+  std::vector<std::shared_ptr<SequenceStore>> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, m] : models_) out.push_back(m);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a->layout().name < b->layout().name; });
+  return out;
+}
+
+size_t ModelRegistry::ExpireLeases(absl::Time now) const {
+  size_t n = 0;
+  for (const auto& m : List()) n += m->ExpireLeases(now);
+  return n;
+}
+
+uint64_t ModelRegistry::pool_bytes_used() const {
+  absl::MutexLock lock(&mu_);
+  return pool_bytes_used_;
+}
+
+}  // namespace kvbank

@@ -1,0 +1,59 @@
+// The models one server holds, each with its own pool, budget and sequences.
+#ifndef KVBANK_SERVER_CORE_MODEL_REGISTRY_H_
+#define KVBANK_SERVER_CORE_MODEL_REGISTRY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvbank/layout.h"
+#include "server/core/sequence_store.h"
+
+namespace kvbank {
+
+struct ModelConfig {
+  ModelLayout layout;  // layout.name is the model's name
+  uint64_t pool_bytes = 0;
+  StoreOptions store;
+};
+
+struct EnsureResult {
+  std::shared_ptr<SequenceStore> model;
+  bool created = false;
+};
+
+// Thread-safe. A model, once registered, lives as long as the registry (callers may keep the
+// shared_ptr past that).
+class ModelRegistry {
+ public:
+  // `total_pool_bytes` bounds the sum of every model's pool.
+  explicit ModelRegistry(uint64_t total_pool_bytes) : total_pool_bytes_(total_pool_bytes) {}
+
+  // Registers the model or returns the one already there with the same layout. A different
+  // layout under the same name is ALREADY_EXISTS naming the first field that differs; an invalid
+  // layout INVALID_ARGUMENT; a pool over the remaining budget RESOURCE_EXHAUSTED.
+  absl::StatusOr<EnsureResult> Ensure(ModelConfig config);
+  // NOT_FOUND naming the model when there is none.
+  absl::StatusOr<std::shared_ptr<SequenceStore>> Get(const std::string& name) const;
+  std::vector<std::shared_ptr<SequenceStore>> List() const;  // sorted by name
+  // Expires leases in every model; returns how many sequences went.
+  size_t ExpireLeases(absl::Time now) const;
+  uint64_t pool_bytes_used() const;
+
+ private:
+  const uint64_t total_pool_bytes_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<SequenceStore>> models_ ABSL_GUARDED_BY(mu_);
+  uint64_t pool_bytes_used_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The first field in which two layouts differ, for error messages ("" when equal).
+std::string FirstLayoutDifference(const ModelLayout& a, const ModelLayout& b);
+
+}  // namespace kvbank
+
+#endif  // KVBANK_SERVER_CORE_MODEL_REGISTRY_H_

@@ -1,0 +1,518 @@
+#include "server/core/sequence_store.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/random/random.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvbank {
+
+// One request's KV. Guarded by SequenceStore::mu_, except that an append in flight writes payload
+// bytes into blocks only it may write (rows past the lengths, or its own new blocks).
+struct Sequence {
+  uint64_t id = 0;
+  std::vector<BlockRef> blocks;       // block table: logical block i -> physical block
+  std::vector<uint64_t> layer_len;    // tokens written per layer
+  std::vector<uint32_t> token_ids;    // known token ids, positions [0, size)
+  uint64_t cached_tokens = 0;
+  absl::Duration lease_ttl = absl::ZeroDuration();
+  absl::Time lease_deadline = absl::InfiniteFuture();
+  bool append_in_flight = false;
+  bool removed = false;  // freed or expired; blocks go when the append in flight ends
+
+  uint64_t Length() const { return *std::min_element(layer_len.begin(), layer_len.end()); }
+};
+
+namespace {
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool,
+                             StoreOptions options)
+    : layout_(std::move(layout)), pool_(std::move(pool)), options_(std::move(options)) {
+  absl::BitGen gen;
+  id_state_ = absl::Uniform<uint64_t>(gen);
+}
+
+SequenceStore::~SequenceStore() {
+  absl::MutexLock lock(&mu_);
+  live_.clear();  // drops every block reference before the pool goes
+}
+
+uint64_t SequenceStore::NewId() {
+  // Ids are unpredictable (a caller cannot guess another's id) and never reused while remembered.
+  absl::BitGen gen;
+  for (;;) {
+    const uint64_t id = absl::Uniform<uint64_t>(gen, 1, uint64_t{1} << 53);  // exact in JSON/JS
+    if (!live_.contains(id) && !tombstones_.contains(id)) return id;
+  }
+}
+
+absl::StatusOr<absl::Duration> SequenceStore::ResolveLease(
+    std::optional<absl::Duration> lease) const {
+  if (!lease.has_value()) return options_.default_lease;
+  if (*lease < absl::ZeroDuration()) return absl::InvalidArgumentError("lease_ttl is negative");
+  if (*lease > options_.max_lease) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ttl ", absl::FormatDuration(*lease),
+                                                   " exceeds the maximum ",
+                                                   absl::FormatDuration(options_.max_lease)));
+  }
+  return *lease;
+}
+
+SequenceStore::SeqPtr SequenceStore::Insert(absl::Duration lease) {
+  auto s = std::make_shared<Sequence>();
+  s->id = NewId();
+  s->layer_len.assign(layout_.num_layers, 0);
+  s->lease_ttl = lease;
+  Renew(*s);
+  live_[s->id] = s;
+  return s;
+}
+
+void SequenceStore::Renew(Sequence& s) {
+  s.lease_deadline =
+      s.lease_ttl == absl::ZeroDuration() ? absl::InfiniteFuture() : options_.clock() + s.lease_ttl;
+}
+
+absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id) {
+  auto it = live_.find(id);
+  if (it != live_.end()) {
+    // A lease that ran out is expired on first touch, even before the reaper sees it.
+    if (it->second->lease_deadline <= options_.clock()) {
+      ++leases_expired_;
+      Remove(it->second, "its lease expired");
+    } else {
+      return it->second;
+    }
+  }
+  auto t = tombstones_.find(id);
+  if (t != tombstones_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence_id ", id, " is gone: ", t->second));
+  }
+  return absl::NotFoundError(
+      absl::StrCat("sequence_id ", id, " not found in model '", layout_.name, "'"));
+}
+
+SequenceInfo SequenceStore::Info(const Sequence& s) const {
+  SequenceInfo i;
+  i.id = s.id;
+  i.length = s.Length();
+  i.layer_lengths = s.layer_len;
+  i.num_blocks = s.blocks.size();
+  i.cached_tokens = s.cached_tokens;
+  i.lease_ttl = s.lease_ttl;
+  return i;
+}
+
+uint64_t SequenceStore::Remove(const SeqPtr& s, std::string reason) {
+  live_.erase(s->id);
+  s->removed = true;
+  tombstones_[s->id] = std::move(reason);
+  tombstone_order_.push_back(s->id);
+  while (tombstone_order_.size() > options_.tombstones) {
+    tombstones_.erase(tombstone_order_.front());
+    tombstone_order_.pop_front();
+  }
+  const uint64_t n = s->blocks.size();
+  if (!s->append_in_flight) s->blocks.clear();  // else the transaction releases them at its end
+  return n;
+}
+
+kernels::PayloadMap SequenceStore::MakeMap(const PayloadLayout& p) const {
+  kernels::PayloadMap m;
+  m.pool = pool_->base();
+  m.block_bytes = block_layout().block_bytes;
+  m.layers = block_layout().layers.data() + p.layer_begin;
+  m.layer_offset = p.layer_offset.data();
+  m.num_layers = p.layer_end - p.layer_begin;
+  m.num_tokens = p.num_tokens;
+  m.total_bytes = p.total_bytes;
+  return m;
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Create(std::optional<absl::Duration> lease) {
+  auto ttl = ResolveLease(lease);
+  if (!ttl.ok()) return ttl.status();
+  absl::MutexLock lock(&mu_);
+  if (live_.size() >= options_.max_sequences) {
+    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name, "' has max_sequences (",
+                                                     options_.max_sequences, ") live sequences"));
+  }
+  return Info(*Insert(*ttl));
+}
+
+absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const AppendSpec& spec) {
+  const uint32_t l0 = spec.layer_begin;
+  const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
+  if (l1 > layout_.num_layers || l0 >= l1) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1,
+                                                   ") is empty or outside [0, ",
+                                                   layout_.num_layers, ")"));
+  }
+  if (spec.num_tokens == 0) return absl::InvalidArgumentError("num_tokens is 0: empty append");
+  if (spec.num_tokens > options_.max_tokens_per_sequence) {
+    return absl::InvalidArgumentError(absl::StrCat("num_tokens ", spec.num_tokens,
+                                                   " exceeds max_tokens_per_sequence ",
+                                                   options_.max_tokens_per_sequence));
+  }
+  if (!spec.token_ids.empty() && spec.token_ids.size() != spec.num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
+                                                   " ids for num_tokens ", spec.num_tokens));
+  }
+  for (uint32_t l = l0; l < l1; ++l) {
+    const DType stored = layout_.layer_dtypes[l];
+    if (IsQuantized(stored)) {
+      return absl::UnimplementedError(absl::StrCat("layer ", l, " stores ", DTypeName(stored),
+                                                   "; quantized storage is not built yet"));
+    }
+    if (spec.dtype.has_value() && *spec.dtype != stored) {
+      return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(*spec.dtype),
+                                                     " does not match layer ", l,
+                                                     " storage dtype ", DTypeName(stored)));
+    }
+  }
+
+  const uint64_t bt = layout_.block_tokens;
+  std::unique_ptr<AppendTxn> txn(new AppendTxn());
+  absl::MutexLock lock(&mu_);
+  auto found = Find(spec.sequence_id);
+  if (!found.ok()) return found.status();
+  SeqPtr s = *std::move(found);
+  if (s->append_in_flight) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence_id ", s->id, " already has an append in flight"));
+  }
+  const uint64_t pos = s->layer_len[l0];
+  for (uint32_t l = l0 + 1; l < l1; ++l) {
+    if (s->layer_len[l] != pos) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layers ", l0, " and ", l, " of the range hold ", pos, " and ",
+                       s->layer_len[l], " tokens; a layer-range append needs equal lengths"));
+    }
+  }
+  if (spec.num_tokens > options_.max_tokens_per_sequence - pos) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "append of ", spec.num_tokens, " tokens at position ", pos,
+        " exceeds max_tokens_per_sequence ", options_.max_tokens_per_sequence));
+  }
+  if (!spec.token_ids.empty()) {
+    if (pos > s->token_ids.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("token_ids start at position ", pos,
+                                                     " but ids are known only up to ",
+                                                     s->token_ids.size()));
+    }
+    for (uint64_t i = 0; pos + i < s->token_ids.size() && i < spec.num_tokens; ++i) {
+      if (s->token_ids[pos + i] != spec.token_ids[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "token_ids[", i, "] = ", spec.token_ids[i], " differs from the id already at position ",
+            pos + i, " (", s->token_ids[pos + i], ")"));
+      }
+    }
+  }
+
+  // Blocks touched: from the one holding `pos` to the one holding pos + n - 1. Existing ones that
+  // someone else also references are copied first (copy on write); missing ones are allocated.
+  const uint64_t first = pos / bt;
+  const uint64_t need = CeilDiv(pos + spec.num_tokens, bt);
+  const uint64_t have = s->blocks.size();
+  std::vector<size_t> cow;
+  for (uint64_t i = first; i < std::min(have, need); ++i) {
+    if (pool_->RefCount(s->blocks[i].id()) > 1) cow.push_back(i);
+  }
+  const uint64_t fresh = need > have ? need - have : 0;
+  auto blocks = pool_->Allocate(cow.size() + fresh);
+  if (!blocks.ok()) return blocks.status();
+
+  txn->write_table_.reserve(std::max(need, have));
+  for (const BlockRef& b : s->blocks) txn->write_table_.push_back(b.id());
+  size_t next = 0;
+  for (size_t i : cow) {
+    BlockRef copy = std::move((*blocks)[next++]);
+    const int32_t src = s->blocks[i].id(), dst = copy.id();
+    // NOTE: the source is shared, hence immutable: copying it whole under mu_ is safe and short.
+    kernels::CopyBlocksCpu(pool_->base(), block_layout().block_bytes, &src, &dst, 1);
+    txn->write_table_[i] = dst;
+    txn->replacements_.emplace_back(i, std::move(copy));
+  }
+  for (; next < blocks->size(); ++next) {
+    txn->write_table_.push_back((*blocks)[next].id());
+    txn->new_blocks_.push_back(std::move((*blocks)[next]));
+  }
+
+  s->append_in_flight = true;
+  Renew(*s);
+  txn->store_ = this;
+  txn->seq_ = s;
+  txn->spec_ = spec;
+  txn->layer_end_ = l1;
+  txn->position_ = pos;
+  txn->payload_ = PayloadLayout::Make(block_layout(), l0, l1, spec.num_tokens);
+  txn->map_ = MakeMap(txn->payload_);
+  txn->map_.block_table = txn->write_table_.data();
+  txn->map_.token_begin = pos;
+  return txn;
+}
+
+AppendTxn::~AppendTxn() {
+  if (!done_ && store_ != nullptr) Abort();
+}
+
+absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
+  if (done_) return absl::FailedPreconditionError("append already finished");
+  if (data.size() > payload_.total_bytes - written_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "payload exceeds the ", payload_.total_bytes, " bytes that ", spec_.num_tokens,
+        " tokens of layers [", payload_.layer_begin, ", ", payload_.layer_end, ") take"));
+  }
+  kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_,
+                          const_cast<uint8_t*>(data.data()), data.size());
+  written_ += data.size();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
+  if (done_) return absl::FailedPreconditionError("append already finished");
+  if (written_ != payload_.total_bytes) {
+    Abort();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "payload has ", written_, " bytes; ", spec_.num_tokens, " tokens of layers [",
+        payload_.layer_begin, ", ", payload_.layer_end, ") take ", payload_.total_bytes));
+  }
+  SequenceStore& st = *store_;
+  absl::MutexLock lock(&st.mu_);
+  Sequence& s = *seq_;
+  if (s.removed) {
+    done_ = true;
+    s.append_in_flight = false;
+    s.blocks.clear();
+    return absl::AbortedError(
+        absl::StrCat("sequence_id ", s.id, " was freed while the append was in flight"));
+  }
+  for (auto& [index, block] : replacements_) s.blocks[index] = std::move(block);
+  for (BlockRef& b : new_blocks_) s.blocks.push_back(std::move(b));
+  for (uint32_t l = payload_.layer_begin; l < layer_end_; ++l) s.layer_len[l] += spec_.num_tokens;
+  if (!spec_.token_ids.empty()) {
+    const uint64_t known = s.token_ids.size() - position_;  // ids already there from this position
+    for (uint64_t i = std::min<uint64_t>(known, spec_.num_tokens); i < spec_.num_tokens; ++i) {
+      s.token_ids.push_back(spec_.token_ids[i]);
+    }
+  }
+  s.append_in_flight = false;
+  st.Renew(s);
+  done_ = true;
+  st.appends_.fetch_add(1, std::memory_order_relaxed);
+  st.bytes_appended_.fetch_add(written_, std::memory_order_relaxed);
+  return st.Info(s);
+}
+
+void AppendTxn::Abort() {
+  absl::MutexLock lock(&store_->mu_);
+  done_ = true;
+  seq_->append_in_flight = false;
+  if (seq_->removed) seq_->blocks.clear();
+  replacements_.clear();
+  new_blocks_.clear();
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Append(const AppendSpec& spec,
+                                                   absl::Span<const uint8_t> payload) {
+  auto txn = BeginAppend(spec);
+  if (!txn.ok()) return txn.status();
+  if (absl::Status st = (*txn)->Write(payload); !st.ok()) return st;
+  return (*txn)->Commit();
+}
+
+absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const FetchSpec& spec) {
+  const uint32_t l0 = spec.layer_begin;
+  const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
+  if (l1 > layout_.num_layers || l0 >= l1) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1,
+                                                   ") is empty or outside [0, ",
+                                                   layout_.num_layers, ")"));
+  }
+  for (uint32_t l = l0; l < l1; ++l) {
+    if (spec.dtype.has_value() && *spec.dtype != layout_.layer_dtypes[l]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", DTypeName(*spec.dtype), " does not match layer ", l,
+                       " storage dtype ", DTypeName(layout_.layer_dtypes[l]),
+                       "; conversion on fetch is not built yet"));
+    }
+  }
+  std::unique_ptr<FetchReader> r(new FetchReader());
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = Find(spec.sequence_id);
+    if (!found.ok()) return found.status();
+    Sequence& s = **found;
+    uint64_t avail = std::numeric_limits<uint64_t>::max();
+    for (uint32_t l = l0; l < l1; ++l) avail = std::min(avail, s.layer_len[l]);
+    const uint64_t t1 = spec.token_end.value_or(avail);
+    if (spec.token_begin > t1 || t1 > avail) {
+      return absl::OutOfRangeError(absl::StrCat("token range [", spec.token_begin, ", ", t1,
+                                                ") is outside the ", avail,
+                                                " tokens layers [", l0, ", ", l1, ") hold"));
+    }
+    const uint64_t bt = layout_.block_tokens;
+    const uint64_t b0 = spec.token_begin / bt, b1 = CeilDiv(t1, bt);
+    r->table_.assign(b1, -1);
+    for (uint64_t i = b0; i < b1; ++i) {
+      r->refs_.push_back(pool_->Share(s.blocks[i]));
+      r->table_[i] = s.blocks[i].id();
+    }
+    r->token_begin_ = spec.token_begin;
+    r->payload_ = PayloadLayout::Make(block_layout(), l0, l1, t1 - spec.token_begin);
+    Renew(s);
+  }
+  r->map_ = MakeMap(r->payload_);
+  r->map_.block_table = r->table_.data();
+  r->map_.token_begin = r->token_begin_;
+  fetches_.fetch_add(1, std::memory_order_relaxed);
+  bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
+  return r;
+}
+
+void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
+  kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
+                          out.size());
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl::Duration> lease) {
+  absl::MutexLock lock(&mu_);
+  auto found = Find(id);
+  if (!found.ok()) return found.status();
+  Sequence& parent = **found;
+  absl::Duration ttl = parent.lease_ttl;
+  if (lease.has_value()) {
+    auto resolved = ResolveLease(lease);
+    if (!resolved.ok()) return resolved.status();
+    ttl = *resolved;
+  }
+  if (live_.size() >= options_.max_sequences) {
+    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name, "' has max_sequences (",
+                                                     options_.max_sequences, ") live sequences"));
+  }
+  const uint64_t bt = layout_.block_tokens;
+  const uint64_t full = parent.Length() / bt;  // blocks full in every layer: shared
+  const uint64_t max_len = *std::max_element(parent.layer_len.begin(), parent.layer_len.end());
+  const uint64_t partial = CeilDiv(max_len, bt) - full;  // blocks some layer has rows in: copied
+  auto copies = pool_->Allocate(partial);
+  if (!copies.ok()) return copies.status();
+
+  SeqPtr child = Insert(ttl);
+  child->layer_len = parent.layer_len;
+  child->token_ids = parent.token_ids;
+  child->cached_tokens = parent.cached_tokens;
+  for (uint64_t i = 0; i < full; ++i) child->blocks.push_back(pool_->Share(parent.blocks[i]));
+  std::vector<uint32_t> rows(layout_.num_layers);
+  for (uint64_t j = 0; j < partial; ++j) {
+    const uint64_t i = full + j;
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      const uint64_t len = parent.layer_len[l];
+      rows[l] = len <= i * bt ? 0 : static_cast<uint32_t>(std::min<uint64_t>(len - i * bt, bt));
+    }
+    // Only rows below the lengths: an append in flight may be writing the rows past them.
+    kernels::CopyTokenRowsCpu(pool_->base(), block_layout().block_bytes,
+                              block_layout().layers.data(), rows.data(), layout_.num_layers,
+                              parent.blocks[i].id(), (*copies)[j].id());
+    child->blocks.push_back(std::move((*copies)[j]));
+  }
+  Renew(parent);
+  return Info(*child);
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_tokens) {
+  absl::MutexLock lock(&mu_);
+  auto found = Find(id);
+  if (!found.ok()) return found.status();
+  Sequence& s = **found;
+  if (s.append_in_flight) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence_id ", id, " has an append in flight; truncate after it ends"));
+  }
+  const uint64_t len = s.Length();
+  if (num_tokens > len) {
+    return absl::OutOfRangeError(absl::StrCat("num_tokens ", num_tokens,
+                                              " is past the end: the sequence holds ", len));
+  }
+  for (uint64_t& l : s.layer_len) l = num_tokens;
+  if (s.token_ids.size() > num_tokens) s.token_ids.resize(num_tokens);
+  s.cached_tokens = std::min(s.cached_tokens, num_tokens);
+  s.blocks.resize(CeilDiv(num_tokens, layout_.block_tokens));  // drops references past the end
+  Renew(s);
+  return Info(s);
+}
+
+absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto found = Find(id);
+  if (!found.ok()) return found.status();
+  return Remove(*found, "it was freed");
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::RenewLease(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto found = Find(id);
+  if (!found.ok()) return found.status();
+  Renew(**found);
+  return Info(**found);
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto found = Find(id);
+  if (!found.ok()) return found.status();
+  return Info(**found);
+}
+
+size_t SequenceStore::ExpireLeases(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  std::vector<SeqPtr> expired;
+  for (const auto& [id, s] : live_) {
+    if (s->lease_deadline <= now) expired.push_back(s);
+  }
+  for (const SeqPtr& s : expired) Remove(s, "its lease expired");
+  leases_expired_ += expired.size();
+  return expired.size();
+}
+
+StoreStats SequenceStore::Stats() const {
+  StoreStats st;
+  {
+    absl::MutexLock lock(&mu_);
+    st.sequences = live_.size();
+    for (const auto& [id, s] : live_) st.tokens_stored += s->Length();
+    st.leases_expired = leases_expired_;
+  }
+  st.pool = pool_->Stats();
+  st.appends = appends_.load(std::memory_order_relaxed);
+  st.fetches = fetches_.load(std::memory_order_relaxed);
+  st.bytes_appended = bytes_appended_.load(std::memory_order_relaxed);
+  st.bytes_fetched = bytes_fetched_.load(std::memory_order_relaxed);
+  return st;
+}
+
+std::string SequenceStore::CheckInvariants() const {
+  if (std::string e = pool_->CheckInvariants(); !e.empty()) return e;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, s] : live_) {
+    const uint64_t max_len = *std::max_element(s->layer_len.begin(), s->layer_len.end());
+    if (s->blocks.size() != CeilDiv(max_len, layout_.block_tokens) && !s->append_in_flight) {
+      return absl::StrCat("sequence ", id, " has ", s->blocks.size(), " blocks for ", max_len,
+                          " tokens");
+    }
+    for (const BlockRef& b : s->blocks) {
+      if (!b.valid() || pool_->RefCount(b.id()) == 0) {
+        return absl::StrCat("sequence ", id, " holds a dead block reference");
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace kvbank

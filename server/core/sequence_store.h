@@ -1,0 +1,203 @@
+// Sequences of one model: block tables over a BlockPool, append / fetch / fork / truncate / free,
+// leases and capacity limits. No gRPC here: an engine can embed this library directly.
+#ifndef KVBANK_SERVER_CORE_SEQUENCE_STORE_H_
+#define KVBANK_SERVER_CORE_SEQUENCE_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kernels/block_copy.h"
+#include "kvbank/layout.h"
+#include "server/core/block_pool.h"
+
+namespace kvbank {
+
+struct StoreOptions {
+  uint64_t max_sequences = 65536;
+  uint64_t max_tokens_per_sequence = uint64_t{1} << 20;
+  absl::Duration default_lease = absl::Minutes(5);
+  absl::Duration max_lease = absl::Hours(24);
+  size_t tombstones = 65536;  // freed / expired ids remembered for clear errors
+  std::function<absl::Time()> clock = absl::Now;
+};
+
+struct SequenceInfo {
+  uint64_t id = 0;
+  uint64_t length = 0;  // tokens written in every layer
+  std::vector<uint64_t> layer_lengths;
+  uint64_t num_blocks = 0;
+  uint64_t cached_tokens = 0;
+  absl::Duration lease_ttl = absl::ZeroDuration();  // zero: no lease
+};
+
+struct StoreStats {
+  PoolStats pool;
+  uint64_t sequences = 0;
+  uint64_t tokens_stored = 0;
+  uint64_t appends = 0;
+  uint64_t fetches = 0;
+  uint64_t bytes_appended = 0;
+  uint64_t bytes_fetched = 0;
+  uint64_t leases_expired = 0;
+};
+
+struct AppendSpec {
+  uint64_t sequence_id = 0;
+  uint32_t layer_begin = 0;
+  std::optional<uint32_t> layer_end;  // unset: all layers
+  uint64_t num_tokens = 0;
+  std::optional<DType> dtype;         // unset: the storage dtype
+  std::vector<uint32_t> token_ids;    // empty or num_tokens ids
+};
+
+struct FetchSpec {
+  uint64_t sequence_id = 0;
+  uint64_t token_begin = 0;
+  std::optional<uint64_t> token_end;  // unset: all tokens every requested layer has
+  uint32_t layer_begin = 0;
+  std::optional<uint32_t> layer_end;
+  std::optional<DType> dtype;
+};
+
+class SequenceStore;
+struct Sequence;
+
+// An append in flight. Payload bytes arrive in order through Write (any chunking) straight into
+// blocks no reader can see; Commit makes them visible at once. Destroying an uncommitted
+// transaction (error, cancel) releases everything it took: the sequence is exactly as before.
+// One transaction per sequence at a time. Not thread-safe: one caller drives it.
+class AppendTxn {
+ public:
+  ~AppendTxn();
+  AppendTxn(const AppendTxn&) = delete;
+  AppendTxn& operator=(const AppendTxn&) = delete;
+
+  uint64_t payload_bytes() const { return payload_.total_bytes; }
+  uint64_t bytes_written() const { return written_; }
+  // Copies the next `data.size()` payload bytes into the pool. INVALID_ARGUMENT when they would
+  // run past payload_bytes() (nothing is written then).
+  absl::Status Write(absl::Span<const uint8_t> data);
+  // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived; ABORTED when
+  // the sequence was freed meanwhile. The transaction is finished either way.
+  absl::StatusOr<SequenceInfo> Commit();
+
+ private:
+  friend class SequenceStore;
+  AppendTxn() = default;
+  // Ends the transaction without publishing: drops its blocks, clears the in-flight mark.
+  void Abort();
+
+  SequenceStore* store_ = nullptr;
+  std::shared_ptr<Sequence> seq_;
+  AppendSpec spec_;
+  uint32_t layer_end_ = 0;
+  uint64_t position_ = 0;  // sequence position of payload token 0
+  PayloadLayout payload_;
+  kernels::PayloadMap map_;
+  std::vector<int32_t> write_table_;  // block table the payload is written through
+  std::vector<BlockRef> new_blocks_;  // appended to the table at commit
+  std::vector<std::pair<size_t, BlockRef>> replacements_;  // copy-on-write: table[i] <- block
+  uint64_t written_ = 0;
+  bool done_ = false;
+};
+
+// A consistent read of a token range x layer range. Holds references on the blocks it reads, so
+// they stay as they were (writers copy on write) until the reader is destroyed. Not thread-safe.
+class FetchReader {
+ public:
+  uint64_t payload_bytes() const { return payload_.total_bytes; }
+  uint64_t token_begin() const { return token_begin_; }
+  uint64_t num_tokens() const { return payload_.num_tokens; }
+  uint32_t layer_begin() const { return payload_.layer_begin; }
+  uint32_t layer_end() const { return payload_.layer_end; }
+  // Copies payload bytes [offset, offset + out.size()) into `out`.
+  // REQUIRES: offset + out.size() <= payload_bytes().
+  void Read(uint64_t offset, absl::Span<uint8_t> out) const;
+
+ private:
+  friend class SequenceStore;
+  FetchReader() = default;
+  uint64_t token_begin_ = 0;
+  PayloadLayout payload_;
+  kernels::PayloadMap map_;
+  std::vector<BlockRef> refs_;     // blocks covering the range (first block of the range first)
+  std::vector<int32_t> table_;     // their ids, indexed from the sequence's block 0
+};
+
+// Thread-safe. Lock order: mu_, then BlockPool's lock. Payload copies run outside mu_.
+class SequenceStore {
+ public:
+  // `layout` must be valid (ValidateLayout) and match the pool's block layout.
+  SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool, StoreOptions options);
+  ~SequenceStore();
+
+  const ModelLayout& layout() const { return layout_; }
+  const BlockLayout& block_layout() const { return pool_->layout(); }
+  const StoreOptions& options() const { return options_; }
+  BlockPool& pool() { return *pool_; }
+
+  // A new empty sequence. lease: nullopt = the default lease, zero = no lease (lives until freed).
+  absl::StatusOr<SequenceInfo> Create(std::optional<absl::Duration> lease);
+  absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const AppendSpec& spec);
+  // BeginAppend + one Write + Commit.
+  absl::StatusOr<SequenceInfo> Append(const AppendSpec& spec, absl::Span<const uint8_t> payload);
+  absl::StatusOr<std::unique_ptr<FetchReader>> BeginFetch(const FetchSpec& spec);
+  // The new sequence shares every full block and gets a private copy of the partial one.
+  absl::StatusOr<SequenceInfo> Fork(uint64_t id, std::optional<absl::Duration> lease);
+  absl::StatusOr<SequenceInfo> Truncate(uint64_t id, uint64_t num_tokens);
+  // Returns the number of blocks whose reference the sequence dropped.
+  absl::StatusOr<uint64_t> Free(uint64_t id);
+  absl::StatusOr<SequenceInfo> RenewLease(uint64_t id);
+  absl::StatusOr<SequenceInfo> Get(uint64_t id);
+  // Frees every sequence whose lease ran out by `now`; returns how many.
+  size_t ExpireLeases(absl::Time now);
+
+  StoreStats Stats() const;
+  // For tests: pool invariants plus: every live sequence's table covers its lengths and holds
+  // valid references. Empty string when all hold.
+  std::string CheckInvariants() const;
+
+ private:
+  friend class AppendTxn;
+  using SeqPtr = std::shared_ptr<Sequence>;
+
+  absl::StatusOr<SeqPtr> Find(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<absl::Duration> ResolveLease(std::optional<absl::Duration> lease) const;
+  uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SeqPtr Insert(absl::Duration lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Renew(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SequenceInfo Info(const Sequence& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `s` from the live set, leaving a tombstone with `reason`; its blocks go now, or when
+  // its append in flight ends.
+  uint64_t Remove(const SeqPtr& s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  kernels::PayloadMap MakeMap(const PayloadLayout& p) const;
+
+  const ModelLayout layout_;
+  const std::unique_ptr<BlockPool> pool_;
+  const StoreOptions options_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, SeqPtr> live_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::string> tombstones_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
+  uint64_t id_state_ ABSL_GUARDED_BY(mu_);
+  uint64_t leases_expired_ ABSL_GUARDED_BY(mu_) = 0;
+
+  std::atomic<uint64_t> appends_{0}, fetches_{0}, bytes_appended_{0}, bytes_fetched_{0};
+};
+
+}  // namespace kvbank
+
+#endif  // KVBANK_SERVER_CORE_SEQUENCE_STORE_H_
