@@ -1,0 +1,489 @@
+#include "kvbank/client.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
+#include "proto/convert.h"
+
+namespace kvbank {
+
+namespace {
+
+// Matches the server's limit (server/rpc/service.h): a few chunks per message at most.
+constexpr int kMaxMessageBytes = 4 << 20;
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+Client::SequenceInfo FromProto(const v1::SequenceInfo& p) {
+  Client::SequenceInfo s;
+  s.model = p.model();
+  s.id = p.sequence_id();
+  s.length = p.length();
+  s.layer_lengths.assign(p.layer_lengths().begin(), p.layer_lengths().end());
+  s.num_blocks = p.num_blocks();
+  s.cached_tokens = p.cached_tokens();
+  s.lease_ttl = absl::Milliseconds(static_cast<int64_t>(p.lease_ttl_ms()));
+  return s;
+}
+
+absl::StatusOr<Client::ModelInfo> FromProto(const v1::ModelInfo& p) {
+  Client::ModelInfo m;
+  if (!proto::LayoutFromResolvedSpec(p.spec(), &m.layout)) {
+    return absl::InternalError(absl::StrCat("server sent an unreadable spec for model '",
+                                            p.spec().name(), "'"));
+  }
+  m.fingerprint = p.fingerprint();
+  m.block_bytes = p.block_bytes();
+  m.num_blocks = p.num_blocks();
+  m.pool_bytes = p.spec().pool_bytes();
+  m.payload_bytes_per_token = p.payload_bytes_per_token();
+  m.max_sequences = p.spec().max_sequences();
+  m.max_tokens_per_sequence = p.spec().max_tokens_per_sequence();
+  return m;
+}
+
+void SetLease(std::optional<absl::Duration> lease, uint64_t* ms, bool* none) {
+  if (!lease.has_value()) return;
+  if (*lease <= absl::ZeroDuration()) {
+    *none = true;
+  } else {
+    *ms = static_cast<uint64_t>(absl::ToInt64Milliseconds(*lease));
+  }
+}
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::KvBank::Stub> stub;
+  absl::Mutex mu;
+  absl::flat_hash_map<std::string, ModelInfo> models ABSL_GUARDED_BY(mu);
+
+  void Deadline(grpc::ClientContext* ctx, bool stream) const {
+    ctx->set_deadline(absl::ToChronoTime(
+        absl::Now() + (stream ? options.stream_deadline : options.call_deadline)));
+  }
+  void Remember(const ModelInfo& m) {
+    absl::MutexLock lock(&mu);
+    models[m.layout.name] = m;
+  }
+
+  // Streams `pieces` (concatenated, in order) as the data of append messages of at most
+  // chunk_bytes each; the first message carries the header.
+  absl::StatusOr<SequenceInfo> StreamAppend(const v1::AppendHeader& header,
+                                            absl::Span<const absl::Span<const uint8_t>> pieces);
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("target is empty");
+  if (options.chunk_bytes == 0 || options.chunk_bytes > uint64_t(kMaxMessageBytes) / 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes must be in (0, ", kMaxMessageBytes / 2, "]"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Each Client keeps its own connection (prefill and decode workers in one process don't share).
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  impl->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  impl->stub = v1::KvBank::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<Client::ModelInfo> Client::EnsureModel(const ModelLayout& layout,
+                                                      uint64_t pool_bytes) {
+  v1::EnsureModelRequest req;
+  proto::LayoutToSpec(layout, req.mutable_spec());
+  req.mutable_spec()->set_pool_bytes(pool_bytes);
+  v1::EnsureModelResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->EnsureModel(&ctx, req, &resp)); !s.ok()) return s;
+  auto info = FromProto(resp.model());
+  if (!info.ok()) return info.status();
+  info->created = resp.created();
+  impl_->Remember(*info);
+  return info;
+}
+
+absl::StatusOr<Client::ModelInfo> Client::EnsurePreset(const std::string& name,
+                                                       const std::string& preset,
+                                                       std::optional<DType> storage,
+                                                       uint64_t pool_bytes,
+                                                       uint32_t block_tokens) {
+  v1::EnsureModelRequest req;
+  v1::ModelSpec* spec = req.mutable_spec();
+  spec->set_name(name);
+  spec->set_preset(preset);
+  if (storage.has_value()) spec->set_storage_dtype(proto::DTypeToProto(*storage));
+  spec->set_pool_bytes(pool_bytes);
+  spec->set_block_tokens(block_tokens);
+  v1::EnsureModelResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->EnsureModel(&ctx, req, &resp)); !s.ok()) return s;
+  auto info = FromProto(resp.model());
+  if (!info.ok()) return info.status();
+  info->created = resp.created();
+  impl_->Remember(*info);
+  return info;
+}
+
+absl::StatusOr<std::vector<Client::ModelInfo>> Client::ListModels() {
+  v1::ListModelsResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->ListModels(&ctx, v1::ListModelsRequest(), &resp)); !s.ok()) {
+    return s;
+  }
+  std::vector<ModelInfo> out;
+  for (const auto& m : resp.models()) {
+    auto info = FromProto(m);
+    if (!info.ok()) return info.status();
+    impl_->Remember(*info);
+    out.push_back(*std::move(info));
+  }
+  return out;
+}
+
+absl::StatusOr<Client::ModelInfo> Client::GetModel(const std::string& model) {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (auto it = impl_->models.find(model); it != impl_->models.end()) return it->second;
+  }
+  auto all = ListModels();
+  if (!all.ok()) return all.status();
+  for (const ModelInfo& m : *all) {
+    if (m.layout.name == model) return m;
+  }
+  return absl::NotFoundError(absl::StrCat("model '", model, "' not found"));
+}
+
+absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::string& model) {
+  v1::GetStatsRequest req;
+  req.set_model(model);
+  v1::GetStatsResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->GetStats(&ctx, req, &resp)); !s.ok()) return s;
+  std::vector<ModelStats> out;
+  for (const auto& p : resp.models()) {
+    ModelStats m;
+    m.model = p.model();
+    m.blocks_total = p.blocks_total();
+    m.blocks_free = p.blocks_free();
+    m.blocks_used = p.blocks_used();
+    m.block_bytes = p.block_bytes();
+    m.pool_bytes = p.pool_bytes();
+    m.sequences = p.sequences();
+    m.tokens_stored = p.tokens_stored();
+    m.bytes_used = p.bytes_used();
+    m.capacity_tokens = p.capacity_tokens();
+    m.appends = p.appends();
+    m.fetches = p.fetches();
+    m.bytes_appended = p.bytes_appended();
+    m.bytes_fetched = p.bytes_fetched();
+    m.leases_expired = p.leases_expired();
+    out.push_back(m);
+  }
+  return out;
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& model,
+                                                            std::optional<absl::Duration> lease) {
+  v1::CreateSequenceRequest req;
+  req.set_model(model);
+  uint64_t ms = 0;
+  bool none = false;
+  SetLease(lease, &ms, &none);
+  req.set_lease_ttl_ms(ms);
+  req.set_no_lease(none);
+  v1::SequenceInfo resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->CreateSequence(&ctx, req, &resp)); !s.ok()) return s;
+  return FromProto(resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::Impl::StreamAppend(
+    const v1::AppendHeader& header, absl::Span<const absl::Span<const uint8_t>> pieces) {
+  grpc::ClientContext ctx;
+  Deadline(&ctx, true);
+  v1::AppendResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer(stub->Append(&ctx, &resp));
+  v1::AppendRequest msg;
+  *msg.mutable_header() = header;
+  std::string* data = msg.mutable_data();
+  data->reserve(options.chunk_bytes);
+  bool first = true, broken = false;
+  auto flush = [&]() {
+    if (!writer->Write(msg)) broken = true;  // the server ended the call: Finish tells why
+    msg.clear_header();
+    data->clear();
+    first = false;
+  };
+  for (absl::Span<const uint8_t> piece : pieces) {
+    while (!piece.empty() && !broken) {
+      const size_t n = std::min<size_t>(piece.size(), options.chunk_bytes - data->size());
+      data->append(reinterpret_cast<const char*>(piece.data()), n);
+      piece.remove_prefix(n);
+      if (data->size() == options.chunk_bytes) flush();
+    }
+  }
+  if (!broken && (first || !data->empty())) flush();
+  writer->WritesDone();
+  if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  return FromProto(resp.sequence());
+}
+
+namespace {
+v1::AppendHeader MakeHeader(const std::string& model, uint64_t id, const Client::AppendArgs& a,
+                            uint64_t payload_bytes) {
+  v1::AppendHeader h;
+  h.set_model(model);
+  h.set_sequence_id(id);
+  h.set_layer_begin(a.layer_begin);
+  if (a.layer_end.has_value()) h.set_layer_end(*a.layer_end);
+  h.set_num_tokens(a.num_tokens);
+  if (a.dtype.has_value()) h.set_dtype(proto::DTypeToProto(*a.dtype));
+  for (uint32_t t : a.token_ids) h.add_token_ids(t);
+  h.set_payload_bytes(payload_bytes);
+  return h;
+}
+}  // namespace
+
+absl::StatusOr<Client::SequenceInfo> Client::Append(const std::string& model, uint64_t id,
+                                                    const AppendArgs& args,
+                                                    absl::Span<const uint8_t> payload) {
+  const absl::Span<const uint8_t> pieces[] = {payload};
+  return impl_->StreamAppend(MakeHeader(model, id, args, payload.size()), pieces);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendTensors(const std::string& model, uint64_t id,
+                                                           const AppendArgs& args,
+                                                           absl::Span<const uint8_t> k,
+                                                           absl::Span<const uint8_t> v) {
+  auto info = GetModel(model);
+  if (!info.ok()) return info.status();
+  const BlockLayout b = ComputeBlockLayout(info->layout);
+  const uint32_t l0 = args.layer_begin, l1 = args.layer_end.value_or(info->layout.num_layers);
+  if (l0 >= l1 || l1 > b.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1, ") is invalid"));
+  }
+  // Per layer: its K slice then its V slice. Each slice is contiguous in the tensors.
+  std::vector<absl::Span<const uint8_t>> pieces;
+  uint64_t k_off = 0, v_off = 0;
+  for (uint32_t l = l0; l < l1; ++l) {
+    const LayerView& lv = b.layers[l];
+    const uint64_t kb = uint64_t{lv.num_kv_heads} * args.num_tokens * lv.KRowBytes();
+    const uint64_t vb = lv.has_v ? uint64_t{lv.num_kv_heads} * args.num_tokens * lv.VRowBytes() : 0;
+    if (k_off + kb > k.size() || v_off + vb > v.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("k/v spans are smaller than ", l1 - l0,
+                                                     " layers x ", args.num_tokens, " tokens"));
+    }
+    pieces.push_back(k.subspan(k_off, kb));
+    if (vb) pieces.push_back(v.subspan(v_off, vb));
+    k_off += kb;
+    v_off += vb;
+  }
+  if (k_off != k.size() || v_off != v.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("k/v spans are larger than ", l1 - l0,
+                                                   " layers x ", args.num_tokens, " tokens"));
+  }
+  return impl_->StreamAppend(MakeHeader(model, id, args, k_off + v_off), pieces);
+}
+
+absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
+                                                  const FetchArgs& args) {
+  v1::FetchRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  req.set_token_begin(args.token_begin);
+  if (args.token_end.has_value()) req.set_token_end(*args.token_end);
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader(impl_->stub->Fetch(&ctx, req));
+  FetchResult out;
+  v1::FetchResponse msg;
+  bool have_header = false;
+  uint64_t expected = 0;
+  while (reader->Read(&msg)) {
+    if (msg.has_header()) {
+      const v1::FetchHeader& h = msg.header();
+      std::optional<DType> d;
+      if (have_header || !proto::DTypeFromProto(h.dtype(), &d) || !d.has_value()) {
+        ctx.TryCancel();
+        return absl::InternalError("fetch stream has a bad or repeated header");
+      }
+      have_header = true;
+      out.token_begin = h.token_begin();
+      out.num_tokens = h.num_tokens();
+      out.layer_begin = h.layer_begin();
+      out.layer_end = h.layer_end();
+      out.dtype = *d;
+      expected = h.payload_bytes();
+      out.payload.reserve(expected);
+    }
+    if (!have_header || out.payload.size() + msg.data().size() > expected) {
+      ctx.TryCancel();
+      return absl::InternalError("fetch stream sent data beyond its header's payload_bytes");
+    }
+    out.payload.insert(out.payload.end(), msg.data().begin(), msg.data().end());
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (!have_header || out.payload.size() != expected) {
+    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(),
+                                            " of ", expected, " payload bytes"));
+  }
+  return out;
+}
+
+absl::Status Client::FetchTensors(const std::string& model, uint64_t id, const FetchArgs& args,
+                                  absl::Span<uint8_t> k, absl::Span<uint8_t> v) {
+  auto info = GetModel(model);
+  if (!info.ok()) return info.status();
+  auto r = Fetch(model, id, args);
+  if (!r.ok()) return r.status();
+  const BlockLayout b = ComputeBlockLayout(info->layout);
+  const PayloadLayout p = PayloadLayout::Make(b, r->layer_begin, r->layer_end, r->num_tokens);
+  uint64_t k_need = 0, v_need = 0;
+  for (uint32_t l = r->layer_begin; l < r->layer_end; ++l) {
+    k_need += uint64_t{b.layers[l].num_kv_heads} * r->num_tokens * b.layers[l].KRowBytes();
+    if (b.layers[l].has_v) {
+      v_need += uint64_t{b.layers[l].num_kv_heads} * r->num_tokens * b.layers[l].VRowBytes();
+    }
+  }
+  if (k.size() != k_need || v.size() != v_need || p.total_bytes != r->payload.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("k/v spans hold ", k.size(), "/", v.size(),
+                                                   " bytes; the fetch has ", k_need, "/", v_need));
+  }
+  uint64_t k_off = 0, v_off = 0;
+  for (uint32_t l = r->layer_begin; l < r->layer_end; ++l) {
+    const LayerView& lv = b.layers[l];
+    const uint64_t kb = uint64_t{lv.num_kv_heads} * r->num_tokens * lv.KRowBytes();
+    const uint64_t vb = lv.has_v ? uint64_t{lv.num_kv_heads} * r->num_tokens * lv.VRowBytes() : 0;
+    const uint8_t* at = r->payload.data() + p.layer_offset[l - r->layer_begin];
+    std::memcpy(k.data() + k_off, at, kb);
+    if (vb) std::memcpy(v.data() + v_off, at + kb, vb);
+    k_off += kb;
+    v_off += vb;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::Fork(const std::string& model, uint64_t id,
+                                                  std::optional<absl::Duration> lease) {
+  v1::ForkRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  if (lease.has_value()) {
+    req.set_lease_ttl_ms(static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(*lease))));
+  }
+  v1::SequenceInfo resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->Fork(&ctx, req, &resp)); !s.ok()) return s;
+  return FromProto(resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::Truncate(const std::string& model, uint64_t id,
+                                                      uint64_t num_tokens) {
+  v1::TruncateRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  req.set_num_tokens(num_tokens);
+  v1::SequenceInfo resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->Truncate(&ctx, req, &resp)); !s.ok()) return s;
+  return FromProto(resp);
+}
+
+absl::StatusOr<uint64_t> Client::Free(const std::string& model, uint64_t id) {
+  v1::FreeRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  v1::FreeResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->Free(&ctx, req, &resp)); !s.ok()) return s;
+  return resp.blocks_released();
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::RenewLease(const std::string& model, uint64_t id) {
+  v1::RenewLeaseRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  v1::SequenceInfo resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->RenewLease(&ctx, req, &resp)); !s.ok()) return s;
+  return FromProto(resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::GetSequence(const std::string& model, uint64_t id) {
+  v1::GetSequenceRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  v1::SequenceInfo resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->GetSequence(&ctx, req, &resp)); !s.ok()) return s;
+  return FromProto(resp);
+}
+
+bool Client::WaitForServing(absl::Duration deadline) {
+  const absl::Time until = absl::Now() + deadline;
+  grpc::GenericStub generic(impl_->channel);
+  while (absl::Now() < until) {
+    // grpc.health.v1.Health/Check with an empty HealthCheckRequest (service ""). The reply is
+    // HealthCheckResponse; field 1 (status) = 1 is SERVING, encoded as bytes 0x08 0x01.
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(std::min(until, absl::Now() + absl::Seconds(1))));
+    ctx.set_wait_for_ready(true);
+    grpc::ByteBuffer request, response;
+    grpc::Slice empty;
+    request = grpc::ByteBuffer(&empty, 1);
+    absl::Notification done;
+    grpc::Status status;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                      &response, [&](grpc::Status s) {
+                        status = std::move(s);
+                        done.Notify();
+                      });
+    done.WaitForNotification();
+    if (status.ok()) {
+      std::vector<grpc::Slice> slices;
+      std::string bytes;
+      if (response.Dump(&slices).ok()) {
+        for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+      if (bytes == std::string("\x08\x01", 2)) return true;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return false;
+}
+
+}  // namespace kvbank

@@ -147,6 +147,7 @@ class SequenceStore {
   const BlockLayout& block_layout() const { return pool_->layout(); }
   const StoreOptions& options() const { return options_; }
   BlockPool& pool() { return *pool_; }
+  const BlockPool& pool() const { return *pool_; }
 
   // A new empty sequence. lease: nullopt = the default lease, zero = no lease (lives until freed).
   absl::StatusOr<SequenceInfo> Create(std::optional<absl::Duration> lease);

@@ -1,0 +1,143 @@
+// kvbank C++ client SDK.
+//
+//   auto client = kvbank::Client::Connect("127.0.0.1:50051");
+//   auto model = (*client)->EnsurePreset("llama", "llama-3.1-8b");
+//   auto seq = (*client)->CreateSequence("llama");
+//   (*client)->AppendTensors("llama", seq->id, {.num_tokens = n}, k_bytes, v_bytes);
+//
+// Every call has a deadline (ClientOptions) and returns absl::Status / absl::StatusOr carrying the
+// server's gRPC status code and message. A Client is thread-safe: share one per process.
+#ifndef KVBANK_CLIENT_H_
+#define KVBANK_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvbank/layout.h"
+
+namespace kvbank {
+
+struct ClientOptions {
+  absl::Duration call_deadline = absl::Seconds(30);     // unary calls
+  absl::Duration stream_deadline = absl::Minutes(10);   // appends and fetches
+  uint64_t chunk_bytes = uint64_t{1} << 20;             // payload bytes per append message
+};
+
+class Client {
+ public:
+  struct ModelInfo {
+    ModelLayout layout;  // layout.name is the model's name
+    std::string fingerprint;
+    uint64_t block_bytes = 0;
+    uint64_t num_blocks = 0;
+    uint64_t pool_bytes = 0;
+    uint64_t payload_bytes_per_token = 0;
+    uint64_t max_sequences = 0;
+    uint64_t max_tokens_per_sequence = 0;
+    bool created = false;  // EnsureModel / EnsurePreset only
+  };
+  struct ModelStats {
+    std::string model;
+    uint64_t blocks_total = 0, blocks_free = 0, blocks_used = 0, block_bytes = 0;
+    uint64_t pool_bytes = 0, sequences = 0, tokens_stored = 0, bytes_used = 0;
+    uint64_t capacity_tokens = 0, appends = 0, fetches = 0, bytes_appended = 0;
+    uint64_t bytes_fetched = 0, leases_expired = 0;
+  };
+  struct SequenceInfo {
+    std::string model;
+    uint64_t id = 0;
+    uint64_t length = 0;
+    std::vector<uint64_t> layer_lengths;
+    uint64_t num_blocks = 0;
+    uint64_t cached_tokens = 0;
+    absl::Duration lease_ttl = absl::ZeroDuration();  // zero: no lease
+  };
+  // What an append covers. Layers [layer_begin, layer_end); layer_end unset = all layers.
+  struct AppendArgs {
+    uint32_t layer_begin = 0;
+    std::optional<uint32_t> layer_end;
+    uint64_t num_tokens = 0;
+    std::optional<DType> dtype;        // unset: the server checks against the storage dtype
+    std::vector<uint32_t> token_ids;   // empty or num_tokens ids
+  };
+  struct FetchArgs {
+    uint64_t token_begin = 0;
+    std::optional<uint64_t> token_end;  // unset: every token the layers hold
+    uint32_t layer_begin = 0;
+    std::optional<uint32_t> layer_end;
+    std::optional<DType> dtype;
+  };
+  struct FetchResult {
+    uint64_t token_begin = 0;
+    uint64_t num_tokens = 0;
+    uint32_t layer_begin = 0;
+    uint32_t layer_end = 0;
+    DType dtype = DType::kFp16;
+    std::vector<uint8_t> payload;  // layout of kvbank/layout.h (PayloadLayout)
+  };
+
+  // Connects lazily: the first call opens the channel. `target` is a gRPC target
+  // ("host:port", "dns:///name:port", "unix:/path").
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         ClientOptions options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Registers a model with this exact layout (idempotent); pool_bytes 0: the server's default.
+  absl::StatusOr<ModelInfo> EnsureModel(const ModelLayout& layout, uint64_t pool_bytes = 0);
+  // Registers a model from a built-in preset; storage unset: the preset's dtype (bf16).
+  absl::StatusOr<ModelInfo> EnsurePreset(const std::string& name, const std::string& preset,
+                                         std::optional<DType> storage = std::nullopt,
+                                         uint64_t pool_bytes = 0, uint32_t block_tokens = 0);
+  absl::StatusOr<std::vector<ModelInfo>> ListModels();
+  // The model's info, from a cache filled by EnsureModel/EnsurePreset/ListModels (one RPC on a miss).
+  absl::StatusOr<ModelInfo> GetModel(const std::string& model);
+  absl::StatusOr<std::vector<ModelStats>> GetStats(const std::string& model = "");
+
+  // lease: unset = the server's default; zero = no lease (lives until freed).
+  absl::StatusOr<SequenceInfo> CreateSequence(const std::string& model,
+                                              std::optional<absl::Duration> lease = std::nullopt);
+  // Appends a dense payload (kvbank/layout.h order: per layer K then V), streamed in chunks.
+  // Atomic: on any error nothing of it is visible.
+  absl::StatusOr<SequenceInfo> Append(const std::string& model, uint64_t id,
+                                      const AppendArgs& args, absl::Span<const uint8_t> payload);
+  // Typed helper: k is [layers][kv_heads][num_tokens][head_dim], v is
+  // [layers][kv_heads][num_tokens][head_dim_v] (empty for MLA), both dense in the storage dtype,
+  // layers = the range in args. Streams without building the interleaved payload.
+  absl::StatusOr<SequenceInfo> AppendTensors(const std::string& model, uint64_t id,
+                                             const AppendArgs& args, absl::Span<const uint8_t> k,
+                                             absl::Span<const uint8_t> v);
+  absl::StatusOr<FetchResult> Fetch(const std::string& model, uint64_t id, const FetchArgs& args);
+  // Typed helper: fills k [layers][kv_heads][tokens][head_dim] and v (same, head_dim_v; empty for
+  // MLA). REQUIRES: the spans are exactly the size of the range fetched; else INVALID_ARGUMENT.
+  absl::Status FetchTensors(const std::string& model, uint64_t id, const FetchArgs& args,
+                            absl::Span<uint8_t> k, absl::Span<uint8_t> v);
+  absl::StatusOr<SequenceInfo> Fork(const std::string& model, uint64_t id,
+                                    std::optional<absl::Duration> lease = std::nullopt);
+  absl::StatusOr<SequenceInfo> Truncate(const std::string& model, uint64_t id,
+                                        uint64_t num_tokens);
+  // Returns how many block references the sequence dropped.
+  absl::StatusOr<uint64_t> Free(const std::string& model, uint64_t id);
+  absl::StatusOr<SequenceInfo> RenewLease(const std::string& model, uint64_t id);
+  absl::StatusOr<SequenceInfo> GetSequence(const std::string& model, uint64_t id);
+
+  // True when grpc.health.v1 reports SERVING within the deadline.
+  bool WaitForServing(absl::Duration deadline);
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbank
+
+#endif  // KVBANK_CLIENT_H_

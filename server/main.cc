@@ -1,0 +1,219 @@
+// kvbankd: the kvbank server.
+//
+//   kvbankd --listen 127.0.0.1:50051 --models llama-3.1-8b --pool-bytes 1GiB
+//
+// Serves kvbank.v1.KvBank, grpc.health.v1.Health and server reflection. SIGTERM / SIGINT stop
+// accepting calls, let the calls in flight finish (up to --drain-timeout) and exit 0.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "google/protobuf/text_format.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/grpcpp.h"
+#include "server/rpc/service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
+ABSL_FLAG(std::string, port_file, "", "write the port actually bound to this file once serving");
+ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda:N (only the host pool is built yet)");
+ABSL_FLAG(std::string, models, "llama-3.1-8b",
+          "comma-separated presets registered at start, each under its preset name");
+ABSL_FLAG(std::string, config, "", "ServerConfig in protobuf text format (models to register)");
+ABSL_FLAG(std::string, pool_bytes, "1GiB", "default pool size of a model (e.g. 512MiB, 4GiB)");
+ABSL_FLAG(double, pool_memory_fraction, 0,
+          "if > 0: default pool size of a model as this fraction of physical memory");
+ABSL_FLAG(std::string, max_pool_bytes, "",
+          "bound on all pools together (default: 80% of physical memory)");
+ABSL_FLAG(uint64_t, max_sequences, 65536, "default live-sequence limit per model");
+ABSL_FLAG(uint64_t, max_tokens_per_sequence, 1 << 20, "default token limit per sequence");
+ABSL_FLAG(int64_t, default_lease_ms, 300000, "lease of a sequence created without one");
+ABSL_FLAG(int64_t, max_lease_ms, 86400000, "longest lease a caller may ask for");
+ABSL_FLAG(int64_t, lease_check_ms, 200, "how often expired leases are reaped");
+ABSL_FLAG(std::string, chunk_bytes, "1MiB", "payload bytes per streamed fetch message");
+ABSL_FLAG(int64_t, drain_timeout_ms, 10000, "how long calls in flight may finish at shutdown");
+
+namespace kvbank {
+namespace {
+
+// "1GiB", "512MiB", "4096", "2GB" -> bytes.
+absl::StatusOr<uint64_t> ParseBytes(std::string text) {
+  text = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  struct Unit { const char* suffix; uint64_t mult; };
+  static constexpr Unit kUnits[] = {{"kib", 1ull << 10}, {"mib", 1ull << 20}, {"gib", 1ull << 30},
+                                    {"tib", 1ull << 40}, {"kb", 1000ull}, {"mb", 1000000ull},
+                                    {"gb", 1000000000ull}, {"tb", 1000000000000ull}, {"b", 1}};
+  uint64_t mult = 1;
+  for (const Unit& u : kUnits) {
+    if (absl::EndsWith(text, u.suffix)) {
+      mult = u.mult;
+      text.resize(text.size() - strlen(u.suffix));
+      break;
+    }
+  }
+  double v = 0;
+  if (!absl::SimpleAtod(text, &v) || v < 0 || v * double(mult) > 1e18) {
+    return absl::InvalidArgumentError(absl::StrCat("not a byte size: '", text, "'"));
+  }
+  return static_cast<uint64_t>(v * double(mult));
+}
+
+uint64_t PhysicalMemory() {
+  return uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGESIZE));
+}
+
+int Fail(const std::string& what) {
+  std::cerr << "kvbankd: " << what << "\n";
+  return 2;
+}
+
+// Accepts --pool-bytes as well as --pool_bytes: dashes in a flag's name become underscores.
+std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
+  storage->assign(argv, argv + argc);
+  std::vector<char*> out;
+  for (std::string& a : *storage) {
+    if (absl::StartsWith(a, "--")) {
+      const size_t end = std::min(a.find('='), a.size());
+      for (size_t i = 2; i < end; ++i) a[i] = a[i] == '-' ? '_' : a[i];
+    }
+    out.push_back(a.data());
+  }
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("kvbankd: KV-cache storage service. See --help.");
+  std::vector<std::string> storage;
+  std::vector<char*> args = NormalizeFlagNames(argc, argv, &storage);
+  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "auto" && device != "cpu") {
+    return Fail(absl::StrCat("--device ", device,
+                             ": only the host pool is built yet (use auto or cpu)"));
+  }
+
+  rpc::ServiceOptions options;
+  auto pool_bytes = ParseBytes(absl::GetFlag(FLAGS_pool_bytes));
+  if (!pool_bytes.ok()) return Fail(absl::StrCat("--pool-bytes: ", pool_bytes.status().message()));
+  options.defaults.pool_bytes = *pool_bytes;
+  if (double f = absl::GetFlag(FLAGS_pool_memory_fraction); f > 0) {
+    if (f > 0.95) return Fail("--pool-memory-fraction must be at most 0.95");
+    options.defaults.pool_bytes = static_cast<uint64_t>(f * double(PhysicalMemory()));
+  }
+  uint64_t max_pool = PhysicalMemory() / 10 * 8;
+  if (std::string m = absl::GetFlag(FLAGS_max_pool_bytes); !m.empty()) {
+    auto v = ParseBytes(m);
+    if (!v.ok()) return Fail(absl::StrCat("--max-pool-bytes: ", v.status().message()));
+    max_pool = *v;
+  }
+  auto chunk = ParseBytes(absl::GetFlag(FLAGS_chunk_bytes));
+  if (!chunk.ok() || *chunk == 0 || *chunk > uint64_t(rpc::kMaxMessageBytes) / 2) {
+    return Fail(absl::StrCat("--chunk-bytes must be in (0, ", rpc::kMaxMessageBytes / 2, "]"));
+  }
+  options.chunk_bytes = *chunk;
+  StoreOptions& store = options.defaults.store;
+  store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  store.max_tokens_per_sequence = absl::GetFlag(FLAGS_max_tokens_per_sequence);
+  store.default_lease = absl::Milliseconds(absl::GetFlag(FLAGS_default_lease_ms));
+  store.max_lease = absl::Milliseconds(absl::GetFlag(FLAGS_max_lease_ms));
+
+  auto registry = std::make_shared<ModelRegistry>(max_pool);
+  std::vector<v1::ModelSpec> specs;
+  for (absl::string_view preset :
+       absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipWhitespace())) {
+    v1::ModelSpec s;
+    s.set_name(std::string(preset));
+    s.set_preset(std::string(preset));
+    specs.push_back(s);
+  }
+  if (std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
+    std::ifstream in(path);
+    if (!in) return Fail(absl::StrCat("--config: cannot read ", path));
+    std::stringstream text;
+    text << in.rdbuf();
+    v1::ServerConfig config;
+    if (!google::protobuf::TextFormat::ParseFromString(text.str(), &config)) {
+      return Fail(absl::StrCat("--config: ", path, " is not a valid ServerConfig text proto"));
+    }
+    for (const auto& s : config.models()) specs.push_back(s);
+  }
+  for (const auto& s : specs) {
+    auto c = rpc::ToModelConfig(s, options.defaults);
+    if (!c.ok()) return Fail(absl::StrCat("model '", s.name(), "': ", c.status().message()));
+    auto r = registry->Ensure(*std::move(c));
+    if (!r.ok()) return Fail(std::string(r.status().message()));
+    std::cerr << "kvbankd: model '" << s.name() << "': " << r->model->pool().num_blocks()
+              << " blocks of " << r->model->block_layout().block_bytes << " bytes ("
+              << r->model->pool().num_blocks() * r->model->layout().block_tokens
+              << " tokens), host memory\n";
+  }
+
+  // Signals are taken by one thread with sigwait; every other thread has them blocked.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  rpc::KvBankService service(registry, options);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(rpc::kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(rpc::kMaxMessageBytes);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen)));
+  }
+  std::cerr << "kvbankd: serving kvbank.v1 on " << absl::GetFlag(FLAGS_listen) << " (port " << port
+            << ")" << std::endl;
+  if (std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    const std::string tmp = pf + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), pf.c_str());  // readers never see a half-written file
+  }
+
+  absl::Notification stop;
+  std::thread reaper([&] {
+    const absl::Duration every = absl::Milliseconds(absl::GetFlag(FLAGS_lease_check_ms));
+    while (!stop.WaitForNotificationWithTimeout(every)) {
+      if (size_t n = registry->ExpireLeases(absl::Now()); n > 0) {
+        std::cerr << "kvbankd: " << n << " lease(s) expired; their sequences were freed\n";
+      }
+    }
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::cerr << "kvbankd: signal " << sig << ": draining calls in flight" << std::endl;
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms)));
+  server->Wait();
+  stop.Notify();
+  reaper.join();
+  std::cerr << "kvbankd: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvbank
+
+int main(int argc, char** argv) { return kvbank::Main(argc, argv); }

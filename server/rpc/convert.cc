@@ -1,0 +1,164 @@
+#include "server/rpc/convert.h"
+
+#include "absl/strings/str_cat.h"
+#include "proto/convert.h"
+
+namespace kvbank::rpc {
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  // absl::StatusCode and grpc::StatusCode share their numbering (both follow google.rpc.Code).
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::StatusOr<std::optional<DType>> FromProto(v1::DType d, const char* field) {
+  std::optional<DType> out;
+  if (!proto::DTypeFromProto(d, &out)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": unknown dtype value ", int(d)));
+  }
+  return out;
+}
+
+v1::DType ToProto(DType d) { return proto::DTypeToProto(d); }
+
+absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
+                                          const ModelDefaults& defaults) {
+  ModelConfig c;
+  ModelLayout& m = c.layout;
+  auto storage = FromProto(spec.storage_dtype(), "spec.storage_dtype");
+  if (!storage.ok()) return storage.status();
+  auto input = FromProto(spec.input_dtype(), "spec.input_dtype");
+  if (!input.ok()) return input.status();
+  std::optional<AttentionKind> kind;
+  if (!proto::KindFromProto(spec.kind(), &kind)) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.kind: unknown value ", int(spec.kind())));
+  }
+  std::vector<DType> layer_dtypes;
+  for (int i = 0; i < spec.layer_dtypes_size(); ++i) {
+    auto d = FromProto(spec.layer_dtypes(i), "spec.layer_dtypes");
+    if (!d.ok()) return d.status();
+    if (!d->has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.layer_dtypes[", i, "] is unspecified"));
+    }
+    layer_dtypes.push_back(**d);
+  }
+
+  if (!spec.preset().empty()) {
+    const bool shape_given = spec.num_layers() || spec.num_q_heads() || spec.num_kv_heads() ||
+                             spec.head_dim() || spec.head_dim_v() || kind.has_value() ||
+                             spec.kv_lora_rank() || spec.rope_dim();
+    if (shape_given) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec: give either preset ('", spec.preset(), "') or the shape fields, not both"));
+    }
+    if (!PresetLayout(spec.preset(), &m, storage->value_or(DType::kBf16))) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.preset: unknown preset '", spec.preset(),
+                                                     "'"));
+    }
+  } else {
+    m.kind = kind.value_or(AttentionKind::kGqa);
+    m.num_layers = spec.num_layers();
+    m.num_kv_heads = spec.num_kv_heads();
+    m.kv_lora_rank = spec.kv_lora_rank();
+    m.rope_dim = spec.rope_dim();
+    if (m.kind == AttentionKind::kMla) {
+      if (m.num_kv_heads == 0) m.num_kv_heads = 1;
+      m.head_dim = spec.head_dim() ? spec.head_dim() : m.kv_lora_rank + m.rope_dim;
+      m.head_dim_v = spec.head_dim_v() ? spec.head_dim_v() : m.kv_lora_rank;
+    } else {
+      m.head_dim = spec.head_dim();
+      m.head_dim_v = spec.head_dim_v() ? spec.head_dim_v() : spec.head_dim();
+    }
+    m.num_q_heads = spec.num_q_heads() ? spec.num_q_heads() : m.num_kv_heads;
+    if (!kind.has_value() && m.num_kv_heads != 0) {
+      m.kind = m.num_q_heads == m.num_kv_heads ? AttentionKind::kMha
+               : m.num_kv_heads == 1          ? AttentionKind::kMqa
+                                              : AttentionKind::kGqa;
+    }
+    const DType s = storage->value_or(input->value_or(DType::kFp16));
+    m.layer_dtypes.assign(m.num_layers, s);
+  }
+  m.name = spec.name();
+  if (spec.block_tokens()) m.block_tokens = spec.block_tokens();
+  if (!layer_dtypes.empty()) {
+    if (layer_dtypes.size() != m.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.layer_dtypes has ", layer_dtypes.size(),
+                                                     " entries for ", m.num_layers, " layers"));
+    }
+    m.layer_dtypes = layer_dtypes;
+  }
+  if (input->has_value()) {
+    m.input_dtype = **input;
+  } else if (!m.layer_dtypes.empty() && !IsQuantized(m.layer_dtypes[0])) {
+    m.input_dtype = m.layer_dtypes[0];
+  }
+  if (std::string e = ValidateLayout(m); !e.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: ", e));
+  }
+  c.pool_bytes = spec.pool_bytes() ? spec.pool_bytes() : defaults.pool_bytes;
+  c.store = defaults.store;
+  if (spec.max_sequences()) c.store.max_sequences = spec.max_sequences();
+  if (spec.max_tokens_per_sequence()) {
+    if (spec.max_tokens_per_sequence() > (uint64_t{1} << 32)) {
+      return absl::InvalidArgumentError("spec.max_tokens_per_sequence is above 2^32");
+    }
+    c.store.max_tokens_per_sequence = spec.max_tokens_per_sequence();
+  }
+  return c;
+}
+
+void ToProto(const SequenceStore& model, v1::ModelInfo* out) {
+  const ModelLayout& m = model.layout();
+  v1::ModelSpec* s = out->mutable_spec();
+  proto::LayoutToSpec(m, s);
+  s->set_pool_bytes(model.pool().pool_bytes());
+  s->set_max_sequences(model.options().max_sequences);
+  s->set_max_tokens_per_sequence(model.options().max_tokens_per_sequence);
+  out->set_fingerprint(LayoutFingerprint(m));
+  out->set_block_bytes(model.block_layout().block_bytes);
+  out->set_num_blocks(model.pool().num_blocks());
+  out->set_payload_bytes_per_token(model.block_layout().PayloadBytesPerToken());
+}
+
+void ToProto(const SequenceInfo& info, const std::string& model, v1::SequenceInfo* out) {
+  out->set_model(model);
+  out->set_sequence_id(info.id);
+  out->set_length(info.length);
+  for (uint64_t l : info.layer_lengths) out->add_layer_lengths(l);
+  out->set_num_blocks(info.num_blocks);
+  out->set_cached_tokens(info.cached_tokens);
+  out->set_lease_ttl_ms(absl::ToInt64Milliseconds(info.lease_ttl));
+}
+
+void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* out) {
+  const uint64_t block_bytes = model.block_layout().block_bytes;
+  out->set_model(model.layout().name);
+  out->set_blocks_total(st.pool.total);
+  out->set_blocks_free(st.pool.free);
+  out->set_blocks_used(st.pool.used);
+  out->set_block_bytes(block_bytes);
+  out->set_pool_bytes(st.pool.total * block_bytes);
+  out->set_sequences(st.sequences);
+  out->set_tokens_stored(st.tokens_stored);
+  out->set_bytes_used(st.pool.used * block_bytes);
+  out->set_capacity_tokens(st.pool.total * model.layout().block_tokens);
+  out->set_appends(st.appends);
+  out->set_fetches(st.fetches);
+  out->set_bytes_appended(st.bytes_appended);
+  out->set_bytes_fetched(st.bytes_fetched);
+  out->set_leases_expired(st.leases_expired);
+}
+
+absl::StatusOr<std::optional<absl::Duration>> LeaseFromProto(uint64_t ms, bool none) {
+  if (none) {
+    if (ms != 0) return absl::InvalidArgumentError("lease_ttl_ms given together with no_lease");
+    return std::optional<absl::Duration>(absl::ZeroDuration());
+  }
+  if (ms == 0) return std::optional<absl::Duration>();
+  if (ms > uint64_t{1} << 40) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ttl_ms ", ms, " is out of range"));
+  }
+  return std::optional<absl::Duration>(absl::Milliseconds(static_cast<int64_t>(ms)));
+}
+
+}  // namespace kvbank::rpc

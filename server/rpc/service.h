@@ -1,0 +1,68 @@
+// The kvbank.v1.KvBank gRPC service on the callback API: a thin adapter over the core.
+#ifndef KVBANK_SERVER_RPC_SERVICE_H_
+#define KVBANK_SERVER_RPC_SERVICE_H_
+
+#include <memory>
+
+#include "kvbank/v1/kvbank.grpc.pb.h"
+#include "server/core/model_registry.h"
+#include "server/rpc/convert.h"
+
+namespace kvbank::rpc {
+
+struct ServiceOptions {
+  ModelDefaults defaults;
+  // Payload bytes per streamed message. Messages stay far below kMaxMessageBytes.
+  uint64_t chunk_bytes = uint64_t{1} << 20;
+};
+
+// Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
+inline constexpr int kMaxMessageBytes = 4 << 20;
+
+// Thread-safe; reactions never block on anything but short metadata locks. Payload copies
+// (at most one chunk each) run inside the reactions.
+class KvBankService final : public v1::KvBank::CallbackService {
+ public:
+  KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options);
+
+  grpc::ServerUnaryReactor* EnsureModel(grpc::CallbackServerContext* ctx,
+                                        const v1::EnsureModelRequest* req,
+                                        v1::EnsureModelResponse* resp) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const v1::ListModelsRequest* req,
+                                       v1::ListModelsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
+                                     const v1::GetStatsRequest* req,
+                                     v1::GetStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
+                                           const v1::CreateSequenceRequest* req,
+                                           v1::SequenceInfo* resp) override;
+  grpc::ServerReadReactor<v1::AppendRequest>* Append(grpc::CallbackServerContext* ctx,
+                                                     v1::AppendResponse* resp) override;
+  grpc::ServerWriteReactor<v1::FetchResponse>* Fetch(grpc::CallbackServerContext* ctx,
+                                                     const v1::FetchRequest* req) override;
+  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
+                                 v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* ctx,
+                                     const v1::TruncateRequest* req,
+                                     v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* Free(grpc::CallbackServerContext* ctx, const v1::FreeRequest* req,
+                                 v1::FreeResponse* resp) override;
+  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
+                                       const v1::RenewLeaseRequest* req,
+                                       v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
+                                        const v1::GetSequenceRequest* req,
+                                        v1::SequenceInfo* resp) override;
+
+ private:
+  class AppendReactor;
+  class FetchReactor;
+
+  const std::shared_ptr<ModelRegistry> registry_;
+  const ServiceOptions options_;
+};
+
+}  // namespace kvbank::rpc
+
+#endif  // KVBANK_SERVER_RPC_SERVICE_H_
