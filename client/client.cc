@@ -40,8 +40,8 @@ Client::SequenceInfo FromProto(const v1::SequenceInfo& p) {
 absl::StatusOr<Client::ModelInfo> FromProto(const v1::ModelInfo& p) {
   Client::ModelInfo m;
   if (!proto::LayoutFromResolvedSpec(p.spec(), &m.layout)) {
-    return absl::InternalError(absl::StrCat("server sent an unreadable spec for model '",
-                                            p.spec().name(), "'"));
+    return absl::InternalError(
+        absl::StrCat("server sent an unreadable spec for model '", p.spec().name(), "'"));
   }
   m.fingerprint = p.fingerprint();
   m.block_bytes = p.block_bytes();
@@ -127,8 +127,7 @@ absl::StatusOr<Client::ModelInfo> Client::EnsureModel(const ModelLayout& layout,
 absl::StatusOr<Client::ModelInfo> Client::EnsurePreset(const std::string& name,
                                                        const std::string& preset,
                                                        std::optional<DType> storage,
-                                                       uint64_t pool_bytes,
-                                                       uint32_t block_tokens) {
+                                                       uint64_t pool_bytes, uint32_t block_tokens) {
   v1::EnsureModelRequest req;
   v1::ModelSpec* spec = req.mutable_spec();
   spec->set_name(name);
@@ -353,8 +352,8 @@ absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint
   }
   if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
   if (!have_header || out.payload.size() != expected) {
-    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(),
-                                            " of ", expected, " payload bytes"));
+    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(), " of ",
+                                            expected, " payload bytes"));
   }
   return out;
 }
@@ -398,7 +397,8 @@ absl::StatusOr<Client::SequenceInfo> Client::Fork(const std::string& model, uint
   req.set_model(model);
   req.set_sequence_id(id);
   if (lease.has_value()) {
-    req.set_lease_ttl_ms(static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(*lease))));
+    req.set_lease_ttl_ms(
+        static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(*lease))));
   }
   v1::SequenceInfo resp;
   grpc::ClientContext ctx;
@@ -477,7 +477,8 @@ bool Client::WaitForServing(absl::Duration deadline) {
       std::vector<grpc::Slice> slices;
       std::string bytes;
       if (response.Dump(&slices).ok()) {
-        for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+        for (const auto& s : slices)
+          bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
       }
       if (bytes == std::string("\x08\x01", 2)) return true;
     }

@@ -65,8 +65,8 @@ std::string ValidateLayout(const ModelLayout& m) {
   }
   if (e.tellp() == 0) {
     // Bound the block size so no offset overflows (every factor is bounded above).
-    uint64_t per_layer = uint64_t{m.num_kv_heads} * m.block_tokens * (m.head_dim + m.head_dim_v) *
-                         4;
+    uint64_t per_layer =
+        uint64_t{m.num_kv_heads} * m.block_tokens * (m.head_dim + m.head_dim_v) * 4;
     if (per_layer * m.num_layers > kMaxBlockBytes) {
       e << "block of " << m.block_tokens << " tokens would exceed 4 GiB; lower block_tokens";
     }
@@ -77,10 +77,10 @@ std::string ValidateLayout(const ModelLayout& m) {
 std::string LayoutFingerprint(const ModelLayout& m) {
   std::ostringstream f;
   f << "kvbank.layout.v1;kind=" << AttentionKindName(m.kind) << ";layers=" << m.num_layers
-    << ";q_heads=" << m.num_q_heads << ";kv_heads=" << m.num_kv_heads
-    << ";head_dim=" << m.head_dim << ";head_dim_v=" << m.head_dim_v
-    << ";block_tokens=" << m.block_tokens << ";kv_lora_rank=" << m.kv_lora_rank
-    << ";rope_dim=" << m.rope_dim << ";input=" << DTypeName(m.input_dtype) << ";storage=";
+    << ";q_heads=" << m.num_q_heads << ";kv_heads=" << m.num_kv_heads << ";head_dim=" << m.head_dim
+    << ";head_dim_v=" << m.head_dim_v << ";block_tokens=" << m.block_tokens
+    << ";kv_lora_rank=" << m.kv_lora_rank << ";rope_dim=" << m.rope_dim
+    << ";input=" << DTypeName(m.input_dtype) << ";storage=";
   for (size_t i = 0; i < m.layer_dtypes.size(); ++i) {
     f << (i ? "," : "") << DTypeName(m.layer_dtypes[i]);
   }
@@ -125,8 +125,9 @@ BlockLayout ComputeBlockLayout(const ModelLayout& m) {
     }
     v.scale_offset = AlignUp(off, BlockLayout::kPartAlign);
     v.zero_point_offset =
-        v.dtype == DType::kInt8 ? v.scale_offset + AlignUp(kv_parts * rows * 4, BlockLayout::kPartAlign)
-                                : v.scale_offset;
+        v.dtype == DType::kInt8
+            ? v.scale_offset + AlignUp(kv_parts * rows * 4, BlockLayout::kPartAlign)
+            : v.scale_offset;
     off = v.scale_offset + v.scale_bytes;
     b.layers.push_back(v);
   }
@@ -203,8 +204,8 @@ bool PresetLayout(std::string_view preset, ModelLayout* out, DType storage) {
 }
 
 std::vector<std::string> PresetNames() {
-  return {"llama-3.1-8b", "llama-3-70b", "qwen2.5-7b", "mistral-7b-v0.3", "gemma-2-9b",
-          "deepseek-v3"};
+  return {"llama-3.1-8b",    "llama-3-70b", "qwen2.5-7b",
+          "mistral-7b-v0.3", "gemma-2-9b",  "deepseek-v3"};
 }
 
 }  // namespace kvbank

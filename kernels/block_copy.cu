@@ -25,7 +25,8 @@ __global__ void PayloadCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offs
     uint64_t rem = r;
     uint32_t l = 0;
     for (; l < m.num_layers; ++l) {
-      const uint64_t rows = uint64_t{m.layers[l].num_kv_heads} * m.num_tokens * m.layers[l].KvParts();
+      const uint64_t rows =
+          uint64_t{m.layers[l].num_kv_heads} * m.num_tokens * m.layers[l].KvParts();
       if (rem < rows) break;
       rem -= rows;
     }
@@ -50,7 +51,8 @@ __global__ void PayloadCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offs
     uint8_t* dst = dir == CopyDirection::kPayloadToPool ? pool_at : buf_at;
     const uint8_t* src = dir == CopyDirection::kPayloadToPool ? buf_at : pool_at;
     const uint64_t n = hi - lo;
-    const bool vec = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) & 15) == 0;
+    const bool vec =
+        ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) & 15) == 0;
     if (vec) {
       for (uint64_t i = threadIdx.x * 16; i < n; i += blockDim.x * 16) {
         *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
@@ -73,8 +75,8 @@ __global__ void CopyBlocksKernel(uint8_t* pool, uint64_t block_bytes, const int3
 
 }  // namespace
 
-cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset,
-                            uint8_t* buf, uint64_t len, cudaStream_t stream) {
+cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                            uint64_t len, cudaStream_t stream) {
   if (len == 0 || map.num_tokens == 0) return cudaSuccess;
   // Rows are at most a few KiB; a fixed grid with a stride loop covers any payload.
   PayloadCopyKernel<<<4096, kThreads / 2, 0, stream>>>(map, dir, offset, buf, len);

@@ -16,15 +16,15 @@ namespace kvbank::kernels {
 // A dense payload of layers [l0, l1) x num_tokens mapped onto a sequence's blocks.
 // All pointers are in the memory the function runs on (host for *Cpu, device for *Cuda).
 struct PayloadMap {
-  uint8_t* pool = nullptr;             // [num_blocks][block_bytes]
-  uint64_t block_bytes = 0;            // stride between blocks
-  const LayerView* layers = nullptr;   // [num_layers]: the views of layers l0 .. l1-1
+  uint8_t* pool = nullptr;                 // [num_blocks][block_bytes]
+  uint64_t block_bytes = 0;                // stride between blocks
+  const LayerView* layers = nullptr;       // [num_layers]: the views of layers l0 .. l1-1
   const uint64_t* layer_offset = nullptr;  // [num_layers]: payload offset of each layer
   uint32_t num_layers = 0;
   const int32_t* block_table = nullptr;  // [ceil((token_begin + num_tokens) / block_tokens)]
   uint64_t token_begin = 0;              // sequence position of payload token 0
   uint64_t num_tokens = 0;
-  uint64_t total_bytes = 0;              // payload size; == PayloadLayout::total_bytes
+  uint64_t total_bytes = 0;  // payload size; == PayloadLayout::total_bytes
 };
 
 enum class CopyDirection { kPayloadToPool, kPoolToPayload };

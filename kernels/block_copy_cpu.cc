@@ -66,8 +66,8 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
 void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
                    const int32_t* dst_ids, size_t n) {
   for (size_t i = 0; i < n; ++i) {
-    std::memcpy(pool + uint64_t(dst_ids[i]) * block_bytes, pool + uint64_t(src_ids[i]) * block_bytes,
-                block_bytes);
+    std::memcpy(pool + uint64_t(dst_ids[i]) * block_bytes,
+                pool + uint64_t(src_ids[i]) * block_bytes, block_bytes);
   }
 }
 

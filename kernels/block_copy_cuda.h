@@ -12,8 +12,8 @@ namespace kvbank::kernels {
 
 // Device version of PayloadCopyCpu; `buf` is device memory holding payload bytes
 // [offset, offset + len).
-cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset,
-                            uint8_t* buf, uint64_t len, cudaStream_t stream);
+cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                            uint64_t len, cudaStream_t stream);
 
 // Device version of CopyBlocksCpu. src_ids, dst_ids: [n] device int32.
 cudaError_t CopyBlocksCuda(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,

@@ -4,46 +4,82 @@ namespace kvbank::proto {
 
 bool DTypeFromProto(v1::DType d, std::optional<DType>* out) {
   switch (d) {
-    case v1::DTYPE_UNSPECIFIED: *out = std::nullopt; return true;
-    case v1::DTYPE_FP32: *out = DType::kFp32; return true;
-    case v1::DTYPE_FP16: *out = DType::kFp16; return true;
-    case v1::DTYPE_BF16: *out = DType::kBf16; return true;
-    case v1::DTYPE_INT8: *out = DType::kInt8; return true;
-    case v1::DTYPE_FP8_E4M3: *out = DType::kFp8E4M3; return true;
-    case v1::DTYPE_FP8_E5M2: *out = DType::kFp8E5M2; return true;
-    default: return false;
+    case v1::DTYPE_UNSPECIFIED:
+      *out = std::nullopt;
+      return true;
+    case v1::DTYPE_FP32:
+      *out = DType::kFp32;
+      return true;
+    case v1::DTYPE_FP16:
+      *out = DType::kFp16;
+      return true;
+    case v1::DTYPE_BF16:
+      *out = DType::kBf16;
+      return true;
+    case v1::DTYPE_INT8:
+      *out = DType::kInt8;
+      return true;
+    case v1::DTYPE_FP8_E4M3:
+      *out = DType::kFp8E4M3;
+      return true;
+    case v1::DTYPE_FP8_E5M2:
+      *out = DType::kFp8E5M2;
+      return true;
+    default:
+      return false;
   }
 }
 
 v1::DType DTypeToProto(DType d) {
   switch (d) {
-    case DType::kFp32: return v1::DTYPE_FP32;
-    case DType::kFp16: return v1::DTYPE_FP16;
-    case DType::kBf16: return v1::DTYPE_BF16;
-    case DType::kInt8: return v1::DTYPE_INT8;
-    case DType::kFp8E4M3: return v1::DTYPE_FP8_E4M3;
-    case DType::kFp8E5M2: return v1::DTYPE_FP8_E5M2;
+    case DType::kFp32:
+      return v1::DTYPE_FP32;
+    case DType::kFp16:
+      return v1::DTYPE_FP16;
+    case DType::kBf16:
+      return v1::DTYPE_BF16;
+    case DType::kInt8:
+      return v1::DTYPE_INT8;
+    case DType::kFp8E4M3:
+      return v1::DTYPE_FP8_E4M3;
+    case DType::kFp8E5M2:
+      return v1::DTYPE_FP8_E5M2;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
 
 bool KindFromProto(v1::AttentionKind k, std::optional<AttentionKind>* out) {
   switch (k) {
-    case v1::ATTENTION_KIND_UNSPECIFIED: *out = std::nullopt; return true;
-    case v1::ATTENTION_KIND_MHA: *out = AttentionKind::kMha; return true;
-    case v1::ATTENTION_KIND_GQA: *out = AttentionKind::kGqa; return true;
-    case v1::ATTENTION_KIND_MQA: *out = AttentionKind::kMqa; return true;
-    case v1::ATTENTION_KIND_MLA: *out = AttentionKind::kMla; return true;
-    default: return false;
+    case v1::ATTENTION_KIND_UNSPECIFIED:
+      *out = std::nullopt;
+      return true;
+    case v1::ATTENTION_KIND_MHA:
+      *out = AttentionKind::kMha;
+      return true;
+    case v1::ATTENTION_KIND_GQA:
+      *out = AttentionKind::kGqa;
+      return true;
+    case v1::ATTENTION_KIND_MQA:
+      *out = AttentionKind::kMqa;
+      return true;
+    case v1::ATTENTION_KIND_MLA:
+      *out = AttentionKind::kMla;
+      return true;
+    default:
+      return false;
   }
 }
 
 v1::AttentionKind KindToProto(AttentionKind k) {
   switch (k) {
-    case AttentionKind::kMha: return v1::ATTENTION_KIND_MHA;
-    case AttentionKind::kGqa: return v1::ATTENTION_KIND_GQA;
-    case AttentionKind::kMqa: return v1::ATTENTION_KIND_MQA;
-    case AttentionKind::kMla: return v1::ATTENTION_KIND_MLA;
+    case AttentionKind::kMha:
+      return v1::ATTENTION_KIND_MHA;
+    case AttentionKind::kGqa:
+      return v1::ATTENTION_KIND_GQA;
+    case AttentionKind::kMqa:
+      return v1::ATTENTION_KIND_MQA;
+    case AttentionKind::kMla:
+      return v1::ATTENTION_KIND_MLA;
   }
   return v1::ATTENTION_KIND_UNSPECIFIED;
 }

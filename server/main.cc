@@ -24,8 +24,8 @@
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/text_format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "server/rpc/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
@@ -53,10 +53,14 @@ namespace {
 // "1GiB", "512MiB", "4096", "2GB" -> bytes.
 absl::StatusOr<uint64_t> ParseBytes(std::string text) {
   text = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
-  struct Unit { const char* suffix; uint64_t mult; };
-  static constexpr Unit kUnits[] = {{"kib", 1ull << 10}, {"mib", 1ull << 20}, {"gib", 1ull << 30},
-                                    {"tib", 1ull << 40}, {"kb", 1000ull}, {"mb", 1000000ull},
-                                    {"gb", 1000000000ull}, {"tb", 1000000000000ull}, {"b", 1}};
+  struct Unit {
+    const char* suffix;
+    uint64_t mult;
+  };
+  static constexpr Unit kUnits[] = {
+      {"kib", 1ull << 10},   {"mib", 1ull << 20},      {"gib", 1ull << 30},
+      {"tib", 1ull << 40},   {"kb", 1000ull},          {"mb", 1000000ull},
+      {"gb", 1000000000ull}, {"tb", 1000000000000ull}, {"b", 1}};
   uint64_t mult = 1;
   for (const Unit& u : kUnits) {
     if (absl::EndsWith(text, u.suffix)) {
@@ -103,8 +107,8 @@ int Main(int argc, char** argv) {
 
   const std::string device = absl::GetFlag(FLAGS_device);
   if (device != "auto" && device != "cpu") {
-    return Fail(absl::StrCat("--device ", device,
-                             ": only the host pool is built yet (use auto or cpu)"));
+    return Fail(
+        absl::StrCat("--device ", device, ": only the host pool is built yet (use auto or cpu)"));
   }
 
   rpc::ServiceOptions options;

@@ -39,12 +39,13 @@ int Models(Client& c) {
   if (!models.ok()) return Error(models.status());
   for (const auto& m : *models) {
     const ModelLayout& l = m.layout;
-    std::printf("%-20s %s layers=%u q_heads=%u kv_heads=%u head_dim=%u/%u block_tokens=%u "
-                "storage=%s block=%llu B blocks=%llu bytes/token=%llu\n",
-                l.name.c_str(), AttentionKindName(l.kind), l.num_layers, l.num_q_heads,
-                l.num_kv_heads, l.head_dim, l.head_dim_v, l.block_tokens,
-                DTypeName(l.layer_dtypes[0]), (unsigned long long)m.block_bytes,
-                (unsigned long long)m.num_blocks, (unsigned long long)m.payload_bytes_per_token);
+    std::printf(
+        "%-20s %s layers=%u q_heads=%u kv_heads=%u head_dim=%u/%u block_tokens=%u "
+        "storage=%s block=%llu B blocks=%llu bytes/token=%llu\n",
+        l.name.c_str(), AttentionKindName(l.kind), l.num_layers, l.num_q_heads, l.num_kv_heads,
+        l.head_dim, l.head_dim_v, l.block_tokens, DTypeName(l.layer_dtypes[0]),
+        (unsigned long long)m.block_bytes, (unsigned long long)m.num_blocks,
+        (unsigned long long)m.payload_bytes_per_token);
   }
   return 0;
 }
@@ -53,17 +54,17 @@ int Stats(Client& c, const std::string& model) {
   auto stats = c.GetStats(model);
   if (!stats.ok()) return Error(stats.status());
   for (const auto& s : *stats) {
-    std::printf("%s: blocks total=%llu free=%llu used=%llu (block %llu B, %.1f MiB used of %.1f)"
-                " sequences=%llu tokens=%llu capacity_tokens=%llu appends=%llu fetches=%llu"
-                " appended=%llu B fetched=%llu B leases_expired=%llu\n",
-                s.model.c_str(), (unsigned long long)s.blocks_total,
-                (unsigned long long)s.blocks_free, (unsigned long long)s.blocks_used,
-                (unsigned long long)s.block_bytes, s.bytes_used / 1048576.0,
-                s.pool_bytes / 1048576.0, (unsigned long long)s.sequences,
-                (unsigned long long)s.tokens_stored, (unsigned long long)s.capacity_tokens,
-                (unsigned long long)s.appends, (unsigned long long)s.fetches,
-                (unsigned long long)s.bytes_appended, (unsigned long long)s.bytes_fetched,
-                (unsigned long long)s.leases_expired);
+    std::printf(
+        "%s: blocks total=%llu free=%llu used=%llu (block %llu B, %.1f MiB used of %.1f)"
+        " sequences=%llu tokens=%llu capacity_tokens=%llu appends=%llu fetches=%llu"
+        " appended=%llu B fetched=%llu B leases_expired=%llu\n",
+        s.model.c_str(), (unsigned long long)s.blocks_total, (unsigned long long)s.blocks_free,
+        (unsigned long long)s.blocks_used, (unsigned long long)s.block_bytes,
+        s.bytes_used / 1048576.0, s.pool_bytes / 1048576.0, (unsigned long long)s.sequences,
+        (unsigned long long)s.tokens_stored, (unsigned long long)s.capacity_tokens,
+        (unsigned long long)s.appends, (unsigned long long)s.fetches,
+        (unsigned long long)s.bytes_appended, (unsigned long long)s.bytes_fetched,
+        (unsigned long long)s.leases_expired);
   }
   return 0;
 }
@@ -155,14 +156,15 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
       const LayerView& v = b.layers[l];
       for (uint32_t part = 0; part < v.KvParts() && half_exact; ++part) {
         const uint64_t row = part == 0 ? v.KRowBytes() : v.VRowBytes();
-        const uint64_t full_part = part == 0 ? 0 : uint64_t{v.num_kv_heads} * tokens * v.KRowBytes();
+        const uint64_t full_part =
+            part == 0 ? 0 : uint64_t{v.num_kv_heads} * tokens * v.KRowBytes();
         const uint64_t half_part =
             part == 0 ? 0 : uint64_t{v.num_kv_heads} * (tokens / 2) * v.KRowBytes();
         for (uint32_t h = 0; h < v.num_kv_heads && half_exact; ++h) {
-          half_exact = std::memcmp(half->payload.data() + ph.layer_offset[l] + half_part +
-                                       h * (tokens / 2) * row,
-                                   layer_payload[l].data() + full_part + h * tokens * row,
-                                   (tokens / 2) * row) == 0;
+          half_exact =
+              std::memcmp(
+                  half->payload.data() + ph.layer_offset[l] + half_part + h * (tokens / 2) * row,
+                  layer_payload[l].data() + full_part + h * tokens * row, (tokens / 2) * row) == 0;
         }
       }
     }
@@ -194,7 +196,10 @@ int Main(int argc, char** argv) {
       } else {
         return Usage();
       }
-      if (key == "server") server = value; else opts[key] = value;
+      if (key == "server")
+        server = value;
+      else
+        opts[key] = value;
     } else {
       args.push_back(a);
     }

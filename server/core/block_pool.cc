@@ -31,19 +31,19 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout lay
   if (layout.block_bytes == 0) return absl::InvalidArgumentError("block layout is empty");
   const uint64_t n = pool_bytes / layout.block_bytes;
   if (n == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("pool_bytes ", pool_bytes,
-                                                   " holds no block of ", layout.block_bytes,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("pool_bytes ", pool_bytes, " holds no block of ",
+                                                   layout.block_bytes, " bytes"));
   }
   if (n > uint64_t(std::numeric_limits<int32_t>::max())) {
     return absl::InvalidArgumentError(
         absl::StrCat("pool_bytes ", pool_bytes, " makes ", n, " blocks; at most 2^31-1"));
   }
   const uint64_t bytes = n * layout.block_bytes;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot map ", bytes, " bytes of host memory"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", bytes, " bytes of host memory"));
   }
   madvise(p, bytes, MADV_HUGEPAGE);  // best effort
   return std::unique_ptr<BlockPool>(
@@ -51,7 +51,10 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout lay
 }
 
 BlockPool::BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks)
-    : layout_(std::move(layout)), base_(base), mapped_bytes_(mapped_bytes), num_blocks_(num_blocks) {
+    : layout_(std::move(layout)),
+      base_(base),
+      mapped_bytes_(mapped_bytes),
+      num_blocks_(num_blocks) {
   refcount_.assign(num_blocks, 0);
   free_list_.reserve(num_blocks);
   // Lowest ids on top of the stack, so a fresh pool hands out blocks in address order.
@@ -65,9 +68,8 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n) {
   out.reserve(n);
   absl::MutexLock lock(&mu_);
   if (free_list_.size() < n) {
-    return absl::ResourceExhaustedError(absl::StrCat("block pool exhausted: need ", n,
-                                                     " blocks, ", free_list_.size(), " free of ",
-                                                     num_blocks_));
+    return absl::ResourceExhaustedError(absl::StrCat("block pool exhausted: need ", n, " blocks, ",
+                                                     free_list_.size(), " free of ", num_blocks_));
   }
   for (size_t i = 0; i < n; ++i) {
     const int32_t id = free_list_.back();

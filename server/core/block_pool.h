@@ -22,7 +22,10 @@ class BlockPool;
 class BlockRef {
  public:
   BlockRef() = default;
-  BlockRef(BlockRef&& o) noexcept : pool_(o.pool_), id_(o.id_) { o.pool_ = nullptr; o.id_ = -1; }
+  BlockRef(BlockRef&& o) noexcept : pool_(o.pool_), id_(o.id_) {
+    o.pool_ = nullptr;
+    o.id_ = -1;
+  }
   BlockRef& operator=(BlockRef&& o) noexcept;
   BlockRef(const BlockRef&) = delete;
   BlockRef& operator=(const BlockRef&) = delete;

@@ -8,10 +8,10 @@
 namespace kvbank {
 
 std::string FirstLayoutDifference(const ModelLayout& a, const ModelLayout& b) {
-#define KVBANK_DIFF(field)                                                                     \
-  if (a.field != b.field) {                                                                    \
-    return absl::StrCat(#field " ", static_cast<uint64_t>(a.field), " vs ",                   \
-                        static_cast<uint64_t>(b.field));                                       \
+#define KVBANK_DIFF(field)                                                  \
+  if (a.field != b.field) {                                                 \
+    return absl::StrCat(#field " ", static_cast<uint64_t>(a.field), " vs ", \
+                        static_cast<uint64_t>(b.field));                    \
   }
   KVBANK_DIFF(num_layers)
   KVBANK_DIFF(num_q_heads)
@@ -52,9 +52,9 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   if (auto it = models_.find(name); it != models_.end()) {
     const ModelLayout& have = it->second->layout();
     if (have != config.layout) {
-      return absl::AlreadyExistsError(absl::StrCat("model '", name,
-                                                   "' exists with a different layout: ",
-                                                   FirstLayoutDifference(config.layout, have)));
+      return absl::AlreadyExistsError(absl::StrCat(
+          "model '", name,
+          "' exists with a different layout: ", FirstLayoutDifference(config.layout, have)));
     }
     return EnsureResult{it->second, false};
   }
@@ -69,8 +69,8 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
                         absl::StrCat("model '", name, "': ", pool.status().message()));
   }
   pool_bytes_used_ += (*pool)->pool_bytes();
-  auto store = std::make_shared<SequenceStore>(config.layout, *std::move(pool),
-                                               std::move(config.store));
+  auto store =
+      std::make_shared<SequenceStore>(config.layout, *std::move(pool), std::move(config.store));
   models_[name] = store;
   return EnsureResult{store, true};
 }

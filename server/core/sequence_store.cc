@@ -13,9 +13,9 @@ namespace kvbank {
 // bytes into blocks only it may write (rows past the lengths, or its own new blocks).
 struct Sequence {
   uint64_t id = 0;
-  std::vector<BlockRef> blocks;       // block table: logical block i -> physical block
-  std::vector<uint64_t> layer_len;    // tokens written per layer
-  std::vector<uint32_t> token_ids;    // known token ids, positions [0, size)
+  std::vector<BlockRef> blocks;     // block table: logical block i -> physical block
+  std::vector<uint64_t> layer_len;  // tokens written per layer
+  std::vector<uint32_t> token_ids;  // known token ids, positions [0, size)
   uint64_t cached_tokens = 0;
   absl::Duration lease_ttl = absl::ZeroDuration();
   absl::Time lease_deadline = absl::InfiniteFuture();
@@ -92,8 +92,7 @@ absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id) {
   }
   auto t = tombstones_.find(id);
   if (t != tombstones_.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence_id ", id, " is gone: ", t->second));
+    return absl::FailedPreconditionError(absl::StrCat("sequence_id ", id, " is gone: ", t->second));
   }
   return absl::NotFoundError(
       absl::StrCat("sequence_id ", id, " not found in model '", layout_.name, "'"));
@@ -141,7 +140,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(std::optional<absl::Duration>
   if (!ttl.ok()) return ttl.status();
   absl::MutexLock lock(&mu_);
   if (live_.size() >= options_.max_sequences) {
-    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name, "' has max_sequences (",
+    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
+                                                     "' has max_sequences (",
                                                      options_.max_sequences, ") live sequences"));
   }
   return Info(*Insert(*ttl));
@@ -151,9 +151,8 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   const uint32_t l0 = spec.layer_begin;
   const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
   if (l1 > layout_.num_layers || l0 >= l1) {
-    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1,
-                                                   ") is empty or outside [0, ",
-                                                   layout_.num_layers, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
   if (spec.num_tokens == 0) return absl::InvalidArgumentError("num_tokens is 0: empty append");
   if (spec.num_tokens > options_.max_tokens_per_sequence) {
@@ -173,8 +172,8 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     }
     if (spec.dtype.has_value() && *spec.dtype != stored) {
       return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(*spec.dtype),
-                                                     " does not match layer ", l,
-                                                     " storage dtype ", DTypeName(stored)));
+                                                     " does not match layer ", l, " storage dtype ",
+                                                     DTypeName(stored)));
     }
   }
 
@@ -197,9 +196,9 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     }
   }
   if (spec.num_tokens > options_.max_tokens_per_sequence - pos) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "append of ", spec.num_tokens, " tokens at position ", pos,
-        " exceeds max_tokens_per_sequence ", options_.max_tokens_per_sequence));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("append of ", spec.num_tokens, " tokens at position ", pos,
+                     " exceeds max_tokens_per_sequence ", options_.max_tokens_per_sequence));
   }
   if (!spec.token_ids.empty()) {
     if (pos > s->token_ids.size()) {
@@ -209,9 +208,9 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     }
     for (uint64_t i = 0; pos + i < s->token_ids.size() && i < spec.num_tokens; ++i) {
       if (s->token_ids[pos + i] != spec.token_ids[i]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "token_ids[", i, "] = ", spec.token_ids[i], " differs from the id already at position ",
-            pos + i, " (", s->token_ids[pos + i], ")"));
+        return absl::InvalidArgumentError(absl::StrCat("token_ids[", i, "] = ", spec.token_ids[i],
+                                                       " differs from the id already at position ",
+                                                       pos + i, " (", s->token_ids[pos + i], ")"));
       }
     }
   }
@@ -332,16 +331,14 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
   const uint32_t l0 = spec.layer_begin;
   const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
   if (l1 > layout_.num_layers || l0 >= l1) {
-    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1,
-                                                   ") is empty or outside [0, ",
-                                                   layout_.num_layers, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
   for (uint32_t l = l0; l < l1; ++l) {
     if (spec.dtype.has_value() && *spec.dtype != layout_.layer_dtypes[l]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("dtype ", DTypeName(*spec.dtype), " does not match layer ", l,
-                       " storage dtype ", DTypeName(layout_.layer_dtypes[l]),
-                       "; conversion on fetch is not built yet"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype ", DTypeName(*spec.dtype), " does not match layer ", l, " storage dtype ",
+          DTypeName(layout_.layer_dtypes[l]), "; conversion on fetch is not built yet"));
     }
   }
   std::unique_ptr<FetchReader> r(new FetchReader());
@@ -355,8 +352,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     const uint64_t t1 = spec.token_end.value_or(avail);
     if (spec.token_begin > t1 || t1 > avail) {
       return absl::OutOfRangeError(absl::StrCat("token range [", spec.token_begin, ", ", t1,
-                                                ") is outside the ", avail,
-                                                " tokens layers [", l0, ", ", l1, ") hold"));
+                                                ") is outside the ", avail, " tokens layers [", l0,
+                                                ", ", l1, ") hold"));
     }
     const uint64_t bt = layout_.block_tokens;
     const uint64_t b0 = spec.token_begin / bt, b1 = CeilDiv(t1, bt);
@@ -394,7 +391,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
     ttl = *resolved;
   }
   if (live_.size() >= options_.max_sequences) {
-    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name, "' has max_sequences (",
+    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
+                                                     "' has max_sequences (",
                                                      options_.max_sequences, ") live sequences"));
   }
   const uint64_t bt = layout_.block_tokens;
@@ -437,8 +435,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   }
   const uint64_t len = s.Length();
   if (num_tokens > len) {
-    return absl::OutOfRangeError(absl::StrCat("num_tokens ", num_tokens,
-                                              " is past the end: the sequence holds ", len));
+    return absl::OutOfRangeError(
+        absl::StrCat("num_tokens ", num_tokens, " is past the end: the sequence holds ", len));
   }
   for (uint64_t& l : s.layer_len) l = num_tokens;
   if (s.token_ids.size() > num_tokens) s.token_ids.resize(num_tokens);

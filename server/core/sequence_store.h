@@ -58,8 +58,8 @@ struct AppendSpec {
   uint32_t layer_begin = 0;
   std::optional<uint32_t> layer_end;  // unset: all layers
   uint64_t num_tokens = 0;
-  std::optional<DType> dtype;         // unset: the storage dtype
-  std::vector<uint32_t> token_ids;    // empty or num_tokens ids
+  std::optional<DType> dtype;       // unset: the storage dtype
+  std::vector<uint32_t> token_ids;  // empty or num_tokens ids
 };
 
 struct FetchSpec {
@@ -132,8 +132,8 @@ class FetchReader {
   uint64_t token_begin_ = 0;
   PayloadLayout payload_;
   kernels::PayloadMap map_;
-  std::vector<BlockRef> refs_;     // blocks covering the range (first block of the range first)
-  std::vector<int32_t> table_;     // their ids, indexed from the sequence's block 0
+  std::vector<BlockRef> refs_;  // blocks covering the range (first block of the range first)
+  std::vector<int32_t> table_;  // their ids, indexed from the sequence's block 0
 };
 
 // Thread-safe. Lock order: mu_, then BlockPool's lock. Payload copies run outside mu_.

@@ -48,12 +48,12 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
                              spec.head_dim() || spec.head_dim_v() || kind.has_value() ||
                              spec.kv_lora_rank() || spec.rope_dim();
     if (shape_given) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "spec: give either preset ('", spec.preset(), "') or the shape fields, not both"));
+      return absl::InvalidArgumentError(absl::StrCat("spec: give either preset ('", spec.preset(),
+                                                     "') or the shape fields, not both"));
     }
     if (!PresetLayout(spec.preset(), &m, storage->value_or(DType::kBf16))) {
-      return absl::InvalidArgumentError(absl::StrCat("spec.preset: unknown preset '", spec.preset(),
-                                                     "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.preset: unknown preset '", spec.preset(), "'"));
     }
   } else {
     m.kind = kind.value_or(AttentionKind::kGqa);
@@ -72,8 +72,8 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
     m.num_q_heads = spec.num_q_heads() ? spec.num_q_heads() : m.num_kv_heads;
     if (!kind.has_value() && m.num_kv_heads != 0) {
       m.kind = m.num_q_heads == m.num_kv_heads ? AttentionKind::kMha
-               : m.num_kv_heads == 1          ? AttentionKind::kMqa
-                                              : AttentionKind::kGqa;
+               : m.num_kv_heads == 1           ? AttentionKind::kMqa
+                                               : AttentionKind::kGqa;
     }
     const DType s = storage->value_or(input->value_or(DType::kFp16));
     m.layer_dtypes.assign(m.num_layers, s);

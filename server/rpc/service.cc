@@ -136,8 +136,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       return absl::InvalidArgumentError("header may appear only in the first append message");
     }
     const std::string& data = req_.data();
-    return txn_->Write(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()),
-                                           data.size()));
+    return txn_->Write(
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()), data.size()));
   }
 
   void Fail(const absl::Status& s) {

@@ -25,9 +25,9 @@
 namespace kvbank {
 
 struct ClientOptions {
-  absl::Duration call_deadline = absl::Seconds(30);     // unary calls
-  absl::Duration stream_deadline = absl::Minutes(10);   // appends and fetches
-  uint64_t chunk_bytes = uint64_t{1} << 20;             // payload bytes per append message
+  absl::Duration call_deadline = absl::Seconds(30);    // unary calls
+  absl::Duration stream_deadline = absl::Minutes(10);  // appends and fetches
+  uint64_t chunk_bytes = uint64_t{1} << 20;            // payload bytes per append message
 };
 
 class Client {
@@ -64,8 +64,8 @@ class Client {
     uint32_t layer_begin = 0;
     std::optional<uint32_t> layer_end;
     uint64_t num_tokens = 0;
-    std::optional<DType> dtype;        // unset: the server checks against the storage dtype
-    std::vector<uint32_t> token_ids;   // empty or num_tokens ids
+    std::optional<DType> dtype;       // unset: the server checks against the storage dtype
+    std::vector<uint32_t> token_ids;  // empty or num_tokens ids
   };
   struct FetchArgs {
     uint64_t token_begin = 0;
@@ -98,7 +98,8 @@ class Client {
                                          std::optional<DType> storage = std::nullopt,
                                          uint64_t pool_bytes = 0, uint32_t block_tokens = 0);
   absl::StatusOr<std::vector<ModelInfo>> ListModels();
-  // The model's info, from a cache filled by EnsureModel/EnsurePreset/ListModels (one RPC on a miss).
+  // The model's info, from a cache filled by EnsureModel/EnsurePreset/ListModels (one RPC on a
+  // miss).
   absl::StatusOr<ModelInfo> GetModel(const std::string& model);
   absl::StatusOr<std::vector<ModelStats>> GetStats(const std::string& model = "");
 
@@ -107,8 +108,8 @@ class Client {
                                               std::optional<absl::Duration> lease = std::nullopt);
   // Appends a dense payload (kvbank/layout.h order: per layer K then V), streamed in chunks.
   // Atomic: on any error nothing of it is visible.
-  absl::StatusOr<SequenceInfo> Append(const std::string& model, uint64_t id,
-                                      const AppendArgs& args, absl::Span<const uint8_t> payload);
+  absl::StatusOr<SequenceInfo> Append(const std::string& model, uint64_t id, const AppendArgs& args,
+                                      absl::Span<const uint8_t> payload);
   // Typed helper: k is [layers][kv_heads][num_tokens][head_dim], v is
   // [layers][kv_heads][num_tokens][head_dim_v] (empty for MLA), both dense in the storage dtype,
   // layers = the range in args. Streams without building the interleaved payload.
@@ -122,8 +123,7 @@ class Client {
                             absl::Span<uint8_t> k, absl::Span<uint8_t> v);
   absl::StatusOr<SequenceInfo> Fork(const std::string& model, uint64_t id,
                                     std::optional<absl::Duration> lease = std::nullopt);
-  absl::StatusOr<SequenceInfo> Truncate(const std::string& model, uint64_t id,
-                                        uint64_t num_tokens);
+  absl::StatusOr<SequenceInfo> Truncate(const std::string& model, uint64_t id, uint64_t num_tokens);
   // Returns how many block references the sequence dropped.
   absl::StatusOr<uint64_t> Free(const std::string& model, uint64_t id);
   absl::StatusOr<SequenceInfo> RenewLease(const std::string& model, uint64_t id);

@@ -14,8 +14,8 @@
 //   where kv is 2 (K and V) or 1 (MLA). Every part starts on a 16-byte boundary.
 //
 // Payload (what travels on the wire for an append or fetch of layers [l0, l1) x n tokens):
-//   for each layer l in [l0, l1): K [num_kv_heads][n][head_dim], then V [num_kv_heads][n][head_dim_v]
-//   (no V for MLA), dense, in the layer's storage dtype.
+//   for each layer l in [l0, l1): K [num_kv_heads][n][head_dim], then V
+//   [num_kv_heads][n][head_dim_v] (no V for MLA), dense, in the layer's storage dtype.
 #ifndef KVBANK_LAYOUT_H_
 #define KVBANK_LAYOUT_H_
 
@@ -55,28 +55,41 @@ constexpr uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a;
 
 inline const char* DTypeName(DType d) {
   switch (d) {
-    case DType::kFp32: return "fp32";
-    case DType::kFp16: return "fp16";
-    case DType::kBf16: return "bf16";
-    case DType::kInt8: return "int8";
-    case DType::kFp8E4M3: return "fp8_e4m3";
-    case DType::kFp8E5M2: return "fp8_e5m2";
+    case DType::kFp32:
+      return "fp32";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kInt8:
+      return "int8";
+    case DType::kFp8E4M3:
+      return "fp8_e4m3";
+    case DType::kFp8E5M2:
+      return "fp8_e5m2";
   }
   return "unknown";
 }
 inline bool ParseDType(std::string_view s, DType* out) {
-  for (DType d : {DType::kFp32, DType::kFp16, DType::kBf16, DType::kInt8, DType::kFp8E4M3,
-                  DType::kFp8E5M2}) {
-    if (s == DTypeName(d)) { *out = d; return true; }
+  for (DType d :
+       {DType::kFp32, DType::kFp16, DType::kBf16, DType::kInt8, DType::kFp8E4M3, DType::kFp8E5M2}) {
+    if (s == DTypeName(d)) {
+      *out = d;
+      return true;
+    }
   }
   return false;
 }
 inline const char* AttentionKindName(AttentionKind k) {
   switch (k) {
-    case AttentionKind::kMha: return "mha";
-    case AttentionKind::kGqa: return "gqa";
-    case AttentionKind::kMqa: return "mqa";
-    case AttentionKind::kMla: return "mla";
+    case AttentionKind::kMha:
+      return "mha";
+    case AttentionKind::kGqa:
+      return "gqa";
+    case AttentionKind::kMqa:
+      return "mqa";
+    case AttentionKind::kMla:
+      return "mla";
   }
   return "unknown";
 }
