@@ -44,7 +44,8 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
       for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
         const uint64_t head_begin = part_begin + h * head_bytes;
         if (head_begin >= end || head_begin + head_bytes <= offset) continue;
-        uint64_t t = 0;
+        // Start at the token holding byte `offset` (runs may begin at any token).
+        uint64_t t = head_begin < offset ? (offset - head_begin) / row_bytes : 0;
         while (t < m.num_tokens) {
           const uint64_t pos = m.token_begin + t;
           const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);

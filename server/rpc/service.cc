@@ -83,13 +83,16 @@ grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerCont
 // a client that goes away destroys the uncommitted transaction, which undoes everything.
 class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendRequest> {
  public:
-  AppendReactor(const KvBankService* service, v1::AppendResponse* resp)
-      : service_(service), resp_(resp) {
+  AppendReactor(const KvBankService* service, grpc::CallbackServerContext* ctx,
+                v1::AppendResponse* resp)
+      : service_(service), ctx_(ctx), resp_(resp) {
     StartRead(&req_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // half-close (or the call broke: then OnDone follows and nothing commits)
+    if (!ok) {
+      // Half-close commits; a cancelled or broken call (client gone, deadline) never does.
+      if (ctx_->IsCancelled()) return Fail(absl::CancelledError("append cancelled"));
       if (txn_ == nullptr) return Fail(absl::InvalidArgumentError("append stream had no header"));
       auto info = txn_->Commit();
       txn_.reset();
@@ -146,6 +149,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   }
 
   const KvBankService* const service_;
+  grpc::CallbackServerContext* const ctx_;
   v1::AppendResponse* const resp_;
   v1::AppendRequest req_;
   std::unique_ptr<AppendTxn> txn_;
@@ -154,7 +158,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
 
 grpc::ServerReadReactor<v1::AppendRequest>* KvBankService::Append(grpc::CallbackServerContext* ctx,
                                                                   v1::AppendResponse* resp) {
-  return new AppendReactor(this, resp);
+  return new AppendReactor(this, ctx, resp);
 }
 
 // Server stream: header with the first chunk, then one chunk per write, one write in flight.
