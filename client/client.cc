@@ -71,9 +71,13 @@ struct Client::Impl {
   absl::Mutex mu;
   absl::flat_hash_map<std::string, ModelInfo> models ABSL_GUARDED_BY(mu);
 
+  // Every call: a deadline, and the bearer token when there is one.
   void Deadline(grpc::ClientContext* ctx, bool stream) const {
     ctx->set_deadline(absl::ToChronoTime(
         absl::Now() + (stream ? options.stream_deadline : options.call_deadline)));
+    if (!options.bearer_token.empty()) {
+      ctx->AddMetadata("authorization", "Bearer " + options.bearer_token);
+    }
   }
   void Remember(const ModelInfo& m) {
     absl::MutexLock lock(&mu);
@@ -201,6 +205,15 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
     m.bytes_appended = p.bytes_appended();
     m.bytes_fetched = p.bytes_fetched();
     m.leases_expired = p.leases_expired();
+    m.blocks_cached = p.blocks_cached();
+    m.blocks_pinned = p.blocks_pinned();
+    m.evictions = p.evictions();
+    m.prefix_query_tokens = p.prefix_query_tokens();
+    m.prefix_hit_tokens = p.prefix_hit_tokens();
+    for (const auto& t : p.tenants()) {
+      m.tenants.push_back({t.tenant(), t.prefix_query_tokens(), t.prefix_hit_tokens(),
+                           t.blocks_referenced(), t.sequences()});
+    }
     out.push_back(m);
   }
   return out;
@@ -208,13 +221,41 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
 
 absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& model,
                                                             std::optional<absl::Duration> lease) {
+  CreateArgs args;
+  args.lease = lease;
+  return CreateSequence(model, args);
+}
+
+namespace {
+void AddExtraKeys(const std::vector<ExtraKey>& keys,
+                  google::protobuf::RepeatedPtrField<v1::ExtraKey>* out) {
+  for (const ExtraKey& k : keys) {
+    v1::ExtraKey* p = out->Add();
+    p->set_kind(static_cast<v1::ExtraKeyKind>(k.kind));
+    p->set_value(k.value);
+  }
+}
+std::string HashBytes(const BlockHash& h) { return std::string(h.begin(), h.end()); }
+BlockHash HashFromBytes(const std::string& b) {
+  BlockHash h{};
+  std::memcpy(h.data(), b.data(), std::min(b.size(), h.size()));
+  return h;
+}
+}  // namespace
+
+absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& model,
+                                                            const CreateArgs& args) {
   v1::CreateSequenceRequest req;
   req.set_model(model);
   uint64_t ms = 0;
   bool none = false;
-  SetLease(lease, &ms, &none);
+  SetLease(args.lease, &ms, &none);
   req.set_lease_ttl_ms(ms);
   req.set_no_lease(none);
+  for (uint32_t t : args.prompt) req.add_prompt_token_ids(t);
+  req.set_cache_salt(args.cache_salt);
+  AddExtraKeys(args.extra_keys, req.mutable_extra_keys());
+  if (args.priority.has_value()) req.set_priority(*args.priority);
   v1::SequenceInfo resp;
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, false);
@@ -310,24 +351,15 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendTensors(const std::string& mo
   return impl_->StreamAppend(MakeHeader(model, id, args, k_off + v_off), pieces);
 }
 
-absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
-                                                  const FetchArgs& args) {
-  v1::FetchRequest req;
-  req.set_model(model);
-  req.set_sequence_id(id);
-  req.set_token_begin(args.token_begin);
-  if (args.token_end.has_value()) req.set_token_end(*args.token_end);
-  req.set_layer_begin(args.layer_begin);
-  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
-  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader(impl_->stub->Fetch(&ctx, req));
-  FetchResult out;
+namespace {
+// Reads a FetchResponse stream (header with the first chunk, then chunks) into a FetchResult.
+absl::StatusOr<Client::FetchResult> ReadFetchStream(grpc::ClientContext& ctx,
+                                                    grpc::ClientReader<v1::FetchResponse>& reader) {
+  Client::FetchResult out;
   v1::FetchResponse msg;
   bool have_header = false;
   uint64_t expected = 0;
-  while (reader->Read(&msg)) {
+  while (reader.Read(&msg)) {
     if (msg.has_header()) {
       const v1::FetchHeader& h = msg.header();
       std::optional<DType> d;
@@ -350,12 +382,143 @@ absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint
     }
     out.payload.insert(out.payload.end(), msg.data().begin(), msg.data().end());
   }
-  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
   if (!have_header || out.payload.size() != expected) {
-    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(), " of ",
-                                            expected, " payload bytes"));
+    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(),
+                                            " of ", expected, " payload bytes"));
   }
   return out;
+}
+}  // namespace
+
+absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
+                                                  const FetchArgs& args) {
+  v1::FetchRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  req.set_token_begin(args.token_begin);
+  if (args.token_end.has_value()) req.set_token_end(*args.token_end);
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader(impl_->stub->Fetch(&ctx, req));
+  return ReadFetchStream(ctx, *reader);
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model,
+                                                        const std::vector<BlockHash>& hashes,
+                                                        uint32_t layer_begin,
+                                                        std::optional<uint32_t> layer_end) {
+  v1::FetchBlocksRequest req;
+  req.set_model(model);
+  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
+  req.set_layer_begin(layer_begin);
+  if (layer_end.has_value()) req.set_layer_end(*layer_end);
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader(
+      impl_->stub->FetchBlocks(&ctx, req));
+  return ReadFetchStream(ctx, *reader);
+}
+
+absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
+                                                    const std::vector<MatchQuery>& queries) {
+  v1::MatchRequest req;
+  req.set_model(model);
+  for (const MatchQuery& q : queries) {
+    v1::MatchQuery* p = req.add_queries();
+    for (uint32_t t : q.tokens) p->add_token_ids(t);
+    for (const BlockHash& h : q.hashes) p->add_block_hashes(HashBytes(h));
+    p->set_cache_salt(q.cache_salt);
+    AddExtraKeys(q.extra_keys, p->mutable_extra_keys());
+  }
+  v1::MatchResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->Match(&ctx, req, &resp)); !s.ok()) return s;
+  return std::vector<uint64_t>(resp.cached_tokens().begin(), resp.cached_tokens().end());
+}
+
+absl::StatusOr<uint64_t> Client::Pin(const std::string& model, const MatchQuery& blocks,
+                                     bool pin) {
+  v1::PinRequest req;
+  req.set_model(model);
+  for (uint32_t t : blocks.tokens) req.add_token_ids(t);
+  for (const BlockHash& h : blocks.hashes) req.add_block_hashes(HashBytes(h));
+  req.set_cache_salt(blocks.cache_salt);
+  AddExtraKeys(blocks.extra_keys, req.mutable_extra_keys());
+  req.set_unpin(!pin);
+  v1::PinResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->Pin(&ctx, req, &resp)); !s.ok()) return s;
+  return resp.blocks();
+}
+
+absl::StatusOr<Client::PrefixRootInfo> Client::GetPrefixRoot(const std::string& model,
+                                                             const std::string& cache_salt) {
+  v1::GetPrefixRootRequest req;
+  req.set_model(model);
+  req.set_cache_salt(cache_salt);
+  v1::GetPrefixRootResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  if (auto s = FromGrpc(impl_->stub->GetPrefixRoot(&ctx, req, &resp)); !s.ok()) return s;
+  PrefixRootInfo info;
+  info.root = HashFromBytes(resp.root_hash());
+  if (!ParseHashAlgorithm(resp.hash_algorithm(), &info.algorithm)) {
+    return absl::InternalError(absl::StrCat("unknown hash algorithm '", resp.hash_algorithm(), "'"));
+  }
+  info.block_tokens = resp.block_tokens();
+  info.layout_fingerprint = resp.layout_fingerprint();
+  info.tenant = resp.tenant();
+  return info;
+}
+
+absl::Status Client::Watch(
+    const std::string& model, uint64_t after_sequence, bool from_now, absl::Duration deadline,
+    const std::function<bool(const std::vector<Event>&, uint64_t)>& on_batch) {
+  v1::WatchRequest req;
+  req.set_model(model);
+  req.set_after_sequence(after_sequence);
+  req.set_from_now(from_now);
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, false);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  std::unique_ptr<grpc::ClientReader<v1::KvEventBatch>> reader(impl_->stub->Watch(&ctx, req));
+  v1::KvEventBatch batch;
+  while (reader->Read(&batch)) {
+    std::vector<Event> events;
+    for (const v1::KvEvent& p : batch.events()) {
+      Event e;
+      e.sequence = p.sequence();
+      e.tenant = p.tenant();
+      if (p.has_stored()) {
+        e.type = Event::Type::kStored;
+        for (const auto& h : p.stored().block_hashes()) e.hashes.push_back(HashFromBytes(h));
+        if (!p.stored().parent_block_hash().empty()) {
+          e.parent = HashFromBytes(p.stored().parent_block_hash());
+        }
+        e.token_ids.assign(p.stored().token_ids().begin(), p.stored().token_ids().end());
+        e.block_size = p.stored().block_size();
+        e.lora = p.stored().lora_name();
+      } else if (p.has_removed()) {
+        e.type = Event::Type::kRemoved;
+        for (const auto& h : p.removed().block_hashes()) e.hashes.push_back(HashFromBytes(h));
+      } else {
+        e.type = Event::Type::kAllCleared;
+      }
+      events.push_back(std::move(e));
+    }
+    if (!on_batch(events, batch.last_sequence())) {
+      ctx.TryCancel();
+      reader->Finish();
+      return absl::OkStatus();
+    }
+  }
+  return FromGrpc(reader->Finish());
 }
 
 absl::Status Client::FetchTensors(const std::string& model, uint64_t id, const FetchArgs& args,

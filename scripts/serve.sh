@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 cmake --preset release >/dev/null
 cmake --build --preset release --target kvbankd kvbank_cli
-exec build/release/bin/kvbankd --listen 127.0.0.1:50051 "$@"
+# --no-auth: a local development server. Production: --auth-tokens-file (see README).
+exec build/release/bin/kvbankd --listen 127.0.0.1:50051 --no-auth "$@"

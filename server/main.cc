@@ -46,6 +46,13 @@ ABSL_FLAG(int64_t, max_lease_ms, 86400000, "longest lease a caller may ask for")
 ABSL_FLAG(int64_t, lease_check_ms, 200, "how often expired leases are reaped");
 ABSL_FLAG(std::string, chunk_bytes, "1MiB", "payload bytes per streamed fetch message");
 ABSL_FLAG(int64_t, drain_timeout_ms, 10000, "how long calls in flight may finish at shutdown");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "bearer tokens: one '<token> <tenant> [admin] [max_blocks_fraction=F]' a line");
+ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
+ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash (default on)");
+ABSL_FLAG(int64_t, prefix_cache_ttl_ms, 0, "drop cached blocks older than this (0: never)");
+ABSL_FLAG(std::string, hash_algorithm, "sha256", "prefix hash: sha256 | xxh3_128 (not safe "
+          "against hostile tenants)");
 
 namespace kvbank {
 namespace {
@@ -135,6 +142,23 @@ int Main(int argc, char** argv) {
   store.max_tokens_per_sequence = absl::GetFlag(FLAGS_max_tokens_per_sequence);
   store.default_lease = absl::Milliseconds(absl::GetFlag(FLAGS_default_lease_ms));
   store.max_lease = absl::Milliseconds(absl::GetFlag(FLAGS_max_lease_ms));
+  store.prefix_cache_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_prefix_cache_ttl_ms));
+  if (!ParseHashAlgorithm(absl::GetFlag(FLAGS_hash_algorithm), &store.hash)) {
+    return Fail("--hash-algorithm must be sha256 or xxh3_128");
+  }
+  options.defaults.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
+
+  rpc::Authenticator auth = rpc::Authenticator::Disabled();
+  if (std::string path = absl::GetFlag(FLAGS_auth_tokens_file); !path.empty()) {
+    if (absl::GetFlag(FLAGS_no_auth)) return Fail("give --auth-tokens-file or --no-auth, not both");
+    auto a = rpc::Authenticator::FromFile(path);
+    if (!a.ok()) return Fail(std::string(a.status().message()));
+    auth = *std::move(a);
+  } else if (!absl::GetFlag(FLAGS_no_auth)) {
+    return Fail("authentication needs --auth-tokens-file FILE; --no-auth serves without it");
+  } else {
+    std::cerr << "kvbankd: --no-auth: every caller is the same tenant\n";
+  }
 
   auto registry = std::make_shared<ModelRegistry>(max_pool);
   std::vector<v1::ModelSpec> specs;
@@ -161,6 +185,7 @@ int Main(int argc, char** argv) {
     if (!c.ok()) return Fail(absl::StrCat("model '", s.name(), "': ", c.status().message()));
     auto r = registry->Ensure(*std::move(c));
     if (!r.ok()) return Fail(std::string(r.status().message()));
+    auth.ApplyQuotas(*r->model);
     std::cerr << "kvbankd: model '" << s.name() << "': " << r->model->pool().num_blocks()
               << " blocks of " << r->model->block_layout().block_bytes << " bytes ("
               << r->model->pool().num_blocks() * r->model->layout().block_tokens
@@ -174,7 +199,7 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  rpc::KvBankService service(registry, options);
+  rpc::KvBankService service(registry, options, auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -202,6 +227,7 @@ int Main(int argc, char** argv) {
       if (size_t n = registry->ExpireLeases(absl::Now()); n > 0) {
         std::cerr << "kvbankd: " << n << " lease(s) expired; their sequences were freed\n";
       }
+      registry->ExpireCache(absl::Now());
     }
   });
 

@@ -1,4 +1,4 @@
-#include "block_pool.h"
+#include "server/core/block_pool.h"
 
 #include <sys/mman.h>
 
@@ -27,7 +27,8 @@ void BlockRef::Reset() {
 }
 
 absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout layout,
-                                                                 uint64_t pool_bytes) {
+                                                                 uint64_t pool_bytes,
+                                                                 PoolOptions options) {
   if (layout.block_bytes == 0) return absl::InvalidArgumentError("block layout is empty");
   const uint64_t n = pool_bytes / layout.block_bytes;
   if (n == 0) {
@@ -47,15 +48,17 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout lay
   }
   madvise(p, bytes, MADV_HUGEPAGE);  // best effort
   return std::unique_ptr<BlockPool>(
-      new BlockPool(std::move(layout), static_cast<uint8_t*>(p), bytes, n));
+      new BlockPool(std::move(layout), static_cast<uint8_t*>(p), bytes, n, std::move(options)));
 }
 
-BlockPool::BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks)
+BlockPool::BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks,
+                     PoolOptions options)
     : layout_(std::move(layout)),
       base_(base),
       mapped_bytes_(mapped_bytes),
-      num_blocks_(num_blocks) {
-  refcount_.assign(num_blocks, 0);
+      num_blocks_(num_blocks),
+      options_(std::move(options)) {
+  records_.resize(num_blocks);
   free_list_.reserve(num_blocks);
   // Lowest ids on top of the stack, so a fresh pool hands out blocks in address order.
   for (uint64_t i = num_blocks; i > 0; --i) free_list_.push_back(static_cast<int32_t>(i - 1));
@@ -63,18 +66,79 @@ BlockPool::BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, u
 
 BlockPool::~BlockPool() { munmap(base_, mapped_bytes_); }
 
-absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n) {
+uint32_t BlockPool::InternTenant(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = tenant_ids_.try_emplace(tenant, uint32_t(tenant_names_.size()));
+  if (inserted) {
+    tenant_names_.push_back(tenant);
+    tenant_used_.push_back(0);
+    tenant_quota_.push_back(0);
+  }
+  return it->second;
+}
+
+void BlockPool::SetTenantQuota(uint32_t tenant, uint64_t max_blocks) {
+  absl::MutexLock lock(&mu_);
+  tenant_quota_[tenant] = max_blocks;
+}
+
+uint64_t BlockPool::TenantBlocks(uint32_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  return tenant_used_[tenant];
+}
+
+BlockPool::EvictKey BlockPool::KeyOf(int32_t id) const {
+  return {records_[id].priority, records_[id].tick, id};
+}
+
+void BlockPool::AddRefLocked(int32_t id) {
+  Record& r = records_[id];
+  if (r.refcount++ == 0) {
+    ++tenant_used_[r.tenant];
+    if (r.published) {
+      --cached_;
+      if (r.pins == 0) evictable_.erase(KeyOf(id));
+    }
+  }
+}
+
+absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t tenant) {
   std::vector<BlockRef> out;
   out.reserve(n);
   absl::MutexLock lock(&mu_);
-  if (free_list_.size() < n) {
-    return absl::ResourceExhaustedError(absl::StrCat("block pool exhausted: need ", n, " blocks, ",
-                                                     free_list_.size(), " free of ", num_blocks_));
+  if (tenant_quota_[tenant] != 0 && tenant_used_[tenant] + n > tenant_quota_[tenant]) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", tenant_names_[tenant], "' block quota: ", tenant_used_[tenant],
+                     " of ", tenant_quota_[tenant], " blocks in use, ", n, " more needed"));
   }
+  if (free_list_.size() + evictable_.size() < n) {
+    return absl::ResourceExhaustedError(absl::StrCat("block pool exhausted: need ", n, " blocks, ",
+                                                     free_list_.size(), " free and ",
+                                                     evictable_.size(), " evictable of ",
+                                                     num_blocks_));
+  }
+  // Evict (lowest priority, least recently used first); one Removed event per run of a tenant.
+  std::vector<BlockHash> removed;
+  uint32_t removed_tenant = 0;
+  while (free_list_.size() < n) {
+    const int32_t victim = std::get<2>(*evictable_.begin());
+    if (!removed.empty() && records_[victim].tenant != removed_tenant) {
+      EmitRemovedLocked(removed_tenant, std::move(removed));
+      removed.clear();
+    }
+    removed_tenant = records_[victim].tenant;
+    DropLocked(victim, &removed);
+    ++evictions_;
+  }
+  EmitRemovedLocked(removed_tenant, std::move(removed));
   for (size_t i = 0; i < n; ++i) {
     const int32_t id = free_list_.back();
     free_list_.pop_back();
-    refcount_[id] = 1;
+    Record& r = records_[id];
+    r = Record();
+    r.refcount = 1;
+    r.tenant = tenant;
+    ++tenant_used_[tenant];
     out.push_back(BlockRef(this, id));
   }
   return out;
@@ -82,18 +146,155 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n) {
 
 BlockRef BlockPool::Share(const BlockRef& r) {
   absl::MutexLock lock(&mu_);
-  ++refcount_[r.id()];
+  AddRefLocked(r.id());
   return BlockRef(this, r.id());
 }
 
 uint32_t BlockPool::RefCount(int32_t id) const {
   absl::MutexLock lock(&mu_);
-  return refcount_[id];
+  return records_[id].refcount;
+}
+
+bool BlockPool::Writable(int32_t id) const {
+  absl::MutexLock lock(&mu_);
+  return records_[id].refcount == 1 && !records_[id].published;
+}
+
+bool BlockPool::Published(int32_t id) const {
+  absl::MutexLock lock(&mu_);
+  return records_[id].published;
 }
 
 void BlockPool::Release(int32_t id) {
   absl::MutexLock lock(&mu_);
-  if (--refcount_[id] == 0) free_list_.push_back(id);
+  Record& r = records_[id];
+  if (--r.refcount > 0) return;
+  --tenant_used_[r.tenant];
+  if (r.published) {
+    ++cached_;
+    r.tick = ++tick_;
+    if (r.pins == 0) evictable_.insert(KeyOf(id));
+  } else {
+    free_list_.push_back(id);
+  }
+}
+
+bool BlockPool::Publish(const BlockRef& ref, const PublishInfo& info, uint32_t tenant) {
+  if (!options_.enable_prefix_caching) return false;
+  absl::MutexLock lock(&mu_);
+  Record& r = records_[ref.id()];
+  if (r.published || !index_.try_emplace(info.hash, ref.id()).second) return false;
+  r.published = true;
+  r.hash = info.hash;
+  r.tenant = tenant;
+  r.priority = info.priority;
+  r.stored_at = options_.clock();
+  if (options_.events != nullptr) {
+    // Under mu_, so the log's order is the index's order (a block's Stored precedes its Removed).
+    KvEvent e;
+    e.type = KvEvent::Type::kBlockStored;
+    e.time = r.stored_at;
+    e.tenant = tenant_names_[tenant];
+    e.hashes.push_back(info.hash);
+    e.has_parent = info.has_parent;
+    e.parent = info.parent;
+    e.token_ids = info.token_ids;
+    e.block_tokens = layout_.block_tokens;
+    e.lora = info.lora;
+    options_.events->Append(std::move(e));
+  }
+  return true;
+}
+
+BlockRef BlockPool::Lookup(const BlockHash& hash, uint32_t tenant) {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(hash);
+  if (it == index_.end() || records_[it->second].tenant != tenant) return BlockRef();
+  const int32_t id = it->second;
+  if (records_[id].refcount == 0 && tenant_quota_[tenant] != 0 &&
+      tenant_used_[tenant] + 1 > tenant_quota_[tenant]) {
+    return BlockRef();
+  }
+  AddRefLocked(id);
+  records_[id].tick = ++tick_;
+  return BlockRef(this, id);
+}
+
+bool BlockPool::Contains(const BlockHash& hash, uint32_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(hash);
+  return it != index_.end() && records_[it->second].tenant == tenant;
+}
+
+size_t BlockPool::Pin(absl::Span<const BlockHash> hashes, uint32_t tenant, bool pin) {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const BlockHash& h : hashes) {
+    auto it = index_.find(h);
+    if (it == index_.end() || records_[it->second].tenant != tenant) continue;
+    const int32_t id = it->second;
+    Record& r = records_[id];
+    ++n;
+    if (pin) {
+      if (r.pins++ == 0) {
+        ++pinned_;
+        if (r.refcount == 0) evictable_.erase(KeyOf(id));
+      }
+    } else if (r.pins > 0) {
+      if (--r.pins == 0) {
+        --pinned_;
+        if (r.refcount == 0) evictable_.insert(KeyOf(id));
+      }
+    }
+  }
+  return n;
+}
+
+void BlockPool::DropLocked(int32_t id, std::vector<BlockHash>* removed) {
+  Record& r = records_[id];
+  evictable_.erase(KeyOf(id));
+  index_.erase(r.hash);
+  removed->push_back(r.hash);
+  r.published = false;
+  --cached_;
+  free_list_.push_back(id);
+}
+
+void BlockPool::EmitRemovedLocked(uint32_t tenant, std::vector<BlockHash> hashes) {
+  if (options_.events == nullptr || hashes.empty()) return;
+  KvEvent e;
+  e.type = KvEvent::Type::kBlockRemoved;
+  e.time = options_.clock();
+  e.tenant = tenant_names_[tenant];
+  e.hashes = std::move(hashes);
+  options_.events->Append(std::move(e));
+}
+
+size_t BlockPool::DropCachedBefore(absl::Time cutoff) {
+  absl::MutexLock lock(&mu_);
+  std::vector<int32_t> victims;
+  for (const EvictKey& k : evictable_) {
+    if (records_[std::get<2>(k)].stored_at < cutoff) victims.push_back(std::get<2>(k));
+  }
+  absl::flat_hash_map<uint32_t, std::vector<BlockHash>> removed;
+  for (int32_t id : victims) {
+    const uint32_t tenant = records_[id].tenant;
+    DropLocked(id, &removed[tenant]);
+  }
+  for (auto& [tenant, hashes] : removed) EmitRemovedLocked(tenant, std::move(hashes));
+  return victims.size();
+}
+
+size_t BlockPool::ClearCache() {
+  const size_t n = DropCachedBefore(absl::InfiniteFuture());
+  absl::MutexLock lock(&mu_);
+  if (index_.empty() && options_.events != nullptr) {
+    KvEvent e;
+    e.type = KvEvent::Type::kAllCleared;
+    e.time = options_.clock();
+    options_.events->Append(std::move(e));
+  }
+  return n;
 }
 
 PoolStats BlockPool::Stats() const {
@@ -101,26 +302,71 @@ PoolStats BlockPool::Stats() const {
   PoolStats s;
   s.total = num_blocks_;
   s.free = free_list_.size();
-  s.used = num_blocks_ - s.free;
+  s.cached = cached_;
+  s.used = num_blocks_ - s.free - s.cached;
+  s.pinned = pinned_;
+  s.evictions = evictions_;
   return s;
 }
 
 std::string BlockPool::CheckInvariants() const {
   absl::MutexLock lock(&mu_);
-  std::vector<bool> seen(num_blocks_, false);
+  std::vector<bool> on_free(num_blocks_, false);
   for (int32_t id : free_list_) {
     if (id < 0 || uint64_t(id) >= num_blocks_) return absl::StrCat("free id ", id, " out of range");
-    if (seen[id]) return absl::StrCat("block ", id, " twice on the free list");
-    if (refcount_[id] != 0) return absl::StrCat("free block ", id, " has count ", refcount_[id]);
-    seen[id] = true;
+    if (on_free[id]) return absl::StrCat("block ", id, " twice on the free list");
+    const Record& r = records_[id];
+    if (r.refcount != 0 || r.published) {
+      return absl::StrCat("free block ", id, " has count ", r.refcount, " / published ",
+                          r.published);
+    }
+    on_free[id] = true;
   }
-  uint64_t used = 0;
+  uint64_t used = 0, cached = 0, evictable = 0;
+  std::vector<uint64_t> per_tenant(tenant_used_.size(), 0);
   for (uint64_t id = 0; id < num_blocks_; ++id) {
-    if (!seen[id] && refcount_[id] == 0) return absl::StrCat("block ", id, " leaked (count 0)");
-    used += refcount_[id] > 0;
+    const Record& r = records_[id];
+    if (r.refcount > 0) {
+      ++used;
+      ++per_tenant[r.tenant];
+    } else if (r.published) {
+      ++cached;
+    } else if (!on_free[id]) {
+      return absl::StrCat("block ", id, " leaked: no reference, no hash, not free");
+    }
+    if (r.published) {
+      auto it = index_.find(r.hash);
+      if (it == index_.end() || it->second != int32_t(id)) {
+        return absl::StrCat("published block ", id, " is not in the index");
+      }
+    }
+    if (Evictable(r)) {
+      ++evictable;
+      if (evictable_.count(KeyOf(int32_t(id))) == 0) {
+        return absl::StrCat("cached block ", id, " is missing from the eviction order");
+      }
+    }
   }
-  if (used + free_list_.size() != num_blocks_) {
-    return absl::StrCat("free ", free_list_.size(), " + used ", used, " != total ", num_blocks_);
+  if (used + cached + free_list_.size() != num_blocks_) {
+    return absl::StrCat("free ", free_list_.size(), " + cached ", cached, " + used ", used,
+                        " != total ", num_blocks_);
+  }
+  if (cached != cached_) return absl::StrCat("cached count ", cached_, " != ", cached);
+  if (evictable != evictable_.size()) {
+    return absl::StrCat("eviction order has ", evictable_.size(), " entries for ", evictable);
+  }
+  if (index_.size() != cached + [&] {
+        uint64_t n = 0;
+        for (const Record& r : records_) n += r.published && r.refcount > 0;
+        return n;
+      }()) {
+    return "index size differs from the published blocks";
+  }
+  for (size_t t = 0; t < per_tenant.size(); ++t) {
+    if (per_tenant[t] != tenant_used_[t]) {
+      return absl::StrCat("tenant ", t, " counted ", tenant_used_[t], " blocks, holds ",
+                          per_tenant[t]);
+    }
   }
   return "";
 }

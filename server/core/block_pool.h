@@ -1,24 +1,41 @@
-// The paged block pool: one aligned allocation of fixed-size blocks, with block records (reference
-// counts) kept apart from the data and a free list.
+// The paged block pool: one aligned allocation of fixed-size blocks, with block records kept apart
+// from the data, a free list, reference counts, the prefix index of published blocks and the
+// eviction order of cached ones.
+//
+// A block is in exactly one state:
+//   free        refcount 0, no hash, on the free list
+//   cached      refcount 0, published (has a hash): kept for reuse, evictable unless pinned
+//   referenced  refcount > 0 (published or not)
+// so free + cached + referenced = total at every moment. A published block is immutable: writers
+// copy it first (Writable() is false).
 #ifndef KVBANK_SERVER_CORE_BLOCK_POOL_H_
 #define KVBANK_SERVER_CORE_BLOCK_POOL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <set>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "kvbank/layout.h"
+#include "kvbank/prefix_hash.h"
+#include "server/core/kv_events.h"
 
 namespace kvbank {
 
 class BlockPool;
 
-// A counted reference to one block. Move-only; destroying or resetting it drops the reference,
-// and the block returns to the free list when its last reference goes. A BlockRef must not
-// outlive its pool. Not thread-safe itself (one owner at a time); the pool it points to is.
+// A counted reference to one block. Move-only; destroying or resetting it drops the reference.
+// A BlockRef must not outlive its pool. Not thread-safe itself (one owner at a time); the pool
+// it points to is.
 class BlockRef {
  public:
   BlockRef() = default;
@@ -45,54 +62,135 @@ class BlockRef {
 struct PoolStats {
   uint64_t total = 0;
   uint64_t free = 0;
-  uint64_t used = 0;  // referenced by at least one holder
+  uint64_t cached = 0;  // published, unreferenced (pinned ones included)
+  uint64_t used = 0;    // referenced by at least one holder
+  uint64_t pinned = 0;
+  uint64_t evictions = 0;
 };
 
-// Thread-safe. Lock order: callers' locks (SequenceStore::mu_) before BlockPool::mu_.
+struct PoolOptions {
+  bool enable_prefix_caching = true;
+  KvEventLog* events = nullptr;  // not owned; may be null
+  std::function<absl::Time()> clock = absl::Now;
+};
+
+// What publishing a block records (and its BlockStored event carries).
+struct PublishInfo {
+  BlockHash hash{};
+  bool has_parent = false;  // false for a sequence's first block
+  BlockHash parent{};
+  std::vector<uint32_t> token_ids;
+  std::string lora;
+  uint8_t priority = 50;  // 0..100; lower is evicted first
+};
+
+// Thread-safe. Lock order: SequenceStore::mu_, then BlockPool::mu_, then KvEventLog's.
 class BlockPool {
  public:
+  static constexpr uint32_t kDefaultTenant = 0;  // the tenant "" when auth is off
+
   // Allocates host memory for as many blocks of `layout.block_bytes` as fit in `pool_bytes`
   // (page-aligned, transparent huge pages requested). INVALID_ARGUMENT when not one block fits,
   // RESOURCE_EXHAUSTED when the memory cannot be mapped.
   static absl::StatusOr<std::unique_ptr<BlockPool>> CreateHost(BlockLayout layout,
-                                                               uint64_t pool_bytes);
+                                                               uint64_t pool_bytes,
+                                                               PoolOptions options = {});
   // REQUIRES: every BlockRef of this pool is gone.
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // Takes n free blocks, each with one reference, all or nothing: RESOURCE_EXHAUSTED (nothing
-  // taken) when fewer than n are free.
-  absl::StatusOr<std::vector<BlockRef>> Allocate(size_t n);
+  // A small stable id for a tenant name ("" is kDefaultTenant).
+  uint32_t InternTenant(const std::string& tenant);
+  // At most `max_blocks` blocks referenced by the tenant's holders at once; 0: no limit.
+  void SetTenantQuota(uint32_t tenant, uint64_t max_blocks);
+  uint64_t TenantBlocks(uint32_t tenant) const;
+
+  // Takes n blocks, each with one reference, for `tenant`: free ones first, then evicted cached
+  // ones (lowest priority, then least recently used). All or nothing: RESOURCE_EXHAUSTED (nothing
+  // taken, nothing evicted) when fewer than n can be had or the tenant's quota would be passed.
+  absl::StatusOr<std::vector<BlockRef>> Allocate(size_t n, uint32_t tenant = kDefaultTenant);
   // Another reference to the block `r` refers to. REQUIRES: r.valid().
   BlockRef Share(const BlockRef& r);
 
   uint32_t RefCount(int32_t id) const;
+  // True when the only reference is the caller's and the block is not published.
+  bool Writable(int32_t id) const;
+  bool Published(int32_t id) const;
+
+  // Publishes the block under info.hash in the prefix index. Returns false (and changes nothing)
+  // when prefix caching is off or another block already has that hash.
+  bool Publish(const BlockRef& r, const PublishInfo& info, uint32_t tenant);
+  // A new reference to the block published under `hash` by `tenant`, or an invalid BlockRef.
+  // Counts as a use for the eviction order. Quota-checked like Allocate.
+  BlockRef Lookup(const BlockHash& hash, uint32_t tenant);
+  // Whether `tenant` has a block published under `hash`. No side effects.
+  bool Contains(const BlockHash& hash, uint32_t tenant) const;
+  // Pins (or unpins) the tenant's published blocks with these hashes: pinned blocks are never
+  // evicted. Returns how many hashes named a published block.
+  size_t Pin(absl::Span<const BlockHash> hashes, uint32_t tenant, bool pin);
+  // Drops cached blocks published before `cutoff` (pinned ones stay); returns how many.
+  size_t DropCachedBefore(absl::Time cutoff);
+  // Drops every cached, unpinned block; an AllCleared event when all cached blocks went.
+  size_t ClearCache();
+
   // Start of block `id`'s bytes. Stable for the pool's lifetime.
   uint8_t* BlockData(int32_t id) const { return base_ + uint64_t(id) * layout_.block_bytes; }
   uint8_t* base() const { return base_; }
   const BlockLayout& layout() const { return layout_; }
   uint64_t num_blocks() const { return num_blocks_; }
   uint64_t pool_bytes() const { return mapped_bytes_; }
+  bool prefix_caching() const { return options_.enable_prefix_caching; }
   PoolStats Stats() const;
 
-  // For tests: checks free + used == total, that free blocks have count 0 and appear once.
-  // Returns an empty string when all hold, else what failed.
+  // For tests: free + cached + used == total, every state consistent with the records, the index
+  // and the eviction set agree. Empty string when all hold, else what failed.
   std::string CheckInvariants() const;
 
  private:
   friend class BlockRef;
-  BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks);
+  struct Record {
+    uint32_t refcount = 0;
+    uint32_t pins = 0;
+    uint32_t tenant = kDefaultTenant;
+    bool published = false;
+    uint8_t priority = 50;
+    uint64_t tick = 0;  // last use, for LRU
+    absl::Time stored_at;
+    BlockHash hash{};
+  };
+  using EvictKey = std::tuple<uint8_t, uint64_t, int32_t>;  // priority, tick, id
+
+  BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks,
+            PoolOptions options);
   void Release(int32_t id);
+  void AddRefLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Evictable(const Record& r) const { return r.published && r.refcount == 0 && r.pins == 0; }
+  EvictKey KeyOf(int32_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unpublishes an evictable block and puts it on the free list; its hash goes to `removed`.
+  void DropLocked(int32_t id, std::vector<BlockHash>* removed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EmitRemovedLocked(uint32_t tenant, std::vector<BlockHash> hashes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BlockLayout layout_;
   uint8_t* const base_;
   const uint64_t mapped_bytes_;
   const uint64_t num_blocks_;
+  const PoolOptions options_;
 
   mutable absl::Mutex mu_;
-  std::vector<uint32_t> refcount_ ABSL_GUARDED_BY(mu_);  // block records, apart from the data
+  std::vector<Record> records_ ABSL_GUARDED_BY(mu_);     // block records, apart from the data
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed blocks are warm
+  std::set<EvictKey> evictable_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BlockHash, int32_t> index_ ABSL_GUARDED_BY(mu_);
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t cached_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pinned_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> tenant_names_ ABSL_GUARDED_BY(mu_) = {""};
+  absl::flat_hash_map<std::string, uint32_t> tenant_ids_ ABSL_GUARDED_BY(mu_) = {{"", 0}};
+  std::vector<uint64_t> tenant_used_ ABSL_GUARDED_BY(mu_) = {0};
+  std::vector<uint64_t> tenant_quota_ ABSL_GUARDED_BY(mu_) = {0};
 };
 
 }  // namespace kvbank

@@ -63,7 +63,13 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
         "model '", name, "': pool_bytes ", config.pool_bytes, " exceeds the ",
         total_pool_bytes_ - pool_bytes_used_, " bytes left of the server's pool budget"));
   }
-  auto pool = BlockPool::CreateHost(ComputeBlockLayout(config.layout), config.pool_bytes);
+  auto events = std::make_unique<KvEventLog>(config.event_capacity);
+  PoolOptions pool_options;
+  pool_options.enable_prefix_caching = config.enable_prefix_caching;
+  pool_options.events = events.get();
+  pool_options.clock = config.store.clock;
+  auto pool =
+      BlockPool::CreateHost(ComputeBlockLayout(config.layout), config.pool_bytes, pool_options);
   if (!pool.ok()) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("model '", name, "': ", pool.status().message()));
@@ -96,6 +102,12 @@ std::vector<std::shared_ptr<SequenceStore>> ModelRegistry::List() const {
 size_t ModelRegistry::ExpireLeases(absl::Time now) const {
   size_t n = 0;
   for (const auto& m : List()) n += m->ExpireLeases(now);
+  return n;
+}
+
+size_t ModelRegistry::ExpireCache(absl::Time now) const {
+  size_t n = 0;
+  for (const auto& m : List()) n += m->ExpireCache(now);
   return n;
 }
 

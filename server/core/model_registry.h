@@ -19,6 +19,8 @@ struct ModelConfig {
   ModelLayout layout;  // layout.name is the model's name
   uint64_t pool_bytes = 0;
   StoreOptions store;
+  bool enable_prefix_caching = true;
+  size_t event_capacity = 65536;  // KV events kept for watchers to resume from
 };
 
 struct EnsureResult {
@@ -42,6 +44,8 @@ class ModelRegistry {
   std::vector<std::shared_ptr<SequenceStore>> List() const;  // sorted by name
   // Expires leases in every model; returns how many sequences went.
   size_t ExpireLeases(absl::Time now) const;
+  // Drops cached blocks past each model's prefix-cache TTL; returns how many.
+  size_t ExpireCache(absl::Time now) const;
   uint64_t pool_bytes_used() const;
 
  private:

@@ -13,6 +13,13 @@ namespace kvbank {
 // bytes into blocks only it may write (rows past the lengths, or its own new blocks).
 struct Sequence {
   uint64_t id = 0;
+  std::string tenant;
+  uint32_t tenant_id = BlockPool::kDefaultTenant;
+  BlockHash root{};                  // prefix-hash root: layout, tenant, salt
+  std::vector<ExtraKey> extra_keys;  // in every block's hash
+  std::string lora;                  // for events
+  uint8_t priority = 50;
+  std::vector<BlockHash> hashes;     // hash of each leading full block with known token ids
   std::vector<BlockRef> blocks;     // block table: logical block i -> physical block
   std::vector<uint64_t> layer_len;  // tokens written per layer
   std::vector<uint32_t> token_ids;  // known token ids, positions [0, size)
@@ -32,8 +39,12 @@ uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool,
-                             StoreOptions options)
-    : layout_(std::move(layout)), pool_(std::move(pool)), options_(std::move(options)) {
+                             StoreOptions options, std::unique_ptr<KvEventLog> events)
+    : layout_(std::move(layout)),
+      events_(std::move(events)),
+      pool_(std::move(pool)),
+      options_(std::move(options)),
+      fingerprint_(LayoutFingerprint(layout_)) {
   absl::BitGen gen;
   id_state_ = absl::Uniform<uint64_t>(gen);
 }
@@ -64,9 +75,13 @@ absl::StatusOr<absl::Duration> SequenceStore::ResolveLease(
   return *lease;
 }
 
-SequenceStore::SeqPtr SequenceStore::Insert(absl::Duration lease) {
+SequenceStore::SeqPtr SequenceStore::Insert(absl::Duration lease, const std::string& tenant) {
   auto s = std::make_shared<Sequence>();
   s->id = NewId();
+  s->tenant = tenant;
+  s->tenant_id = pool_->InternTenant(tenant);
+  s->priority = options_.default_priority;
+  s->root = Root(tenant, "");
   s->layer_len.assign(layout_.num_layers, 0);
   s->lease_ttl = lease;
   Renew(*s);
@@ -79,20 +94,19 @@ void SequenceStore::Renew(Sequence& s) {
       s.lease_ttl == absl::ZeroDuration() ? absl::InfiniteFuture() : options_.clock() + s.lease_ttl;
 }
 
-absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id) {
+absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id, const std::string& tenant) {
   auto it = live_.find(id);
-  if (it != live_.end()) {
+  if (it != live_.end() && it->second->tenant == tenant) {
     // A lease that ran out is expired on first touch, even before the reaper sees it.
-    if (it->second->lease_deadline <= options_.clock()) {
-      ++leases_expired_;
-      Remove(it->second, "its lease expired");
-    } else {
-      return it->second;
-    }
+    if (it->second->lease_deadline > options_.clock()) return it->second;
+    ++leases_expired_;
+    Remove(it->second, "its lease expired");
   }
+  // Another tenant's sequence, live or gone, reads exactly like one that never existed.
   auto t = tombstones_.find(id);
-  if (t != tombstones_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("sequence_id ", id, " is gone: ", t->second));
+  if (t != tombstones_.end() && t->second.tenant == tenant) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence_id ", id, " is gone: ", t->second.reason));
   }
   return absl::NotFoundError(
       absl::StrCat("sequence_id ", id, " not found in model '", layout_.name, "'"));
@@ -109,17 +123,21 @@ SequenceInfo SequenceStore::Info(const Sequence& s) const {
   return i;
 }
 
-uint64_t SequenceStore::Remove(const SeqPtr& s, std::string reason) {
+uint64_t SequenceStore::Remove(SeqPtr s, std::string reason) {
   live_.erase(s->id);
   s->removed = true;
-  tombstones_[s->id] = std::move(reason);
+  tombstones_[s->id] = Tombstone{s->tenant, std::move(reason)};
   tombstone_order_.push_back(s->id);
   while (tombstone_order_.size() > options_.tombstones) {
     tombstones_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
   const uint64_t n = s->blocks.size();
-  if (!s->append_in_flight) s->blocks.clear();  // else the transaction releases them at its end
+  if (!s->append_in_flight) {
+    // Tail first: cached blocks then age tail-first, so eviction takes a chain's tail before
+    // its head (the head is what other prompts share).
+    while (!s->blocks.empty()) s->blocks.pop_back();
+  }  // else the transaction releases them when it ends
   return n;
 }
 
@@ -135,16 +153,74 @@ kernels::PayloadMap SequenceStore::MakeMap(const PayloadLayout& p) const {
   return m;
 }
 
-absl::StatusOr<SequenceInfo> SequenceStore::Create(std::optional<absl::Duration> lease) {
-  auto ttl = ResolveLease(lease);
+BlockHash SequenceStore::Root(const std::string& tenant, const std::string& cache_salt) const {
+  return RootHash(options_.hash, PrefixRoot{fingerprint_, tenant, cache_salt});
+}
+
+absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
+  auto ttl = ResolveLease(o.lease);
   if (!ttl.ok()) return ttl.status();
+  if (o.priority.has_value() && *o.priority > 100) {
+    return absl::InvalidArgumentError(absl::StrCat("priority ", int(*o.priority),
+                                                   " is outside [0, 100]"));
+  }
+  if (o.prompt.size() > options_.max_tokens_per_sequence) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", o.prompt.size(),
+                                                   " tokens exceeds max_tokens_per_sequence ",
+                                                   options_.max_tokens_per_sequence));
+  }
+  // Hashing happens before taking the lock: it is the expensive part of a long prompt.
+  const BlockHash root = Root(o.tenant, o.cache_salt);
+  std::vector<BlockHash> hashes;
+  if (pool_->prefix_caching()) {
+    hashes = PrefixHashes(options_.hash, root, o.prompt, layout_.block_tokens, o.extra_keys);
+  }
   absl::MutexLock lock(&mu_);
   if (live_.size() >= options_.max_sequences) {
     return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
                                                      "' has max_sequences (",
                                                      options_.max_sequences, ") live sequences"));
   }
-  return Info(*Insert(*ttl));
+  SeqPtr s = Insert(*ttl, o.tenant);
+  s->root = root;
+  s->extra_keys = o.extra_keys;
+  for (const ExtraKey& k : o.extra_keys) {
+    if (k.kind == ExtraKeyKind::kLora) s->lora = k.value;
+  }
+  if (o.priority.has_value()) s->priority = *o.priority;
+  s->token_ids = o.prompt;
+  for (const BlockHash& h : hashes) {
+    BlockRef b = pool_->Lookup(h, s->tenant_id);
+    if (!b.valid()) break;
+    s->blocks.push_back(std::move(b));
+    s->hashes.push_back(h);
+  }
+  s->cached_tokens = s->blocks.size() * uint64_t{layout_.block_tokens};
+  for (uint64_t& l : s->layer_len) l = s->cached_tokens;
+  TenantCounters& c = tenant_counters_[o.tenant];
+  c.query_tokens += o.prompt.size();
+  c.hit_tokens += s->cached_tokens;
+  return Info(*s);
+}
+
+void SequenceStore::PublishFullBlocks(Sequence& s) {
+  const uint64_t bt = layout_.block_tokens;
+  const uint64_t full = std::min<uint64_t>(s.Length(), s.token_ids.size()) / bt;
+  while (s.hashes.size() < full) {
+    const size_t i = s.hashes.size();
+    PublishInfo info;
+    info.has_parent = i > 0;
+    info.parent = i > 0 ? s.hashes[i - 1] : s.root;
+    const uint32_t* tokens = s.token_ids.data() + i * bt;
+    info.hash = ChainHash(options_.hash, info.parent, tokens, bt, s.extra_keys);
+    info.token_ids.assign(tokens, tokens + bt);
+    info.lora = s.lora;
+    info.priority = s.priority;
+    s.hashes.push_back(info.hash);
+    // False when the block is already published (shared from the cache) or another block holds
+    // the same hash: then this copy stays private and goes back to the free list when released.
+    pool_->Publish(s.blocks[i], info, s.tenant_id);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const AppendSpec& spec) {
@@ -180,7 +256,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   const uint64_t bt = layout_.block_tokens;
   std::unique_ptr<AppendTxn> txn(new AppendTxn());
   absl::MutexLock lock(&mu_);
-  auto found = Find(spec.sequence_id);
+  auto found = Find(spec.sequence_id, spec.tenant);
   if (!found.ok()) return found.status();
   SeqPtr s = *std::move(found);
   if (s->append_in_flight) {
@@ -216,16 +292,17 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   }
 
   // Blocks touched: from the one holding `pos` to the one holding pos + n - 1. Existing ones that
-  // someone else also references are copied first (copy on write); missing ones are allocated.
+  // are not writable (someone else references them, or they are published and so immutable) are
+  // copied first (copy on write); missing ones are allocated.
   const uint64_t first = pos / bt;
   const uint64_t need = CeilDiv(pos + spec.num_tokens, bt);
   const uint64_t have = s->blocks.size();
   std::vector<size_t> cow;
   for (uint64_t i = first; i < std::min(have, need); ++i) {
-    if (pool_->RefCount(s->blocks[i].id()) > 1) cow.push_back(i);
+    if (!pool_->Writable(s->blocks[i].id())) cow.push_back(i);
   }
   const uint64_t fresh = need > have ? need - have : 0;
-  auto blocks = pool_->Allocate(cow.size() + fresh);
+  auto blocks = pool_->Allocate(cow.size() + fresh, s->tenant_id);
   if (!blocks.ok()) return blocks.status();
 
   txn->write_table_.reserve(std::max(need, have));
@@ -289,7 +366,9 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   if (s.removed) {
     done_ = true;
     s.append_in_flight = false;
-    s.blocks.clear();
+    while (!s.blocks.empty()) s.blocks.pop_back();  // tail first, as in Remove
+    replacements_.clear();  // the blocks go now, not when the caller drops the txn
+    new_blocks_.clear();
     return absl::AbortedError(
         absl::StrCat("sequence_id ", s.id, " was freed while the append was in flight"));
   }
@@ -303,6 +382,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     }
   }
   s.append_in_flight = false;
+  st.PublishFullBlocks(s);
   st.Renew(s);
   done_ = true;
   st.appends_.fetch_add(1, std::memory_order_relaxed);
@@ -314,7 +394,9 @@ void AppendTxn::Abort() {
   absl::MutexLock lock(&store_->mu_);
   done_ = true;
   seq_->append_in_flight = false;
-  if (seq_->removed) seq_->blocks.clear();
+  if (seq_->removed) {
+    while (!seq_->blocks.empty()) seq_->blocks.pop_back();  // tail first, as in Remove
+  }
   replacements_.clear();
   new_blocks_.clear();
 }
@@ -344,7 +426,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
   std::unique_ptr<FetchReader> r(new FetchReader());
   {
     absl::MutexLock lock(&mu_);
-    auto found = Find(spec.sequence_id);
+    auto found = Find(spec.sequence_id, spec.tenant);
     if (!found.ok()) return found.status();
     Sequence& s = **found;
     uint64_t avail = std::numeric_limits<uint64_t>::max();
@@ -379,9 +461,10 @@ void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
                           out.size());
 }
 
-absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl::Duration> lease) {
+absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl::Duration> lease,
+                                                 const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  auto found = Find(id);
+  auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   Sequence& parent = **found;
   absl::Duration ttl = parent.lease_ttl;
@@ -399,10 +482,15 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
   const uint64_t full = parent.Length() / bt;  // blocks full in every layer: shared
   const uint64_t max_len = *std::max_element(parent.layer_len.begin(), parent.layer_len.end());
   const uint64_t partial = CeilDiv(max_len, bt) - full;  // blocks some layer has rows in: copied
-  auto copies = pool_->Allocate(partial);
+  auto copies = pool_->Allocate(partial, parent.tenant_id);
   if (!copies.ok()) return copies.status();
 
-  SeqPtr child = Insert(ttl);
+  SeqPtr child = Insert(ttl, parent.tenant);
+  child->root = parent.root;
+  child->extra_keys = parent.extra_keys;
+  child->lora = parent.lora;
+  child->priority = parent.priority;
+  child->hashes = parent.hashes;
   child->layer_len = parent.layer_len;
   child->token_ids = parent.token_ids;
   child->cached_tokens = parent.cached_tokens;
@@ -424,9 +512,10 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
   return Info(*child);
 }
 
-absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_tokens) {
+absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_tokens,
+                                                     const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  auto found = Find(id);
+  auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   Sequence& s = **found;
   if (s.append_in_flight) {
@@ -441,29 +530,33 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   for (uint64_t& l : s.layer_len) l = num_tokens;
   if (s.token_ids.size() > num_tokens) s.token_ids.resize(num_tokens);
   s.cached_tokens = std::min(s.cached_tokens, num_tokens);
-  s.blocks.resize(CeilDiv(num_tokens, layout_.block_tokens));  // drops references past the end
+  // Blocks past the end are dropped tail first; a block cut in two keeps its place in the index
+  // (it is immutable) but leaves the sequence's hash chain, and is copied before any write.
+  const uint64_t keep = CeilDiv(num_tokens, layout_.block_tokens);
+  while (s.blocks.size() > keep) s.blocks.pop_back();
+  s.hashes.resize(std::min<uint64_t>(s.hashes.size(), num_tokens / layout_.block_tokens));
   Renew(s);
   return Info(s);
 }
 
-absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id) {
+absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  auto found = Find(id);
+  auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   return Remove(*found, "it was freed");
 }
 
-absl::StatusOr<SequenceInfo> SequenceStore::RenewLease(uint64_t id) {
+absl::StatusOr<SequenceInfo> SequenceStore::RenewLease(uint64_t id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  auto found = Find(id);
+  auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   Renew(**found);
   return Info(**found);
 }
 
-absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id) {
+absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id, const std::string& tenant) {
   absl::MutexLock lock(&mu_);
-  auto found = Find(id);
+  auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   return Info(**found);
 }
@@ -479,14 +572,97 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
   return expired.size();
 }
 
+std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
+                                           const std::vector<MatchQuery>& queries) {
+  const uint32_t tenant_id = pool_->InternTenant(tenant);
+  std::vector<uint64_t> out;
+  out.reserve(queries.size());
+  for (const MatchQuery& q : queries) {
+    std::vector<BlockHash> hashes = q.hashes;
+    if (hashes.empty() && !q.tokens.empty()) {
+      hashes = PrefixHashes(options_.hash, Root(tenant, q.cache_salt), q.tokens,
+                            layout_.block_tokens, q.extra_keys);
+    }
+    uint64_t hits = 0;
+    while (hits < hashes.size() && pool_->Contains(hashes[hits], tenant_id)) ++hits;
+    out.push_back(hits * layout_.block_tokens);
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
+    const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
+    std::optional<uint32_t> layer_end) {
+  const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
+  if (l1 > layout_.num_layers || l0 >= l1) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1,
+                                                   ") is empty or outside [0, ",
+                                                   layout_.num_layers, ")"));
+  }
+  if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
+  const uint32_t tenant_id = pool_->InternTenant(tenant);
+  std::unique_ptr<FetchReader> r(new FetchReader());
+  for (const BlockHash& h : hashes) {
+    BlockRef b = pool_->Lookup(h, tenant_id);
+    if (!b.valid()) break;
+    r->table_.push_back(b.id());
+    r->refs_.push_back(std::move(b));
+  }
+  if (r->refs_.empty()) {
+    return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
+  }
+  r->token_begin_ = 0;
+  r->payload_ = PayloadLayout::Make(block_layout(), l0, l1,
+                                    r->refs_.size() * uint64_t{layout_.block_tokens});
+  r->map_ = MakeMap(r->payload_);
+  r->map_.block_table = r->table_.data();
+  r->map_.token_begin = 0;
+  fetches_.fetch_add(1, std::memory_order_relaxed);
+  bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
+  return r;
+}
+
+size_t SequenceStore::Pin(const std::string& tenant, const std::vector<BlockHash>& hashes,
+                          bool pin) {
+  return pool_->Pin(hashes, pool_->InternTenant(tenant), pin);
+}
+
+void SequenceStore::SetTenantQuota(const std::string& tenant, uint64_t max_blocks) {
+  pool_->SetTenantQuota(pool_->InternTenant(tenant), max_blocks);
+}
+
+size_t SequenceStore::ExpireCache(absl::Time now) {
+  if (options_.prefix_cache_ttl <= absl::ZeroDuration()) return 0;
+  return pool_->DropCachedBefore(now - options_.prefix_cache_ttl);
+}
+
 StoreStats SequenceStore::Stats() const {
   StoreStats st;
   {
     absl::MutexLock lock(&mu_);
     st.sequences = live_.size();
-    for (const auto& [id, s] : live_) st.tokens_stored += s->Length();
+    absl::flat_hash_map<std::string, TenantStats> tenants;
+    for (const auto& [id, s] : live_) {
+      st.tokens_stored += s->Length();
+      TenantStats& t = tenants[s->tenant];
+      ++t.sequences;
+    }
+    for (const auto& [name, c] : tenant_counters_) {
+      TenantStats& t = tenants[name];
+      t.prefix_query_tokens = c.query_tokens;
+      t.prefix_hit_tokens = c.hit_tokens;
+      st.prefix_query_tokens += c.query_tokens;
+      st.prefix_hit_tokens += c.hit_tokens;
+    }
+    for (auto& [name, t] : tenants) {
+      t.tenant = name;
+      t.blocks_referenced = pool_->TenantBlocks(pool_->InternTenant(name));
+      st.tenants.push_back(std::move(t));
+    }
     st.leases_expired = leases_expired_;
   }
+  std::sort(st.tenants.begin(), st.tenants.end(),
+            [](const TenantStats& a, const TenantStats& b) { return a.tenant < b.tenant; });
   st.pool = pool_->Stats();
   st.appends = appends_.load(std::memory_order_relaxed);
   st.fetches = fetches_.load(std::memory_order_relaxed);

@@ -20,7 +20,9 @@
 #include "absl/types/span.h"
 #include "kernels/block_copy.h"
 #include "kvbank/layout.h"
+#include "kvbank/prefix_hash.h"
 #include "server/core/block_pool.h"
+#include "server/core/kv_events.h"
 
 namespace kvbank {
 
@@ -31,6 +33,27 @@ struct StoreOptions {
   absl::Duration max_lease = absl::Hours(24);
   size_t tombstones = 65536;  // freed / expired ids remembered for clear errors
   std::function<absl::Time()> clock = absl::Now;
+  HashAlgorithm hash = HashAlgorithm::kSha256;
+  absl::Duration prefix_cache_ttl = absl::ZeroDuration();  // zero: cached blocks never age out
+  uint8_t default_priority = 50;                           // of published blocks, 0..100
+};
+
+// How a sequence starts. The prompt's full blocks already in the prefix index are attached.
+struct CreateOptions {
+  std::optional<absl::Duration> lease;  // unset: the default lease; zero: no lease
+  std::string tenant;
+  std::vector<uint32_t> prompt;  // token ids known up front (appends may then omit them)
+  std::string cache_salt;        // part of the root hash: different salts never share
+  std::vector<ExtraKey> extra_keys;  // go into every block's hash (LoRA name, ...)
+  std::optional<uint8_t> priority;   // of the blocks this sequence publishes
+};
+
+// A batched, side-effect-free look-up: how many leading tokens of a prompt are cached.
+struct MatchQuery {
+  std::vector<uint32_t> tokens;  // either token ids (hashed with the caller's root) ...
+  std::vector<BlockHash> hashes;  // ... or block hashes the caller computed
+  std::string cache_salt;
+  std::vector<ExtraKey> extra_keys;
 };
 
 struct SequenceInfo {
@@ -42,8 +65,19 @@ struct SequenceInfo {
   absl::Duration lease_ttl = absl::ZeroDuration();  // zero: no lease
 };
 
+struct TenantStats {
+  std::string tenant;
+  uint64_t prefix_query_tokens = 0;  // prompt tokens looked up at create
+  uint64_t prefix_hit_tokens = 0;    // of those, attached from the cache
+  uint64_t blocks_referenced = 0;
+  uint64_t sequences = 0;
+};
+
 struct StoreStats {
   PoolStats pool;
+  std::vector<TenantStats> tenants;  // tenants with any activity, by name
+  uint64_t prefix_query_tokens = 0;
+  uint64_t prefix_hit_tokens = 0;
   uint64_t sequences = 0;
   uint64_t tokens_stored = 0;
   uint64_t appends = 0;
@@ -54,6 +88,7 @@ struct StoreStats {
 };
 
 struct AppendSpec {
+  std::string tenant;
   uint64_t sequence_id = 0;
   uint32_t layer_begin = 0;
   std::optional<uint32_t> layer_end;  // unset: all layers
@@ -63,6 +98,7 @@ struct AppendSpec {
 };
 
 struct FetchSpec {
+  std::string tenant;
   uint64_t sequence_id = 0;
   uint64_t token_begin = 0;
   std::optional<uint64_t> token_end;  // unset: all tokens every requested layer has
@@ -139,8 +175,10 @@ class FetchReader {
 // Thread-safe. Lock order: mu_, then BlockPool's lock. Payload copies run outside mu_.
 class SequenceStore {
  public:
-  // `layout` must be valid (ValidateLayout) and match the pool's block layout.
-  SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool, StoreOptions options);
+  // `layout` must be valid (ValidateLayout) and match the pool's block layout. `events` is the
+  // log the pool was created with (may be null); the store keeps it alive past the pool.
+  SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool, StoreOptions options,
+                std::unique_ptr<KvEventLog> events = nullptr);
   ~SequenceStore();
 
   const ModelLayout& layout() const { return layout_; }
@@ -150,18 +188,49 @@ class SequenceStore {
   const BlockPool& pool() const { return *pool_; }
 
   // A new empty sequence. lease: nullopt = the default lease, zero = no lease (lives until freed).
-  absl::StatusOr<SequenceInfo> Create(std::optional<absl::Duration> lease);
+  absl::StatusOr<SequenceInfo> Create(std::optional<absl::Duration> lease) {
+    CreateOptions o;
+    o.lease = lease;
+    return Create(o);
+  }
+  // A new sequence; with a prompt, the longest run of its full blocks found in the prefix index
+  // is attached (SequenceInfo::cached_tokens) and the ids are remembered.
+  absl::StatusOr<SequenceInfo> Create(const CreateOptions& options);
   absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const AppendSpec& spec);
   // BeginAppend + one Write + Commit.
   absl::StatusOr<SequenceInfo> Append(const AppendSpec& spec, absl::Span<const uint8_t> payload);
   absl::StatusOr<std::unique_ptr<FetchReader>> BeginFetch(const FetchSpec& spec);
   // The new sequence shares every full block and gets a private copy of the partial one.
-  absl::StatusOr<SequenceInfo> Fork(uint64_t id, std::optional<absl::Duration> lease);
-  absl::StatusOr<SequenceInfo> Truncate(uint64_t id, uint64_t num_tokens);
+  // Every call on a sequence names the caller's tenant: another tenant's sequence answers exactly
+  // like one that never existed (NOT_FOUND).
+  absl::StatusOr<SequenceInfo> Fork(uint64_t id, std::optional<absl::Duration> lease,
+                                    const std::string& tenant = "");
+  absl::StatusOr<SequenceInfo> Truncate(uint64_t id, uint64_t num_tokens,
+                                        const std::string& tenant = "");
   // Returns the number of blocks whose reference the sequence dropped.
-  absl::StatusOr<uint64_t> Free(uint64_t id);
-  absl::StatusOr<SequenceInfo> RenewLease(uint64_t id);
-  absl::StatusOr<SequenceInfo> Get(uint64_t id);
+  absl::StatusOr<uint64_t> Free(uint64_t id, const std::string& tenant = "");
+  absl::StatusOr<SequenceInfo> RenewLease(uint64_t id, const std::string& tenant = "");
+  absl::StatusOr<SequenceInfo> Get(uint64_t id, const std::string& tenant = "");
+
+  // Cached tokens at the start of each prompt, for `tenant`. No side effects.
+  std::vector<uint64_t> Match(const std::string& tenant, const std::vector<MatchQuery>& queries);
+  // The root hash of `tenant`'s prompts with this salt (what a router computes hashes from).
+  BlockHash Root(const std::string& tenant, const std::string& cache_salt) const;
+  // A reader over the longest run of leading `hashes` that `tenant` has cached: full blocks,
+  // layers [layer_begin, layer_end). NOT_FOUND when not even the first is cached.
+  absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(const std::string& tenant,
+                                                           const std::vector<BlockHash>& hashes,
+                                                           uint32_t layer_begin,
+                                                           std::optional<uint32_t> layer_end);
+  // Pins (pin) or unpins the tenant's cached blocks with these hashes; returns how many matched.
+  size_t Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin);
+  // Per-tenant block quota (0: none).
+  void SetTenantQuota(const std::string& tenant, uint64_t max_blocks);
+  // Drops cached blocks older than the prefix-cache TTL (if one is set); returns how many.
+  size_t ExpireCache(absl::Time now);
+  // Drops every unpinned cached block.
+  size_t ClearCache() { return pool_->ClearCache(); }
+  KvEventLog* events() const { return events_.get(); }
   // Frees every sequence whose lease ran out by `now`; returns how many.
   size_t ExpireLeases(absl::Time now);
 
@@ -174,24 +243,39 @@ class SequenceStore {
   friend class AppendTxn;
   using SeqPtr = std::shared_ptr<Sequence>;
 
-  absl::StatusOr<SeqPtr> Find(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<SeqPtr> Find(uint64_t id, const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hashes and publishes every block that became full in all layers with known token ids.
+  void PublishFullBlocks(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct TenantCounters {
+    uint64_t query_tokens = 0;
+    uint64_t hit_tokens = 0;
+  };
   absl::StatusOr<absl::Duration> ResolveLease(std::optional<absl::Duration> lease) const;
   uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  SeqPtr Insert(absl::Duration lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SeqPtr Insert(absl::Duration lease, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Renew(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SequenceInfo Info(const Sequence& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `s` from the live set, leaving a tombstone with `reason`; its blocks go now, or when
   // its append in flight ends.
-  uint64_t Remove(const SeqPtr& s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `s` by value: callers often pass the map's own entry, which this erases.
+  uint64_t Remove(SeqPtr s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   kernels::PayloadMap MakeMap(const PayloadLayout& p) const;
 
   const ModelLayout layout_;
+  const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it
   const std::unique_ptr<BlockPool> pool_;
   const StoreOptions options_;
+  const std::string fingerprint_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, SeqPtr> live_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::string> tombstones_ ABSL_GUARDED_BY(mu_);
+  struct Tombstone {
+    std::string tenant;
+    std::string reason;
+  };
+  absl::flat_hash_map<uint64_t, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, TenantCounters> tenant_counters_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
   uint64_t id_state_ ABSL_GUARDED_BY(mu_);
   uint64_t leases_expired_ ABSL_GUARDED_BY(mu_) = 0;

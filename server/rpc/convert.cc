@@ -1,5 +1,7 @@
 #include "server/rpc/convert.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
 
@@ -96,6 +98,8 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
     return absl::InvalidArgumentError(absl::StrCat("spec: ", e));
   }
   c.pool_bytes = spec.pool_bytes() ? spec.pool_bytes() : defaults.pool_bytes;
+  c.enable_prefix_caching = spec.has_enable_prefix_caching() ? spec.enable_prefix_caching()
+                                                             : defaults.enable_prefix_caching;
   c.store = defaults.store;
   if (spec.max_sequences()) c.store.max_sequences = spec.max_sequences();
   if (spec.max_tokens_per_sequence()) {
@@ -114,6 +118,7 @@ void ToProto(const SequenceStore& model, v1::ModelInfo* out) {
   s->set_pool_bytes(model.pool().pool_bytes());
   s->set_max_sequences(model.options().max_sequences);
   s->set_max_tokens_per_sequence(model.options().max_tokens_per_sequence);
+  s->set_enable_prefix_caching(model.pool().prefix_caching());
   out->set_fingerprint(LayoutFingerprint(m));
   out->set_block_bytes(model.block_layout().block_bytes);
   out->set_num_blocks(model.pool().num_blocks());
@@ -147,6 +152,80 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
   out->set_bytes_appended(st.bytes_appended);
   out->set_bytes_fetched(st.bytes_fetched);
   out->set_leases_expired(st.leases_expired);
+  out->set_blocks_cached(st.pool.cached);
+  out->set_blocks_pinned(st.pool.pinned);
+  out->set_evictions(st.pool.evictions);
+  out->set_prefix_query_tokens(st.prefix_query_tokens);
+  out->set_prefix_hit_tokens(st.prefix_hit_tokens);
+  for (const TenantStats& t : st.tenants) {
+    v1::TenantStats* p = out->add_tenants();
+    p->set_tenant(t.tenant);
+    p->set_prefix_query_tokens(t.prefix_query_tokens);
+    p->set_prefix_hit_tokens(t.prefix_hit_tokens);
+    p->set_blocks_referenced(t.blocks_referenced);
+    p->set_sequences(t.sequences);
+  }
+}
+
+absl::StatusOr<std::vector<ExtraKey>> ExtraKeysFromProto(
+    const google::protobuf::RepeatedPtrField<v1::ExtraKey>& keys) {
+  std::vector<ExtraKey> out;
+  for (int i = 0; i < keys.size(); ++i) {
+    const v1::ExtraKey& k = keys[i];
+    if (k.kind() < v1::EXTRA_KEY_KIND_LORA || k.kind() > v1::EXTRA_KEY_KIND_CUSTOM) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("extra_keys[", i, "].kind is unspecified or unknown (", int(k.kind()), ")"));
+    }
+    if (k.value().size() > 4096) {
+      return absl::InvalidArgumentError(absl::StrCat("extra_keys[", i, "].value exceeds 4096 bytes"));
+    }
+    out.push_back(ExtraKey{static_cast<ExtraKeyKind>(k.kind()), k.value()});
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<BlockHash>> HashesFromProto(
+    const google::protobuf::RepeatedPtrField<std::string>& hashes, const char* field) {
+  std::vector<BlockHash> out;
+  out.reserve(hashes.size());
+  for (int i = 0; i < hashes.size(); ++i) {
+    if (hashes[i].size() != sizeof(BlockHash)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] has ", hashes[i].size(),
+                                                     " bytes; a block hash has 32"));
+    }
+    BlockHash h;
+    std::memcpy(h.data(), hashes[i].data(), h.size());
+    out.push_back(h);
+  }
+  return out;
+}
+
+void ToProto(const KvEvent& e, bool show_tenant, v1::KvEvent* out) {
+  out->set_sequence(e.sequence);
+  out->set_time_unix_micros(absl::ToUnixMicros(e.time));
+  if (show_tenant) out->set_tenant(e.tenant);
+  auto bytes = [](const BlockHash& h) { return std::string(h.begin(), h.end()); };
+  switch (e.type) {
+    case KvEvent::Type::kBlockStored: {
+      v1::BlockStored* s = out->mutable_stored();
+      for (const BlockHash& h : e.hashes) s->add_block_hashes(bytes(h));
+      if (e.has_parent) s->set_parent_block_hash(bytes(e.parent));
+      for (uint32_t t : e.token_ids) s->add_token_ids(t);
+      s->set_block_size(e.block_tokens);
+      s->set_lora_name(e.lora);
+      s->set_medium(e.medium);
+      break;
+    }
+    case KvEvent::Type::kBlockRemoved: {
+      v1::BlockRemoved* r = out->mutable_removed();
+      for (const BlockHash& h : e.hashes) r->add_block_hashes(bytes(h));
+      r->set_medium(e.medium);
+      break;
+    }
+    case KvEvent::Type::kAllCleared:
+      out->mutable_cleared();
+      break;
+  }
 }
 
 absl::StatusOr<std::optional<absl::Duration>> LeaseFromProto(uint64_t ms, bool none) {

@@ -15,6 +15,7 @@ namespace kvbank::rpc {
 // Server-wide defaults a ModelSpec falls back on.
 struct ModelDefaults {
   uint64_t pool_bytes = uint64_t{1} << 30;
+  bool enable_prefix_caching = true;
   StoreOptions store;
 };
 
@@ -30,6 +31,13 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec, const Model
 void ToProto(const SequenceStore& model, v1::ModelInfo* out);
 void ToProto(const SequenceInfo& info, const std::string& model, v1::SequenceInfo* out);
 void ToProto(const SequenceStore& model, const StoreStats& stats, v1::ModelStats* out);
+
+absl::StatusOr<std::vector<ExtraKey>> ExtraKeysFromProto(
+    const google::protobuf::RepeatedPtrField<v1::ExtraKey>& keys);
+// Each hash must be 32 bytes; INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<std::vector<BlockHash>> HashesFromProto(
+    const google::protobuf::RepeatedPtrField<std::string>& hashes, const char* field);
+void ToProto(const KvEvent& e, bool show_tenant, v1::KvEvent* out);
 
 // Milliseconds from the wire into a lease: 0 -> nullopt (the default); `none` -> zero (no lease).
 absl::StatusOr<std::optional<absl::Duration>> LeaseFromProto(uint64_t ms, bool none);

@@ -28,16 +28,20 @@ absl::Status CheckSequenceId(uint64_t id) {
 
 }  // namespace
 
-KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options)
-    : registry_(std::move(registry)), options_(std::move(options)) {}
+KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
+                             Authenticator auth)
+    : registry_(std::move(registry)), options_(std::move(options)), auth_(std::move(auth)) {}
 
 grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext* ctx,
                                                      const v1::EnsureModelRequest* req,
                                                      v1::EnsureModelResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   auto config = ToModelConfig(req->spec(), options_.defaults);
   if (!config.ok()) return Done(ctx, config.status());
   auto result = registry_->Ensure(*std::move(config));
   if (!result.ok()) return Done(ctx, result.status());
+  if (result->created) auth_.ApplyQuotas(*result->model);
   ToProto(*result->model, resp->mutable_model());
   resp->set_created(result->created);
   return Done(ctx, absl::OkStatus());
@@ -46,6 +50,8 @@ grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvBankService::ListModels(grpc::CallbackServerContext* ctx,
                                                     const v1::ListModelsRequest* req,
                                                     v1::ListModelsResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   for (const auto& m : registry_->List()) ToProto(*m, resp->add_models());
   return Done(ctx, absl::OkStatus());
 }
@@ -53,6 +59,8 @@ grpc::ServerUnaryReactor* KvBankService::ListModels(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* KvBankService::GetStats(grpc::CallbackServerContext* ctx,
                                                   const v1::GetStatsRequest* req,
                                                   v1::GetStatsResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   std::vector<std::shared_ptr<SequenceStore>> models;
   if (req->model().empty()) {
     models = registry_->List();
@@ -61,18 +69,45 @@ grpc::ServerUnaryReactor* KvBankService::GetStats(grpc::CallbackServerContext* c
     if (!m.ok()) return Done(ctx, m.status());
     models.push_back(*m);
   }
-  for (const auto& m : models) ToProto(*m, m->Stats(), resp->add_models());
+  for (const auto& m : models) {
+    StoreStats st = m->Stats();
+    if (!caller->admin) {  // a tenant sees its own row only
+      std::vector<TenantStats> own;
+      for (TenantStats& t : st.tenants) {
+        if (t.tenant == caller->tenant) own.push_back(std::move(t));
+      }
+      st.tenants = std::move(own);
+    }
+    ToProto(*m, st, resp->add_models());
+  }
   return Done(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateSequenceRequest* req,
                                                         v1::SequenceInfo* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
   auto lease = LeaseFromProto(req->lease_ttl_ms(), req->no_lease());
   if (!lease.ok()) return Done(ctx, lease.status());
-  auto info = (*model)->Create(*lease);
+  CreateOptions o;
+  o.lease = *lease;
+  o.tenant = caller->tenant;
+  o.prompt.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
+  o.cache_salt = req->cache_salt();
+  auto keys = ExtraKeysFromProto(req->extra_keys());
+  if (!keys.ok()) return Done(ctx, keys.status());
+  o.extra_keys = *std::move(keys);
+  if (req->has_priority()) {
+    if (req->priority() > 100) {
+      return Done(ctx, absl::InvalidArgumentError(
+                           absl::StrCat("priority ", req->priority(), " is outside [0, 100]")));
+    }
+    o.priority = static_cast<uint8_t>(req->priority());
+  }
+  auto info = (*model)->Create(o);
   if (!info.ok()) return Done(ctx, info.status());
   ToProto(*info, req->model(), resp);
   return Done(ctx, absl::OkStatus());
@@ -86,6 +121,12 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   AppendReactor(const KvBankService* service, grpc::CallbackServerContext* ctx,
                 v1::AppendResponse* resp)
       : service_(service), ctx_(ctx), resp_(resp) {
+    auto caller = service->auth_.Authenticate(*ctx);
+    if (!caller.ok()) {
+      Finish(ToGrpcStatus(caller.status()));
+      return;
+    }
+    tenant_ = caller->tenant;
     StartRead(&req_);
   }
 
@@ -120,6 +161,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       auto dtype = FromProto(h.dtype(), "header.dtype");
       if (!dtype.ok()) return dtype.status();
       AppendSpec spec;
+      spec.tenant = tenant_;
       spec.sequence_id = h.sequence_id();
       spec.layer_begin = h.layer_begin();
       if (h.has_layer_end()) spec.layer_end = h.layer_end();
@@ -154,6 +196,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   v1::AppendRequest req_;
   std::unique_ptr<AppendTxn> txn_;
   std::string model_name_;
+  std::string tenant_;
 };
 
 grpc::ServerReadReactor<v1::AppendRequest>* KvBankService::Append(grpc::CallbackServerContext* ctx,
@@ -166,19 +209,21 @@ grpc::ServerReadReactor<v1::AppendRequest>* KvBankService::Append(grpc::Callback
 // the sequence is truncated, appended to or freed meanwhile.
 class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
  public:
-  FetchReactor(const KvBankService* service, const v1::FetchRequest* req)
-      : chunk_bytes_(service->options_.chunk_bytes) {
-    absl::Status s = Start(*service, *req);
-    if (!s.ok()) {
-      Finish(ToGrpcStatus(s));
+  // `reader` is what to send, or why not; `dtype` the storage dtype of its first layer.
+  FetchReactor(uint64_t chunk_bytes, absl::StatusOr<std::unique_ptr<FetchReader>> reader,
+               DType dtype)
+      : chunk_bytes_(chunk_bytes) {
+    if (!reader.ok()) {
+      Finish(ToGrpcStatus(reader.status()));
       return;
     }
+    reader_ = *std::move(reader);
     v1::FetchHeader* h = resp_.mutable_header();
     h->set_token_begin(reader_->token_begin());
     h->set_num_tokens(reader_->num_tokens());
     h->set_layer_begin(reader_->layer_begin());
     h->set_layer_end(reader_->layer_end());
-    h->set_dtype(ToProto(dtype_));
+    h->set_dtype(ToProto(dtype));
     h->set_payload_bytes(reader_->payload_bytes());
     WriteNext();
   }
@@ -193,26 +238,6 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
   void OnDone() override { delete this; }
 
  private:
-  absl::Status Start(const KvBankService& service, const v1::FetchRequest& req) {
-    if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
-    auto model = FindModel(*service.registry_, req.model());
-    if (!model.ok()) return model.status();
-    auto dtype = FromProto(req.dtype(), "dtype");
-    if (!dtype.ok()) return dtype.status();
-    FetchSpec spec;
-    spec.sequence_id = req.sequence_id();
-    spec.token_begin = req.token_begin();
-    if (req.has_token_end()) spec.token_end = req.token_end();
-    spec.layer_begin = req.layer_begin();
-    if (req.has_layer_end()) spec.layer_end = req.layer_end();
-    spec.dtype = *dtype;
-    auto reader = (*model)->BeginFetch(spec);
-    if (!reader.ok()) return reader.status();
-    reader_ = *std::move(reader);
-    dtype_ = (*model)->layout().layer_dtypes[reader_->layer_begin()];
-    return absl::OkStatus();
-  }
-
   void WriteNext() {
     const uint64_t n = std::min(chunk_bytes_, reader_->payload_bytes() - offset_);
     std::string* data = resp_.mutable_data();
@@ -224,24 +249,134 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
 
   const uint64_t chunk_bytes_;
   std::unique_ptr<FetchReader> reader_;
-  DType dtype_ = DType::kFp16;
   v1::FetchResponse resp_;
   uint64_t offset_ = 0;
 };
 
 grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::Fetch(grpc::CallbackServerContext* ctx,
                                                                   const v1::FetchRequest* req) {
-  return new FetchReactor(this, req);
+  DType dtype = DType::kFp16;
+  auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
+    auto caller = auth_.Authenticate(*ctx);
+    if (!caller.ok()) return caller.status();
+    if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return s;
+    auto model = FindModel(*registry_, req->model());
+    if (!model.ok()) return model.status();
+    auto d = FromProto(req->dtype(), "dtype");
+    if (!d.ok()) return d.status();
+    FetchSpec spec;
+    spec.tenant = caller->tenant;
+    spec.sequence_id = req->sequence_id();
+    spec.token_begin = req->token_begin();
+    if (req->has_token_end()) spec.token_end = req->token_end();
+    spec.layer_begin = req->layer_begin();
+    if (req->has_layer_end()) spec.layer_end = req->layer_end();
+    spec.dtype = *d;
+    auto reader = (*model)->BeginFetch(spec);
+    if (reader.ok()) dtype = (*model)->layout().layer_dtypes[(*reader)->layer_begin()];
+    return reader;
+  };
+  auto reader = start();
+  return new FetchReactor(options_.chunk_bytes, std::move(reader), dtype);
+}
+
+grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::FetchBlocks(
+    grpc::CallbackServerContext* ctx, const v1::FetchBlocksRequest* req) {
+  DType dtype = DType::kFp16;
+  auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
+    auto caller = auth_.Authenticate(*ctx);
+    if (!caller.ok()) return caller.status();
+    auto model = FindModel(*registry_, req->model());
+    if (!model.ok()) return model.status();
+    auto hashes = HashesFromProto(req->block_hashes(), "block_hashes");
+    if (!hashes.ok()) return hashes.status();
+    std::optional<uint32_t> layer_end;
+    if (req->has_layer_end()) layer_end = req->layer_end();
+    auto reader = (*model)->FetchBlocks(caller->tenant, *hashes, req->layer_begin(), layer_end);
+    if (reader.ok()) dtype = (*model)->layout().layer_dtypes[(*reader)->layer_begin()];
+    return reader;
+  };
+  auto reader = start();
+  return new FetchReactor(options_.chunk_bytes, std::move(reader), dtype);
+}
+
+grpc::ServerUnaryReactor* KvBankService::Match(grpc::CallbackServerContext* ctx,
+                                               const v1::MatchRequest* req,
+                                               v1::MatchResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto model = FindModel(*registry_, req->model());
+  if (!model.ok()) return Done(ctx, model.status());
+  std::vector<MatchQuery> queries;
+  for (const v1::MatchQuery& q : req->queries()) {
+    MatchQuery m;
+    m.tokens.assign(q.token_ids().begin(), q.token_ids().end());
+    auto hashes = HashesFromProto(q.block_hashes(), "queries.block_hashes");
+    if (!hashes.ok()) return Done(ctx, hashes.status());
+    if (!m.tokens.empty() && !hashes->empty()) {
+      return Done(ctx, absl::InvalidArgumentError(
+                           "a query gives either token_ids or block_hashes, not both"));
+    }
+    m.hashes = *std::move(hashes);
+    m.cache_salt = q.cache_salt();
+    auto keys = ExtraKeysFromProto(q.extra_keys());
+    if (!keys.ok()) return Done(ctx, keys.status());
+    m.extra_keys = *std::move(keys);
+    queries.push_back(std::move(m));
+  }
+  for (uint64_t n : (*model)->Match(caller->tenant, queries)) resp->add_cached_tokens(n);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvBankService::Pin(grpc::CallbackServerContext* ctx,
+                                             const v1::PinRequest* req, v1::PinResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto model = FindModel(*registry_, req->model());
+  if (!model.ok()) return Done(ctx, model.status());
+  auto hashes = HashesFromProto(req->block_hashes(), "block_hashes");
+  if (!hashes.ok()) return Done(ctx, hashes.status());
+  if (hashes->empty()) {
+    auto keys = ExtraKeysFromProto(req->extra_keys());
+    if (!keys.ok()) return Done(ctx, keys.status());
+    const std::vector<uint32_t> tokens(req->token_ids().begin(), req->token_ids().end());
+    *hashes = PrefixHashes((*model)->options().hash, (*model)->Root(caller->tenant, req->cache_salt()),
+                           tokens, (*model)->layout().block_tokens, *keys);
+  }
+  if (hashes->empty()) {
+    return Done(ctx, absl::InvalidArgumentError(
+                         "give block_hashes or at least one full block of token_ids"));
+  }
+  resp->set_blocks((*model)->Pin(caller->tenant, *hashes, !req->unpin()));
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(grpc::CallbackServerContext* ctx,
+                                                       const v1::GetPrefixRootRequest* req,
+                                                       v1::GetPrefixRootResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto model = FindModel(*registry_, req->model());
+  if (!model.ok()) return Done(ctx, model.status());
+  const BlockHash root = (*model)->Root(caller->tenant, req->cache_salt());
+  resp->set_root_hash(root.data(), root.size());
+  resp->set_hash_algorithm(HashAlgorithmName((*model)->options().hash));
+  resp->set_block_tokens((*model)->layout().block_tokens);
+  resp->set_layout_fingerprint(LayoutFingerprint((*model)->layout()));
+  resp->set_tenant(caller->tenant);
+  return Done(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* KvBankService::Fork(grpc::CallbackServerContext* ctx,
                                               const v1::ForkRequest* req, v1::SequenceInfo* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
   auto lease = LeaseFromProto(req->lease_ttl_ms(), false);
   if (!lease.ok()) return Done(ctx, lease.status());
-  auto info = (*model)->Fork(req->sequence_id(), *lease);
+  auto info = (*model)->Fork(req->sequence_id(), *lease, caller->tenant);
   if (!info.ok()) return Done(ctx, info.status());
   ToProto(*info, req->model(), resp);
   return Done(ctx, absl::OkStatus());
@@ -250,10 +385,12 @@ grpc::ServerUnaryReactor* KvBankService::Fork(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvBankService::Truncate(grpc::CallbackServerContext* ctx,
                                                   const v1::TruncateRequest* req,
                                                   v1::SequenceInfo* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
-  auto info = (*model)->Truncate(req->sequence_id(), req->num_tokens());
+  auto info = (*model)->Truncate(req->sequence_id(), req->num_tokens(), caller->tenant);
   if (!info.ok()) return Done(ctx, info.status());
   ToProto(*info, req->model(), resp);
   return Done(ctx, absl::OkStatus());
@@ -261,10 +398,12 @@ grpc::ServerUnaryReactor* KvBankService::Truncate(grpc::CallbackServerContext* c
 
 grpc::ServerUnaryReactor* KvBankService::Free(grpc::CallbackServerContext* ctx,
                                               const v1::FreeRequest* req, v1::FreeResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
-  auto released = (*model)->Free(req->sequence_id());
+  auto released = (*model)->Free(req->sequence_id(), caller->tenant);
   if (!released.ok()) return Done(ctx, released.status());
   resp->set_blocks_released(*released);
   return Done(ctx, absl::OkStatus());
@@ -273,10 +412,12 @@ grpc::ServerUnaryReactor* KvBankService::Free(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvBankService::RenewLease(grpc::CallbackServerContext* ctx,
                                                     const v1::RenewLeaseRequest* req,
                                                     v1::SequenceInfo* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
-  auto info = (*model)->RenewLease(req->sequence_id());
+  auto info = (*model)->RenewLease(req->sequence_id(), caller->tenant);
   if (!info.ok()) return Done(ctx, info.status());
   ToProto(*info, req->model(), resp);
   return Done(ctx, absl::OkStatus());
@@ -285,13 +426,113 @@ grpc::ServerUnaryReactor* KvBankService::RenewLease(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* KvBankService::GetSequence(grpc::CallbackServerContext* ctx,
                                                      const v1::GetSequenceRequest* req,
                                                      v1::SequenceInfo* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
   if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
-  auto info = (*model)->Get(req->sequence_id());
+  auto info = (*model)->Get(req->sequence_id(), caller->tenant);
   if (!info.ok()) return Done(ctx, info.status());
   ToProto(*info, req->model(), resp);
   return Done(ctx, absl::OkStatus());
+}
+
+// Server stream of KV events. Wakes on KvEventLog::Notify (from whichever thread appended) and
+// on OnWriteDone; one write in flight. The first message is sent at once (maybe empty): from then
+// on the watch is live.
+class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::KvEventBatch>,
+                                          public KvEventListener {
+ public:
+  static constexpr size_t kMaxBatch = 256;
+
+  WatchReactor(std::shared_ptr<SequenceStore> model, Caller caller, uint64_t after)
+      : model_(std::move(model)), caller_(std::move(caller)), cursor_(after) {
+    model_->events()->Subscribe(this);
+    Pump();
+  }
+
+  void Notify() override { Pump(); }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "watch stream broke"));
+        return;
+      }
+    }
+    Pump();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "watch cancelled"));
+  }
+
+  void OnDone() override {
+    model_->events()->Unsubscribe(this);  // after this, no Notify runs
+    delete this;
+  }
+
+ private:
+  void Pump() {
+    absl::MutexLock lock(&mu_);
+    if (writing_ || finished_) return;
+    resp_.Clear();
+    for (;;) {
+      auto batch = model_->events()->Read(cursor_, kMaxBatch, caller_.tenant, caller_.admin);
+      if (!batch.ok()) return FinishLocked(ToGrpcStatus(batch.status()));
+      const bool advanced = batch->next_after != cursor_;
+      cursor_ = batch->next_after;
+      for (const KvEvent& e : batch->events) ToProto(e, caller_.admin, resp_.add_events());
+      // Events this tenant may not see advance the cursor without filling the batch: read on.
+      if (resp_.events_size() > 0 || !advanced) break;
+    }
+    if (resp_.events_size() == 0 && sent_first_) return;
+    resp_.set_last_sequence(cursor_);
+    sent_first_ = true;
+    writing_ = true;
+    StartWrite(&resp_);
+  }
+
+  void FinishLocked(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(s);
+  }
+
+  const std::shared_ptr<SequenceStore> model_;
+  const Caller caller_;
+  absl::Mutex mu_;
+  uint64_t cursor_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool sent_first_ ABSL_GUARDED_BY(mu_) = false;
+  v1::KvEventBatch resp_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+// A write reactor that only reports an error.
+class FailedWatch final : public grpc::ServerWriteReactor<v1::KvEventBatch> {
+ public:
+  explicit FailedWatch(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
+  void OnDone() override { delete this; }
+};
+}  // namespace
+
+grpc::ServerWriteReactor<v1::KvEventBatch>* KvBankService::Watch(grpc::CallbackServerContext* ctx,
+                                                                 const v1::WatchRequest* req) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return new FailedWatch(caller.status());
+  auto model = FindModel(*registry_, req->model());
+  if (!model.ok()) return new FailedWatch(model.status());
+  if ((*model)->events() == nullptr) {
+    return new FailedWatch(absl::UnimplementedError("this model keeps no KV events"));
+  }
+  const uint64_t after =
+      req->from_now() ? (*model)->events()->last_sequence() : req->after_sequence();
+  return new WatchReactor(*std::move(model), *std::move(caller), after);
 }
 
 }  // namespace kvbank::rpc

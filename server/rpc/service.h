@@ -6,6 +6,7 @@
 
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
+#include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
 
 namespace kvbank::rpc {
@@ -23,7 +24,8 @@ inline constexpr int kMaxMessageBytes = 4 << 20;
 // (at most one chunk each) run inside the reactions.
 class KvBankService final : public v1::KvBank::CallbackService {
  public:
-  KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options);
+  KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
+                Authenticator auth = Authenticator::Disabled());
 
   grpc::ServerUnaryReactor* EnsureModel(grpc::CallbackServerContext* ctx,
                                         const v1::EnsureModelRequest* req,
@@ -54,13 +56,26 @@ class KvBankService final : public v1::KvBank::CallbackService {
   grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
                                         const v1::GetSequenceRequest* req,
                                         v1::SequenceInfo* resp) override;
+  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const v1::MatchRequest* req,
+                                  v1::MatchResponse* resp) override;
+  grpc::ServerWriteReactor<v1::FetchResponse>* FetchBlocks(
+      grpc::CallbackServerContext* ctx, const v1::FetchBlocksRequest* req) override;
+  grpc::ServerUnaryReactor* Pin(grpc::CallbackServerContext* ctx, const v1::PinRequest* req,
+                                v1::PinResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPrefixRoot(grpc::CallbackServerContext* ctx,
+                                          const v1::GetPrefixRootRequest* req,
+                                          v1::GetPrefixRootResponse* resp) override;
+  grpc::ServerWriteReactor<v1::KvEventBatch>* Watch(grpc::CallbackServerContext* ctx,
+                                                    const v1::WatchRequest* req) override;
 
  private:
   class AppendReactor;
   class FetchReactor;
+  class WatchReactor;
 
   const std::shared_ptr<ModelRegistry> registry_;
   const ServiceOptions options_;
+  const Authenticator auth_;
 };
 
 }  // namespace kvbank::rpc

@@ -11,6 +11,7 @@
 #define KVBANK_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvbank/layout.h"
+#include "kvbank/prefix_hash.h"
 
 namespace kvbank {
 
@@ -28,6 +30,7 @@ struct ClientOptions {
   absl::Duration call_deadline = absl::Seconds(30);    // unary calls
   absl::Duration stream_deadline = absl::Minutes(10);  // appends and fetches
   uint64_t chunk_bytes = uint64_t{1} << 20;            // payload bytes per append message
+  std::string bearer_token;  // sent as "authorization: Bearer <token>" when not empty
 };
 
 class Client {
@@ -49,6 +52,46 @@ class Client {
     uint64_t pool_bytes = 0, sequences = 0, tokens_stored = 0, bytes_used = 0;
     uint64_t capacity_tokens = 0, appends = 0, fetches = 0, bytes_appended = 0;
     uint64_t bytes_fetched = 0, leases_expired = 0;
+    uint64_t blocks_cached = 0, blocks_pinned = 0, evictions = 0;
+    uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
+    struct Tenant {
+      std::string tenant;
+      uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0, blocks_referenced = 0;
+      uint64_t sequences = 0;
+    };
+    std::vector<Tenant> tenants;  // the caller's own, or every tenant for an admin
+  };
+  // How a sequence starts: with a prompt, its cached full blocks are attached.
+  struct CreateArgs {
+    std::optional<absl::Duration> lease;  // unset: the server's default; zero: no lease
+    std::vector<uint32_t> prompt;
+    std::string cache_salt;
+    std::vector<ExtraKey> extra_keys;
+    std::optional<uint32_t> priority;  // 0..100
+  };
+  struct MatchQuery {
+    std::vector<uint32_t> tokens;   // either token ids ...
+    std::vector<BlockHash> hashes;  // ... or block hashes
+    std::string cache_salt;
+    std::vector<ExtraKey> extra_keys;
+  };
+  struct PrefixRootInfo {
+    BlockHash root{};
+    HashAlgorithm algorithm = HashAlgorithm::kSha256;
+    uint32_t block_tokens = 0;
+    std::string layout_fingerprint;
+    std::string tenant;
+  };
+  struct Event {
+    enum class Type { kStored, kRemoved, kAllCleared };
+    Type type = Type::kStored;
+    uint64_t sequence = 0;
+    std::string tenant;  // admin watchers only
+    std::vector<BlockHash> hashes;
+    std::optional<BlockHash> parent;
+    std::vector<uint32_t> token_ids;
+    uint32_t block_size = 0;
+    std::string lora;
   };
   struct SequenceInfo {
     std::string model;
@@ -106,6 +149,7 @@ class Client {
   // lease: unset = the server's default; zero = no lease (lives until freed).
   absl::StatusOr<SequenceInfo> CreateSequence(const std::string& model,
                                               std::optional<absl::Duration> lease = std::nullopt);
+  absl::StatusOr<SequenceInfo> CreateSequence(const std::string& model, const CreateArgs& args);
   // Appends a dense payload (kvbank/layout.h order: per layer K then V), streamed in chunks.
   // Atomic: on any error nothing of it is visible.
   absl::StatusOr<SequenceInfo> Append(const std::string& model, uint64_t id, const AppendArgs& args,
@@ -128,6 +172,26 @@ class Client {
   absl::StatusOr<uint64_t> Free(const std::string& model, uint64_t id);
   absl::StatusOr<SequenceInfo> RenewLease(const std::string& model, uint64_t id);
   absl::StatusOr<SequenceInfo> GetSequence(const std::string& model, uint64_t id);
+
+  // Prefix cache (the caller's tenant only). Leading cached tokens per query; no side effects.
+  absl::StatusOr<std::vector<uint64_t>> Match(const std::string& model,
+                                              const std::vector<MatchQuery>& queries);
+  // The longest cached run of leading `hashes`: full blocks, in the payload layout.
+  absl::StatusOr<FetchResult> FetchBlocks(const std::string& model,
+                                          const std::vector<BlockHash>& hashes,
+                                          uint32_t layer_begin = 0,
+                                          std::optional<uint32_t> layer_end = std::nullopt);
+  // Pins (or unpins) cached blocks: by hashes, or the full blocks of a prompt. Returns how many
+  // named a cached block.
+  absl::StatusOr<uint64_t> Pin(const std::string& model, const MatchQuery& blocks, bool pin = true);
+  absl::StatusOr<PrefixRootInfo> GetPrefixRoot(const std::string& model,
+                                               const std::string& cache_salt = "");
+  // Streams KV events after `after_sequence` (or from now) to `on_batch` until it returns false,
+  // the deadline passes or the server ends the stream; returns the stream's status (OK when
+  // on_batch stopped it). on_batch also gets the sequence number to resume from.
+  absl::Status Watch(const std::string& model, uint64_t after_sequence, bool from_now,
+                     absl::Duration deadline,
+                     const std::function<bool(const std::vector<Event>&, uint64_t)>& on_batch);
 
   // True when grpc.health.v1 reports SERVING within the deadline.
   bool WaitForServing(absl::Duration deadline);

@@ -1,0 +1,75 @@
+// KV events of one model: blocks stored in and removed from the prefix cache, in order, with
+// sequence numbers, in a bounded buffer that readers resume from.
+#ifndef KVBANK_SERVER_CORE_KV_EVENTS_H_
+#define KVBANK_SERVER_CORE_KV_EVENTS_H_
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvbank/prefix_hash.h"
+
+namespace kvbank {
+
+struct KvEvent {
+  enum class Type : uint8_t { kBlockStored = 1, kBlockRemoved = 2, kAllCleared = 3 };
+  uint64_t sequence = 0;  // 1, 2, 3, ... per model, assigned by the log
+  Type type = Type::kBlockStored;
+  absl::Time time;
+  std::string tenant;             // owner of the blocks; empty for kAllCleared
+  std::vector<BlockHash> hashes;  // stored / removed blocks, parent first
+  bool has_parent = false;        // stored: the hash the first block chains from (not the root)
+  BlockHash parent{};
+  std::vector<uint32_t> token_ids;  // stored: the blocks' tokens
+  uint32_t block_tokens = 0;
+  std::string lora;  // stored: LoRA name, if the sequence had one
+  std::string medium = "cpu";
+};
+
+// Woken after events are appended, outside the log's event lock: Notify may Read the log, but
+// must not block. Once Unsubscribe returns, Notify is not running and will not run again.
+class KvEventListener {
+ public:
+  virtual ~KvEventListener() = default;
+  virtual void Notify() = 0;
+};
+
+// Thread-safe. Lock order: callers' locks (BlockPool::mu_), then listeners_mu_, then a
+// listener's own lock, then mu_.
+class KvEventLog {
+ public:
+  explicit KvEventLog(size_t capacity = 65536) : capacity_(capacity) {}
+
+  // Assigns the next sequence number and keeps the event (dropping the oldest past capacity).
+  void Append(KvEvent event);
+  struct Batch {
+    std::vector<KvEvent> events;
+    uint64_t next_after = 0;  // pass as `after` next time (skips events the reader may not see)
+  };
+  // Events with sequence > after, among the next max_events, that `tenant` may see (all when
+  // see_all). FAILED_PRECONDITION when events after `after` were already dropped: the reader
+  // missed some and must rebuild its index.
+  absl::StatusOr<Batch> Read(uint64_t after, size_t max_events,
+                                            const std::string& tenant, bool see_all) const;
+  uint64_t last_sequence() const;
+  void Subscribe(KvEventListener* l);
+  void Unsubscribe(KvEventListener* l);
+
+ private:
+  const size_t capacity_;
+  mutable absl::Mutex mu_;
+  std::deque<KvEvent> events_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex listeners_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  absl::flat_hash_set<KvEventListener*> listeners_ ABSL_GUARDED_BY(listeners_mu_);
+};
+
+}  // namespace kvbank
+
+#endif  // KVBANK_SERVER_CORE_KV_EVENTS_H_

@@ -1,0 +1,101 @@
+#include "server/rpc/auth.h"
+
+#include <openssl/sha.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace kvbank::rpc {
+
+namespace {
+
+std::string Digest(absl::string_view token) {
+  unsigned char d[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), d);
+  return std::string(reinterpret_cast<const char*>(d), sizeof(d));
+}
+
+}  // namespace
+
+Authenticator Authenticator::Disabled() { return Authenticator(); }
+
+absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read tokens file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return FromText(text.str());
+}
+
+absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
+  Authenticator a;
+  a.enabled_ = true;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    if (f.size() < 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens file line ", line_no, ": expected '<token> <tenant> [admin]'"));
+    }
+    TenantPolicy p;
+    p.tenant = std::string(f[1]);
+    for (size_t i = 2; i < f.size(); ++i) {
+      absl::string_view v = f[i];
+      if (v == "admin") {
+        p.admin = true;
+      } else if (absl::ConsumePrefix(&v, "max_blocks_fraction=")) {
+        if (!absl::SimpleAtod(v, &p.max_blocks_fraction) || p.max_blocks_fraction < 0 ||
+            p.max_blocks_fraction > 1) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "tokens file line ", line_no, ": max_blocks_fraction must be in [0, 1]"));
+        }
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tokens file line ", line_no, ": unknown field '", f[i], "'"));
+      }
+    }
+    if (!a.by_token_digest_.emplace(Digest(f[0]), p).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens file line ", line_no, ": token listed twice"));
+    }
+  }
+  if (a.by_token_digest_.empty()) {
+    return absl::InvalidArgumentError("tokens file lists no token");
+  }
+  return a;
+}
+
+absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
+  if (!enabled_) return Caller{"", true};
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) {
+    return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
+  }
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, "Bearer ")) {
+    return absl::UnauthenticatedError("authorization metadata is not 'Bearer <token>'");
+  }
+  auto p = by_token_digest_.find(Digest(value));
+  if (p == by_token_digest_.end()) return absl::UnauthenticatedError("unknown bearer token");
+  return Caller{p->second.tenant, p->second.admin};
+}
+
+void Authenticator::ApplyQuotas(SequenceStore& model) const {
+  for (const auto& [digest, p] : by_token_digest_) {
+    if (p.max_blocks_fraction > 0) {
+      const double blocks = p.max_blocks_fraction * double(model.pool().num_blocks());
+      model.SetTenantQuota(p.tenant, std::max<uint64_t>(1, static_cast<uint64_t>(blocks)));
+    }
+  }
+}
+
+}  // namespace kvbank::rpc
