@@ -104,7 +104,6 @@ void BlockPool::AddRefLocked(int32_t id) {
 
 absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t tenant) {
   std::vector<BlockRef> out;
-  out.reserve(n);
   absl::MutexLock lock(&mu_);
   if (tenant_quota_[tenant] != 0 && tenant_used_[tenant] + n > tenant_quota_[tenant]) {
     return absl::ResourceExhaustedError(
@@ -131,6 +130,7 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t ten
     ++evictions_;
   }
   EmitRemovedLocked(removed_tenant, std::move(removed));
+  out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const int32_t id = free_list_.back();
     free_list_.pop_back();
