@@ -7,7 +7,10 @@
 // `demo` plays a prefill worker and a decode worker on two separate connections: the prefill side
 // creates a sequence and streams its KV layer by layer; the decode side fetches it back, checks
 // it bit for bit, forks and truncates it, and frees both. It reports GB/s for both directions.
+#include <malloc.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <map>
@@ -23,9 +26,21 @@
 namespace kvbank {
 namespace {
 
+// --token, else $KVBANK_TOKEN: the bearer token for a server with --auth-tokens-file.
+ClientOptions OptionsFrom(std::map<std::string, std::string>& opts) {
+  ClientOptions o;
+  if (opts.count("token")) {
+    o.bearer_token = opts["token"];
+  } else if (const char* t = std::getenv("KVBANK_TOKEN")) {
+    o.bearer_token = t;
+  }
+  return o;
+}
+
 int Usage() {
-  std::cerr << "usage: kvbank [--server HOST:PORT] <stats [MODEL] | models | demo [--model NAME]"
-               " [--preset PRESET] [--tokens N] [--rounds R]>\n";
+  std::cerr << "usage: kvbank [--server HOST:PORT] [--token T] <stats [MODEL] | models |"
+               " events MODEL [--count N] [--after SEQ] | demo [--model NAME] [--preset PRESET]"
+               " [--tokens N] [--rounds R]>\n";
   return 2;
 }
 
@@ -69,6 +84,35 @@ int Stats(Client& c, const std::string& model) {
   return 0;
 }
 
+// Prints KV events as they come (a KV-aware router's view), until --count events or Ctrl-C.
+int Events(Client& c, const std::string& model, std::map<std::string, std::string>& opts) {
+  uint64_t count = 0, after = 0, seen = 0;
+  if ((opts.count("count") && !absl::SimpleAtoi(opts["count"], &count)) ||
+      (opts.count("after") && !absl::SimpleAtoi(opts["after"], &after))) {
+    return Usage();
+  }
+  absl::Status s = c.Watch(model, after, !opts.count("after"), absl::Hours(24 * 365),
+                           [&](const std::vector<Client::Event>& events, uint64_t) {
+                             for (const auto& e : events) {
+                               const char* kind = e.type == Client::Event::Type::kStored
+                                                      ? "stored"
+                                                      : e.type == Client::Event::Type::kRemoved
+                                                            ? "removed"
+                                                            : "all_cleared";
+                               std::printf("%llu %s", (unsigned long long)e.sequence, kind);
+                               for (const auto& h : e.hashes) {
+                                 std::printf(" %s", HashToHex(h).substr(0, 16).c_str());
+                               }
+                               std::printf("%s\n", e.tenant.empty() ? "" :
+                                                    (" tenant=" + e.tenant).c_str());
+                               std::fflush(stdout);
+                               if (count && ++seen >= count) return false;
+                             }
+                             return true;
+                           });
+  return s.ok() ? 0 : Error(s);
+}
+
 int Demo(const std::string& server, std::map<std::string, std::string> opts) {
   const std::string model = opts.count("model") ? opts["model"] : "llama-3.1-8b";
   const std::string preset = opts.count("preset") ? opts["preset"] : model;
@@ -79,8 +123,8 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
     return Usage();
   }
   // Two clients, two connections: the prefill worker and the decode worker.
-  auto prefill = Client::Connect(server);
-  auto decode = Client::Connect(server);
+  auto prefill = Client::Connect(server, OptionsFrom(opts));
+  auto decode = Client::Connect(server, OptionsFrom(opts));
   if (!prefill.ok()) return Error(prefill.status());
   if (!decode.ok()) return Error(decode.status());
   if (!(*prefill)->WaitForServing(absl::Seconds(10))) {
@@ -176,11 +220,73 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
   }
   std::printf("demo: bit-exact round trip: %s; best append %.2f GB/s, best fetch %.2f GB/s\n",
               exact ? "yes" : "NO", best_append, best_fetch);
+
+  // Prefix sharing: the prefill side stores a prompt; a second request with the same prompt, on
+  // the decode side's connection, attaches the cached blocks instead of recomputing them.
+  {
+    std::vector<uint32_t> prompt(tokens);
+    for (auto& t : prompt) t = static_cast<uint32_t>(rng() % 128000);
+    std::vector<uint8_t> payload(b.PayloadBytes(0, layers, tokens));
+    for (size_t i = 0; i + 8 <= payload.size(); i += 8) {
+      const uint64_t r = rng();
+      std::memcpy(&payload[i], &r, 8);
+    }
+    Client::CreateArgs ca;
+    ca.prompt = prompt;
+    auto first = (*prefill)->CreateSequence(model, ca);
+    if (!first.ok()) return Error(first.status());
+    Client::AppendArgs a;
+    a.num_tokens = tokens;
+    if (auto r = (*prefill)->Append(model, first->id, a, payload); !r.ok()) return Error(r.status());
+    auto before = (*decode)->GetStats(model);
+    if (!before.ok()) return Error(before.status());
+    auto second = (*decode)->CreateSequence(model, ca);
+    if (!second.ok()) return Error(second.status());
+    auto after = (*decode)->GetStats(model);
+    if (!after.ok()) return Error(after.status());
+    const uint64_t cached = second->cached_tokens;
+    bool shared_exact = cached > 0;
+    if (cached > 0) {
+      Client::FetchArgs f;
+      f.token_end = cached;
+      auto got = (*decode)->Fetch(model, second->id, f);
+      if (!got.ok()) return Error(got.status());
+      const PayloadLayout whole = PayloadLayout::Make(b, 0, layers, tokens);
+      const PayloadLayout part = PayloadLayout::Make(b, 0, layers, cached);
+      for (uint32_t l = 0; shared_exact && l < layers; ++l) {
+        const LayerView& v = b.layers[l];
+        for (uint32_t kv = 0; kv < v.KvParts() && shared_exact; ++kv) {
+          const uint64_t row = kv == 0 ? v.KRowBytes() : v.VRowBytes();
+          for (uint32_t h = 0; h < v.num_kv_heads && shared_exact; ++h) {
+            const uint64_t k_rows = uint64_t{v.num_kv_heads} * v.KRowBytes();
+            const uint8_t* want = payload.data() + whole.layer_offset[l] +
+                                  (kv ? k_rows * tokens : 0) + h * tokens * row;
+            const uint8_t* have = got->payload.data() + part.layer_offset[l] +
+                                  (kv ? k_rows * cached : 0) + h * cached * row;
+            shared_exact = std::memcmp(want, have, cached * row) == 0;
+          }
+        }
+      }
+    }
+    exact = exact && shared_exact;
+    std::printf("prefix sharing: second request for the same %llu-token prompt attached %llu "
+                "cached tokens; pool blocks used %llu -> %llu (shared, not copied); "
+                "bit-exact: %s\n",
+                (unsigned long long)tokens, (unsigned long long)cached,
+                (unsigned long long)(*before)[0].blocks_used,
+                (unsigned long long)(*after)[0].blocks_used, shared_exact ? "yes" : "NO");
+    (void)(*decode)->Free(model, second->id);
+    (void)(*prefill)->Free(model, first->id);
+  }
   Stats(**decode, model);
   return exact ? 0 : 1;
 }
 
 int Main(int argc, char** argv) {
+  // Payload messages are ~1 MiB: keep glibc from mapping and unmapping each one (page faults on
+  // every message cost more than the copy itself).
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
   std::string server = "127.0.0.1:50051";
   std::vector<std::string> args;
   std::map<std::string, std::string> opts;
@@ -206,10 +312,11 @@ int Main(int argc, char** argv) {
   }
   if (args.empty()) return Usage();
   if (args[0] == "demo") return Demo(server, opts);
-  auto client = Client::Connect(server);
+  auto client = Client::Connect(server, OptionsFrom(opts));
   if (!client.ok()) return Error(client.status());
   if (args[0] == "stats") return Stats(**client, args.size() > 1 ? args[1] : "");
   if (args[0] == "models") return Models(**client);
+  if (args[0] == "events" && args.size() > 1) return Events(**client, args[1], opts);
   return Usage();
 }
 

@@ -1,6 +1,7 @@
 #include "server/core/block_pool.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <limits>
 
@@ -47,6 +48,11 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout lay
         absl::StrCat("cannot map ", bytes, " bytes of host memory"));
   }
   madvise(p, bytes, MADV_HUGEPAGE);  // best effort
+  if (options.prefault) {
+    // One write per page (after the huge-page advice, so 2 MiB pages where the kernel has them).
+    const long page = sysconf(_SC_PAGESIZE);
+    for (uint64_t off = 0; off < bytes; off += uint64_t(page)) static_cast<uint8_t*>(p)[off] = 0;
+  }
   return std::unique_ptr<BlockPool>(
       new BlockPool(std::move(layout), static_cast<uint8_t*>(p), bytes, n, std::move(options)));
 }
@@ -94,7 +100,7 @@ BlockPool::EvictKey BlockPool::KeyOf(int32_t id) const {
 void BlockPool::AddRefLocked(int32_t id) {
   Record& r = records_[id];
   if (r.refcount++ == 0) {
-    ++tenant_used_[r.tenant];
+    if (r.pins == 0) ++tenant_used_[r.tenant];  // a pinned block is counted already
     if (r.published) {
       --cached_;
       if (r.pins == 0) evictable_.erase(KeyOf(id));
@@ -169,7 +175,7 @@ void BlockPool::Release(int32_t id) {
   absl::MutexLock lock(&mu_);
   Record& r = records_[id];
   if (--r.refcount > 0) return;
-  --tenant_used_[r.tenant];
+  if (r.pins == 0) --tenant_used_[r.tenant];  // a pinned block stays on the tenant's quota
   if (r.published) {
     ++cached_;
     r.tick = ++tick_;
@@ -211,7 +217,7 @@ BlockRef BlockPool::Lookup(const BlockHash& hash, uint32_t tenant) {
   auto it = index_.find(hash);
   if (it == index_.end() || records_[it->second].tenant != tenant) return BlockRef();
   const int32_t id = it->second;
-  if (records_[id].refcount == 0 && tenant_quota_[tenant] != 0 &&
+  if (records_[id].refcount == 0 && records_[id].pins == 0 && tenant_quota_[tenant] != 0 &&
       tenant_used_[tenant] + 1 > tenant_quota_[tenant]) {
     return BlockRef();
   }
@@ -234,18 +240,30 @@ size_t BlockPool::Pin(absl::Span<const BlockHash> hashes, uint32_t tenant, bool 
     if (it == index_.end() || records_[it->second].tenant != tenant) continue;
     const int32_t id = it->second;
     Record& r = records_[id];
-    ++n;
     if (pin) {
-      if (r.pins++ == 0) {
+      if (r.pins == 0) {
+        // A pinned block holds pool space like a reference does, so it counts on the quota:
+        // else pinning and freeing would let a tenant keep any number of blocks from others.
+        if (r.refcount == 0) {
+          if (tenant_quota_[tenant] != 0 && tenant_used_[tenant] + 1 > tenant_quota_[tenant]) {
+            continue;
+          }
+          ++tenant_used_[tenant];
+          evictable_.erase(KeyOf(id));
+        }
         ++pinned_;
-        if (r.refcount == 0) evictable_.erase(KeyOf(id));
       }
+      ++r.pins;
     } else if (r.pins > 0) {
       if (--r.pins == 0) {
         --pinned_;
-        if (r.refcount == 0) evictable_.insert(KeyOf(id));
+        if (r.refcount == 0) {
+          --tenant_used_[tenant];
+          evictable_.insert(KeyOf(id));
+        }
       }
     }
+    ++n;
   }
   return n;
 }
@@ -326,9 +344,10 @@ std::string BlockPool::CheckInvariants() const {
   std::vector<uint64_t> per_tenant(tenant_used_.size(), 0);
   for (uint64_t id = 0; id < num_blocks_; ++id) {
     const Record& r = records_[id];
+    if (r.refcount > 0 || r.pins > 0) ++per_tenant[r.tenant];
+    if (r.pins > 0 && !r.published) return absl::StrCat("pinned block ", id, " is not published");
     if (r.refcount > 0) {
       ++used;
-      ++per_tenant[r.tenant];
     } else if (r.published) {
       ++cached;
     } else if (!on_free[id]) {
