@@ -93,11 +93,14 @@ bool HashFromHex(std::string_view hex, BlockHash* out) {
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     return -1;
   };
+  // Decoded aside first: a rejected string leaves *out as it was.
+  BlockHash h;
   for (size_t i = 0; i < 32; ++i) {
     const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
     if (hi < 0 || lo < 0) return false;
-    (*out)[i] = static_cast<uint8_t>(hi << 4 | lo);
+    h[i] = static_cast<uint8_t>(hi << 4 | lo);
   }
+  *out = h;
   return true;
 }
 

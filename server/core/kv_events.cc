@@ -20,7 +20,14 @@ absl::StatusOr<KvEventLog::Batch> KvEventLog::Read(uint64_t after, size_t max_ev
   absl::MutexLock lock(&mu_);
   Batch out;
   out.next_after = after;
-  if (after >= last_) return out;
+  if (after > last_) {
+    // A cursor from another log (the server restarted, the model was re-created): resuming from
+    // it would silently skip every event up to `after`.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", after, " is past the last event ", last_,
+        "; rebuild the index and watch again from sequence ", last_));
+  }
+  if (after == last_) return out;
   const uint64_t oldest = events_.empty() ? last_ + 1 : events_.front().sequence;
   if (after + 1 < oldest) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -53,8 +53,8 @@ class KvEventLog {
     uint64_t next_after = 0;  // pass as `after` next time (skips events the reader may not see)
   };
   // Events with sequence > after, among the next max_events, that `tenant` may see (all when
-  // see_all). FAILED_PRECONDITION when events after `after` were already dropped: the reader
-  // missed some and must rebuild its index.
+  // see_all). FAILED_PRECONDITION when events after `after` were already dropped, or `after` is
+  // past the last event (a cursor from an earlier log): the reader must rebuild its index.
   absl::StatusOr<Batch> Read(uint64_t after, size_t max_events,
                                             const std::string& tenant, bool see_all) const;
   uint64_t last_sequence() const;

@@ -69,7 +69,7 @@ struct TenantStats {
   std::string tenant;
   uint64_t prefix_query_tokens = 0;  // prompt tokens looked up at create
   uint64_t prefix_hit_tokens = 0;    // of those, attached from the cache
-  uint64_t blocks_referenced = 0;
+  uint64_t blocks_referenced = 0;  // blocks on the tenant's quota: referenced or pinned
   uint64_t sequences = 0;
 };
 
@@ -222,9 +222,11 @@ class SequenceStore {
                                                            const std::vector<BlockHash>& hashes,
                                                            uint32_t layer_begin,
                                                            std::optional<uint32_t> layer_end);
-  // Pins (pin) or unpins the tenant's cached blocks with these hashes; returns how many matched.
+  // Pins (pin) or unpins the tenant's cached blocks with these hashes; returns how many matched
+  // (a pin past the tenant's quota is not taken: pinned blocks count on it).
   size_t Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin);
-  // Per-tenant block quota (0: none).
+  // Per-tenant block quota (0: none): blocks the tenant's sequences and readers reference plus
+  // the blocks it pinned.
   void SetTenantQuota(const std::string& tenant, uint64_t max_blocks);
   // Drops cached blocks older than the prefix-cache TTL (if one is set); returns how many.
   size_t ExpireCache(absl::Time now);

@@ -56,7 +56,7 @@ std::vector<BlockHash> PrefixHashes(HashAlgorithm algo, const BlockHash& root,
                                     const std::vector<ExtraKey>& extra_keys = {});
 
 std::string HashToHex(const BlockHash& h);
-// Returns false unless `hex` is 64 hex digits.
+// Returns false (leaving *out unchanged) unless `hex` is 64 hex digits.
 bool HashFromHex(std::string_view hex, BlockHash* out);
 const char* HashAlgorithmName(HashAlgorithm a);
 bool ParseHashAlgorithm(std::string_view s, HashAlgorithm* out);

@@ -1,0 +1,380 @@
+// KV events: what the pool publishes (stored / removed / cleared), sequence numbers, resuming,
+// the bounded buffer, tenant filtering, listeners; and the registry wiring a model's log.
+#include "server/core/kv_events.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+#include "kvbank/layout.h"
+#include "kvbank/prefix_hash.h"
+#include "server/core/block_pool.h"
+#include "server/core/model_registry.h"
+#include "server/core/sequence_store.h"
+
+namespace kvbank {
+namespace {
+
+ModelLayout TestLayout() {
+  ModelLayout m;
+  m.name = "tiny";
+  m.num_layers = 2;
+  m.num_q_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 8;
+  m.head_dim_v = 8;
+  m.block_tokens = 4;
+  m.layer_dtypes.assign(2, DType::kFp16);
+  return m;
+}
+
+class Harness {
+ public:
+  explicit Harness(uint64_t blocks, size_t capacity = 4096,
+                   absl::Duration ttl = absl::ZeroDuration()) {
+    auto log = std::make_unique<KvEventLog>(capacity);
+    events = log.get();
+    PoolOptions po;
+    po.events = events;
+    po.clock = [this] { return now; };
+    const BlockLayout bl = ComputeBlockLayout(layout);
+    auto pool = BlockPool::CreateHost(bl, blocks * bl.block_bytes, po);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    StoreOptions so;
+    so.clock = [this] { return now; };
+    so.prefix_cache_ttl = ttl;
+    store = std::make_unique<SequenceStore>(layout, *std::move(pool), so, std::move(log));
+  }
+
+  // A sequence of `tenant` holding `ids` (all appended, ids given).
+  uint64_t Fill(const std::string& tenant, const std::vector<uint32_t>& ids,
+                const std::string& lora = "") {
+    CreateOptions o;
+    o.lease = absl::ZeroDuration();
+    o.tenant = tenant;
+    if (!lora.empty()) o.extra_keys.push_back({ExtraKeyKind::kLora, lora});
+    auto info = store->Create(o);
+    EXPECT_TRUE(info.ok()) << info.status();
+    AppendSpec s;
+    s.tenant = tenant;
+    s.sequence_id = info->id;
+    s.num_tokens = ids.size();
+    s.token_ids = ids;
+    std::vector<uint8_t> payload(store->block_layout().PayloadBytes(0, 2, ids.size()), 0x3c);
+    auto r = store->Append(s, payload);
+    EXPECT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(store->CheckInvariants(), "");
+    return info->id;
+  }
+  std::vector<KvEvent> ReadAll(uint64_t after = 0, const std::string& tenant = "",
+                               bool see_all = true) {
+    auto b = events->Read(after, 1 << 20, tenant, see_all);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? b->events : std::vector<KvEvent>();
+  }
+
+  absl::Time now = absl::FromUnixSeconds(1700000000);
+  ModelLayout layout = TestLayout();
+  KvEventLog* events = nullptr;
+  std::unique_ptr<SequenceStore> store;
+};
+
+std::vector<uint32_t> Tokens(uint32_t n, uint32_t start) {
+  std::vector<uint32_t> v(n);
+  for (uint32_t i = 0; i < n; ++i) v[i] = start + i;
+  return v;
+}
+
+TEST(KvEventsTest, StoredEventsCarryTheChain) {
+  Harness h(16);
+  const auto ids = Tokens(13, 100);
+  h.Fill("t", ids, "my-lora");
+  const auto ev = h.ReadAll();
+  ASSERT_EQ(ev.size(), 3u) << "3 full blocks, the partial one is not stored";
+  std::vector<ExtraKey> keys = {{ExtraKeyKind::kLora, "my-lora"}};
+  const auto want = PrefixHashes(h.store->options().hash, h.store->Root("t", ""), ids, 4, keys);
+  for (size_t i = 0; i < ev.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(ev[i].type, KvEvent::Type::kBlockStored);
+    EXPECT_EQ(ev[i].sequence, i + 1);
+    EXPECT_EQ(ev[i].tenant, "t");
+    ASSERT_EQ(ev[i].hashes.size(), 1u);
+    EXPECT_EQ(ev[i].hashes[0], want[i]);
+    EXPECT_EQ(ev[i].has_parent, i > 0);
+    if (i > 0) {
+      EXPECT_EQ(ev[i].parent, ev[i - 1].hashes[0]);
+    }
+    EXPECT_EQ(ev[i].token_ids, std::vector<uint32_t>(ids.begin() + 4 * i, ids.begin() + 4 * i + 4));
+    EXPECT_EQ(ev[i].block_tokens, 4u);
+    EXPECT_EQ(ev[i].lora, "my-lora");
+    EXPECT_EQ(ev[i].time, h.now);
+  }
+  // A second sequence attaching the same prefix stores only its new block, chained on.
+  CreateOptions o;
+  o.tenant = "t";
+  o.prompt = Tokens(16, 100);
+  o.extra_keys = keys;
+  auto b = h.store->Create(o);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->cached_tokens, 12u);
+  AppendSpec s;
+  s.tenant = "t";
+  s.sequence_id = b->id;
+  s.num_tokens = 4;
+  std::vector<uint8_t> payload(h.store->block_layout().PayloadBytes(0, 2, 4), 1);
+  ASSERT_TRUE(h.store->Append(s, payload).ok());
+  const auto more = h.ReadAll(3);
+  ASSERT_EQ(more.size(), 1u);
+  EXPECT_TRUE(more[0].has_parent);
+  EXPECT_EQ(more[0].parent, want[2]);
+  EXPECT_EQ(more[0].sequence, 4u);
+}
+
+TEST(KvEventsTest, RemovedOnEvictionAndTtlClearedOnClear) {
+  Harness h(3, 4096, absl::Hours(1));
+  const auto ids = Tokens(12, 7);
+  ASSERT_TRUE(h.store->Free(h.Fill("", ids), "").ok());
+  const auto stored = h.ReadAll();
+  ASSERT_EQ(stored.size(), 3u);
+  // Evicting one block for a sequence without ids: one Removed event naming the chain's tail.
+  CreateOptions o;
+  o.lease = absl::ZeroDuration();
+  auto b = h.store->Create(o);
+  AppendSpec s;
+  s.sequence_id = b->id;
+  s.num_tokens = 4;
+  std::vector<uint8_t> payload(h.store->block_layout().PayloadBytes(0, 2, 4), 1);
+  ASSERT_TRUE(h.store->Append(s, payload).ok());
+  auto ev = h.ReadAll(3);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].type, KvEvent::Type::kBlockRemoved);
+  EXPECT_EQ(ev[0].hashes, std::vector<BlockHash>{stored[2].hashes[0]});
+  EXPECT_EQ(ev[0].sequence, 4u);
+  // TTL: both remaining blocks age out together.
+  h.now += absl::Hours(2);
+  EXPECT_EQ(h.store->ExpireCache(h.now), 2u);
+  ev = h.ReadAll(4);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].type, KvEvent::Type::kBlockRemoved);
+  ASSERT_EQ(ev[0].hashes.size(), 2u);
+  for (const BlockHash& x : {stored[0].hashes[0], stored[1].hashes[0]}) {
+    EXPECT_NE(std::find(ev[0].hashes.begin(), ev[0].hashes.end(), x), ev[0].hashes.end());
+  }
+  // ClearCache with nothing published left: AllCleared.
+  ASSERT_TRUE(h.store->Free(b->id, "").ok());
+  EXPECT_EQ(h.store->ClearCache(), 0u);
+  ev = h.ReadAll(5);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].type, KvEvent::Type::kAllCleared);
+  EXPECT_EQ(ev[0].tenant, "");
+  // With a block still referenced, ClearCache drops the cached ones but clears not all.
+  const uint64_t live = h.Fill("", Tokens(4, 50));
+  ASSERT_TRUE(h.store->Free(h.Fill("", Tokens(4, 60)), "").ok());
+  const uint64_t last = h.events->last_sequence();
+  EXPECT_EQ(h.store->ClearCache(), 1u);
+  ev = h.ReadAll(last);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].type, KvEvent::Type::kBlockRemoved);
+  ASSERT_TRUE(h.store->Free(live, "").ok());
+  EXPECT_EQ(h.store->CheckInvariants(), "");
+}
+
+TEST(KvEventsTest, SequenceNumbersResumeAndGaps) {
+  KvEventLog log(4);
+  for (int i = 0; i < 3; ++i) {
+    KvEvent e;
+    e.tenant = "a";
+    log.Append(e);
+  }
+  auto b = log.Read(0, 100, "", true);
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->events.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b->events[i].sequence, i + 1);
+  EXPECT_EQ(b->next_after, 3u);
+  // Resume after 1; at most 1 event at a time.
+  b = log.Read(1, 1, "", true);
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->events.size(), 1u);
+  EXPECT_EQ(b->events[0].sequence, 2u);
+  EXPECT_EQ(b->next_after, 2u);
+  // Caught up: nothing, cursor stays.
+  b = log.Read(3, 100, "", true);
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->events.empty());
+  EXPECT_EQ(b->next_after, 3u);
+  // Past capacity the oldest go: a reader behind them must rebuild.
+  for (int i = 0; i < 4; ++i) log.Append(KvEvent());
+  EXPECT_EQ(log.last_sequence(), 7u);
+  auto gap = log.Read(1, 100, "", true);
+  EXPECT_EQ(gap.status().code(), absl::StatusCode::kFailedPrecondition) << gap.status();
+  gap = log.Read(2, 100, "", true);
+  EXPECT_EQ(gap.status().code(), absl::StatusCode::kFailedPrecondition) << gap.status();
+  b = log.Read(3, 100, "", true);  // the oldest kept is 4: nothing was missed
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->events.size(), 4u);
+  EXPECT_EQ(b->events.front().sequence, 4u);
+  EXPECT_EQ(b->events.back().sequence, 7u);
+  // A cursor from the future (a restarted log) cannot resume either.
+  auto future = log.Read(100, 10, "", true);
+  EXPECT_EQ(future.status().code(), absl::StatusCode::kFailedPrecondition) << future.status();
+  // A log that keeps nothing reports the gap too.
+  KvEventLog none(0);
+  none.Append(KvEvent());
+  EXPECT_EQ(none.Read(0, 10, "", true).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(none.Read(1, 10, "", true).ok());
+}
+
+TEST(KvEventsTest, TenantsSeeOnlyTheirOwnPlusCleared) {
+  Harness h(16);
+  h.Fill("a", Tokens(8, 1));
+  h.Fill("b", Tokens(4, 1));
+  h.Fill("a", Tokens(4, 9));
+  h.store->ClearCache();  // nothing cached: everything is referenced; no AllCleared
+  const uint64_t last = h.events->last_sequence();
+  ASSERT_EQ(last, 4u);
+  KvEvent cleared;
+  cleared.type = KvEvent::Type::kAllCleared;
+  h.events->Append(cleared);
+  auto a = h.events->Read(0, 100, "a", false);
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(a->events.size(), 4u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(a->events[i].tenant, "a");
+  EXPECT_EQ(a->events[3].type, KvEvent::Type::kAllCleared);
+  EXPECT_EQ(a->next_after, 5u);
+  auto b = h.events->Read(0, 100, "b", false);
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->events.size(), 2u);
+  EXPECT_EQ(b->events[0].tenant, "b");
+  EXPECT_EQ(b->events[0].sequence, 3u);
+  // Events b may not see still advance its cursor: a page of a's events is empty, not stuck.
+  auto page = h.events->Read(0, 2, "b", false);
+  ASSERT_TRUE(page.ok());
+  EXPECT_TRUE(page->events.empty());
+  EXPECT_EQ(page->next_after, 2u);
+  auto nobody = h.events->Read(0, 100, "c", false);
+  ASSERT_TRUE(nobody.ok());
+  EXPECT_EQ(nobody->events.size(), 1u);
+  EXPECT_EQ(nobody->next_after, 5u);
+  auto admin = h.events->Read(0, 100, "c", true);
+  EXPECT_EQ(admin->events.size(), 5u);
+}
+
+// Reads every new event from inside Notify, as the watch reactor does.
+class Collector : public KvEventListener {
+ public:
+  explicit Collector(KvEventLog* log) : log_(log) {}
+  void Notify() override {
+    absl::MutexLock lock(&mu_);
+    ++notifications_;
+    auto b = log_->Read(cursor_, 1000, "", true);
+    if (!b.ok()) {
+      ++errors_;
+      return;
+    }
+    for (const KvEvent& e : b->events) seen_.push_back(e.sequence);
+    cursor_ = b->next_after;
+  }
+  int notifications() {
+    absl::MutexLock lock(&mu_);
+    return notifications_;
+  }
+  std::vector<uint64_t> seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+  int errors() {
+    absl::MutexLock lock(&mu_);
+    return errors_;
+  }
+
+ private:
+  KvEventLog* const log_;
+  absl::Mutex mu_;
+  uint64_t cursor_ = 0;
+  int notifications_ = 0;
+  int errors_ = 0;
+  std::vector<uint64_t> seen_;
+};
+
+TEST(KvEventsTest, ListenersReadInsideNotifyAndStopOnUnsubscribe) {
+  Harness h(64);
+  Collector c(h.events);
+  h.events->Subscribe(&c);
+  h.Fill("", Tokens(12, 1));
+  EXPECT_EQ(c.notifications(), 3);
+  EXPECT_EQ(c.seen(), (std::vector<uint64_t>{1, 2, 3}));
+  // Appends from several threads at once: no deadlock, nothing missed, in order.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&h, t] {
+      for (int i = 0; i < 5; ++i) h.Fill("", Tokens(4, 1000 * (t + 1) + 10 * i));
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(h.events->last_sequence(), 23u);
+  std::vector<uint64_t> want;
+  for (uint64_t i = 1; i <= 23; ++i) want.push_back(i);
+  EXPECT_EQ(c.seen(), want);
+  EXPECT_EQ(c.errors(), 0);
+  h.events->Unsubscribe(&c);
+  const int before = c.notifications();
+  h.Fill("", Tokens(4, 77777));
+  EXPECT_EQ(c.notifications(), before);
+  EXPECT_EQ(h.events->last_sequence(), 24u);
+}
+
+TEST(KvEventsTest, RegistryWiresTheModelsLog) {
+  ModelRegistry reg(uint64_t{1} << 20);
+  ModelConfig cfg;
+  cfg.layout = TestLayout();
+  cfg.pool_bytes = 64 * ComputeBlockLayout(cfg.layout).block_bytes;
+  cfg.event_capacity = 8;
+  auto m = reg.Ensure(cfg);
+  ASSERT_TRUE(m.ok()) << m.status();
+  SequenceStore& store = *m->model;
+  ASSERT_NE(store.events(), nullptr) << "the model keeps no KV events";
+  CreateOptions o;
+  o.lease = absl::ZeroDuration();
+  auto info = store.Create(o);
+  ASSERT_TRUE(info.ok());
+  AppendSpec s;
+  s.sequence_id = info->id;
+  s.num_tokens = 40;
+  s.token_ids = Tokens(40, 5);
+  std::vector<uint8_t> payload(store.block_layout().PayloadBytes(0, 2, 40), 2);
+  ASSERT_TRUE(store.Append(s, payload).ok());
+  EXPECT_EQ(store.events()->last_sequence(), 10u);
+  EXPECT_EQ(store.events()->Read(0, 100, "", true).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "capacity 8 keeps only the last 8";
+  auto tail = store.events()->Read(2, 100, "", true);
+  ASSERT_TRUE(tail.ok());
+  EXPECT_EQ(tail->events.size(), 8u);
+  // Same layout again: the same model; another layout under the name: ALREADY_EXISTS.
+  auto again = reg.Ensure(cfg);
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->created);
+  EXPECT_EQ(again->model.get(), &store);
+  cfg.layout.layer_dtypes[1] = DType::kBf16;
+  EXPECT_EQ(reg.Ensure(cfg).status().code(), absl::StatusCode::kAlreadyExists);
+  // Without prefix caching the model publishes nothing.
+  ModelConfig plain;
+  plain.layout = TestLayout();
+  plain.layout.name = "plain";
+  plain.pool_bytes = cfg.pool_bytes;
+  plain.enable_prefix_caching = false;
+  auto p = reg.Ensure(plain);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto pi = p->model->Create(o);
+  s.sequence_id = pi->id;
+  ASSERT_TRUE(p->model->Append(s, payload).ok());
+  EXPECT_EQ(p->model->events()->last_sequence(), 0u);
+  EXPECT_EQ(store.CheckInvariants(), "");
+}
+
+}  // namespace
+}  // namespace kvbank
