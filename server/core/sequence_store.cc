@@ -85,7 +85,7 @@ absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id) {
     // A lease that ran out is expired on first touch, even before the reaper sees it.
     if (it->second->lease_deadline <= options_.clock()) {
       ++leases_expired_;
-      Remove(it->second, "its lease expired");
+      Remove(SeqPtr(it->second), "its lease expired");  // a copy: Remove erases it->second
     } else {
       return it->second;
     }
@@ -290,6 +290,8 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     done_ = true;
     s.append_in_flight = false;
     s.blocks.clear();
+    replacements_.clear();  // the blocks go now, not when the caller drops the txn
+    new_blocks_.clear();
     return absl::AbortedError(
         absl::StrCat("sequence_id ", s.id, " was freed while the append was in flight"));
   }
