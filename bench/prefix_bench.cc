@@ -194,8 +194,8 @@ int Main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const int conversations = quick ? 40 : 300, turns = quick ? 4 : 8;
   const uint64_t seed = 20261130;
-  std::printf("prefix_bench: seed %llu, %d conversations x %d turns\n",
-              (unsigned long long)seed, conversations, turns);
+  std::printf("prefix_bench: seed %llu, %d conversations x %d turns\n", (unsigned long long)seed,
+              conversations, turns);
 
   // 1. Trace replay.
   const std::vector<Turn> trace = MakeTrace(conversations, turns, seed);
@@ -213,10 +213,12 @@ int Main(int argc, char** argv) {
     unique_blocks = all.size();
   }
   const double unbounded = UnboundedHitRate(trace);
-  std::printf("\ntrace: %zu turns, %llu distinct blocks (prompts + responses); unbounded-cache hit rate %.3f\n",
-              trace.size(), (unsigned long long)unique_blocks, unbounded);
-  std::printf("%-28s %12s %12s %10s %16s\n", "pool (blocks)", "hit rate", "÷ unbounded",
-              "written", "shared ÷ unshared");
+  std::printf(
+      "\ntrace: %zu turns, %llu distinct blocks (prompts + responses); unbounded-cache hit rate "
+      "%.3f\n",
+      trace.size(), (unsigned long long)unique_blocks, unbounded);
+  std::printf("%-28s %12s %12s %10s %16s\n", "pool (blocks)", "hit rate", "÷ unbounded", "written",
+              "shared ÷ unshared");
   for (double frac : {0.25, 0.5, 1.0, 2.0}) {
     const uint64_t blocks = std::max<uint64_t>(uint64_t(unique_blocks * frac), 256);
     const TraceResult with = Replay(trace, true, blocks);

@@ -384,8 +384,8 @@ absl::StatusOr<Client::FetchResult> ReadFetchStream(grpc::ClientContext& ctx,
   }
   if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
   if (!have_header || out.payload.size() != expected) {
-    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(),
-                                            " of ", expected, " payload bytes"));
+    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(), " of ",
+                                            expected, " payload bytes"));
   }
   return out;
 }
@@ -441,8 +441,7 @@ absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
   return std::vector<uint64_t>(resp.cached_tokens().begin(), resp.cached_tokens().end());
 }
 
-absl::StatusOr<uint64_t> Client::Pin(const std::string& model, const MatchQuery& blocks,
-                                     bool pin) {
+absl::StatusOr<uint64_t> Client::Pin(const std::string& model, const MatchQuery& blocks, bool pin) {
   v1::PinRequest req;
   req.set_model(model);
   for (uint32_t t : blocks.tokens) req.add_token_ids(t);
@@ -469,7 +468,8 @@ absl::StatusOr<Client::PrefixRootInfo> Client::GetPrefixRoot(const std::string& 
   PrefixRootInfo info;
   info.root = HashFromBytes(resp.root_hash());
   if (!ParseHashAlgorithm(resp.hash_algorithm(), &info.algorithm)) {
-    return absl::InternalError(absl::StrCat("unknown hash algorithm '", resp.hash_algorithm(), "'"));
+    return absl::InternalError(
+        absl::StrCat("unknown hash algorithm '", resp.hash_algorithm(), "'"));
   }
   info.block_tokens = resp.block_tokens();
   info.layout_fingerprint = resp.layout_fingerprint();

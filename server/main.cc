@@ -53,7 +53,8 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
 ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash (default on)");
 ABSL_FLAG(int64_t, prefix_cache_ttl_ms, 0, "drop cached blocks older than this (0: never)");
-ABSL_FLAG(std::string, hash_algorithm, "sha256", "prefix hash: sha256 | xxh3_128 (not safe "
+ABSL_FLAG(std::string, hash_algorithm, "sha256",
+          "prefix hash: sha256 | xxh3_128 (not safe "
           "against hostile tenants)");
 
 namespace kvbank {

@@ -91,25 +91,23 @@ int Events(Client& c, const std::string& model, std::map<std::string, std::strin
       (opts.count("after") && !absl::SimpleAtoi(opts["after"], &after))) {
     return Usage();
   }
-  absl::Status s = c.Watch(model, after, !opts.count("after"), absl::Hours(24 * 365),
-                           [&](const std::vector<Client::Event>& events, uint64_t) {
-                             for (const auto& e : events) {
-                               const char* kind = e.type == Client::Event::Type::kStored
-                                                      ? "stored"
-                                                      : e.type == Client::Event::Type::kRemoved
-                                                            ? "removed"
-                                                            : "all_cleared";
-                               std::printf("%llu %s", (unsigned long long)e.sequence, kind);
-                               for (const auto& h : e.hashes) {
-                                 std::printf(" %s", HashToHex(h).substr(0, 16).c_str());
-                               }
-                               std::printf("%s\n", e.tenant.empty() ? "" :
-                                                    (" tenant=" + e.tenant).c_str());
-                               std::fflush(stdout);
-                               if (count && ++seen >= count) return false;
-                             }
-                             return true;
-                           });
+  absl::Status s =
+      c.Watch(model, after, !opts.count("after"), absl::Hours(24 * 365),
+              [&](const std::vector<Client::Event>& events, uint64_t) {
+                for (const auto& e : events) {
+                  const char* kind = e.type == Client::Event::Type::kStored    ? "stored"
+                                     : e.type == Client::Event::Type::kRemoved ? "removed"
+                                                                               : "all_cleared";
+                  std::printf("%llu %s", (unsigned long long)e.sequence, kind);
+                  for (const auto& h : e.hashes) {
+                    std::printf(" %s", HashToHex(h).substr(0, 16).c_str());
+                  }
+                  std::printf("%s\n", e.tenant.empty() ? "" : (" tenant=" + e.tenant).c_str());
+                  std::fflush(stdout);
+                  if (count && ++seen >= count) return false;
+                }
+                return true;
+              });
   return s.ok() ? 0 : Error(s);
 }
 
@@ -237,7 +235,8 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
     if (!first.ok()) return Error(first.status());
     Client::AppendArgs a;
     a.num_tokens = tokens;
-    if (auto r = (*prefill)->Append(model, first->id, a, payload); !r.ok()) return Error(r.status());
+    if (auto r = (*prefill)->Append(model, first->id, a, payload); !r.ok())
+      return Error(r.status());
     auto before = (*decode)->GetStats(model);
     if (!before.ok()) return Error(before.status());
     auto second = (*decode)->CreateSequence(model, ca);
@@ -269,12 +268,13 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
       }
     }
     exact = exact && shared_exact;
-    std::printf("prefix sharing: second request for the same %llu-token prompt attached %llu "
-                "cached tokens; pool blocks used %llu -> %llu (shared, not copied); "
-                "bit-exact: %s\n",
-                (unsigned long long)tokens, (unsigned long long)cached,
-                (unsigned long long)(*before)[0].blocks_used,
-                (unsigned long long)(*after)[0].blocks_used, shared_exact ? "yes" : "NO");
+    std::printf(
+        "prefix sharing: second request for the same %llu-token prompt attached %llu "
+        "cached tokens; pool blocks used %llu -> %llu (shared, not copied); "
+        "bit-exact: %s\n",
+        (unsigned long long)tokens, (unsigned long long)cached,
+        (unsigned long long)(*before)[0].blocks_used, (unsigned long long)(*after)[0].blocks_used,
+        shared_exact ? "yes" : "NO");
     (void)(*decode)->Free(model, second->id);
     (void)(*prefill)->Free(model, first->id);
   }

@@ -117,10 +117,9 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t ten
                      " of ", tenant_quota_[tenant], " blocks in use, ", n, " more needed"));
   }
   if (free_list_.size() + evictable_.size() < n) {
-    return absl::ResourceExhaustedError(absl::StrCat("block pool exhausted: need ", n, " blocks, ",
-                                                     free_list_.size(), " free and ",
-                                                     evictable_.size(), " evictable of ",
-                                                     num_blocks_));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("block pool exhausted: need ", n, " blocks, ", free_list_.size(), " free and ",
+                     evictable_.size(), " evictable of ", num_blocks_));
   }
   // Evict (lowest priority, least recently used first); one Removed event per run of a tenant.
   std::vector<BlockHash> removed;
@@ -179,6 +178,7 @@ void BlockPool::Release(int32_t id) {
   if (r.published) {
     ++cached_;
     r.tick = ++tick_;
+    r.last_used = options_.clock();
     if (r.pins == 0) evictable_.insert(KeyOf(id));
   } else {
     free_list_.push_back(id);
@@ -194,12 +194,12 @@ bool BlockPool::Publish(const BlockRef& ref, const PublishInfo& info, uint32_t t
   r.hash = info.hash;
   r.tenant = tenant;
   r.priority = info.priority;
-  r.stored_at = options_.clock();
+  r.last_used = options_.clock();
   if (options_.events != nullptr) {
     // Under mu_, so the log's order is the index's order (a block's Stored precedes its Removed).
     KvEvent e;
     e.type = KvEvent::Type::kBlockStored;
-    e.time = r.stored_at;
+    e.time = r.last_used;
     e.tenant = tenant_names_[tenant];
     e.hashes.push_back(info.hash);
     e.has_parent = info.has_parent;
@@ -223,6 +223,7 @@ BlockRef BlockPool::Lookup(const BlockHash& hash, uint32_t tenant) {
   }
   AddRefLocked(id);
   records_[id].tick = ++tick_;
+  records_[id].last_used = options_.clock();
   return BlockRef(this, id);
 }
 
@@ -292,7 +293,7 @@ size_t BlockPool::DropCachedBefore(absl::Time cutoff) {
   absl::MutexLock lock(&mu_);
   std::vector<int32_t> victims;
   for (const EvictKey& k : evictable_) {
-    if (records_[std::get<2>(k)].stored_at < cutoff) victims.push_back(std::get<2>(k));
+    if (records_[std::get<2>(k)].last_used < cutoff) victims.push_back(std::get<2>(k));
   }
   absl::flat_hash_map<uint32_t, std::vector<BlockHash>> removed;
   for (int32_t id : victims) {

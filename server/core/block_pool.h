@@ -135,7 +135,8 @@ class BlockPool {
   // pass the quota is not taken. Returns how many hashes named a published block and were pinned
   // (or unpinned).
   size_t Pin(absl::Span<const BlockHash> hashes, uint32_t tenant, bool pin);
-  // Drops cached blocks published before `cutoff` (pinned ones stay); returns how many.
+  // Drops cached blocks last used (published, released or looked up) before `cutoff`; pinned
+  // ones stay. Returns how many.
   size_t DropCachedBefore(absl::Time cutoff);
   // Drops every cached, unpinned block; an AllCleared event when all cached blocks went.
   size_t ClearCache();
@@ -161,8 +162,8 @@ class BlockPool {
     uint32_t tenant = kDefaultTenant;
     bool published = false;
     uint8_t priority = 50;
-    uint64_t tick = 0;  // last use, for LRU
-    absl::Time stored_at;
+    uint64_t tick = 0;     // last use, for LRU
+    absl::Time last_used;  // published, released or looked up: what the prefix-cache TTL ages
     BlockHash hash{};
   };
   using EvictKey = std::tuple<uint8_t, uint64_t, int32_t>;  // priority, tick, id

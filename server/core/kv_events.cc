@@ -23,16 +23,16 @@ absl::StatusOr<KvEventLog::Batch> KvEventLog::Read(uint64_t after, size_t max_ev
   if (after > last_) {
     // A cursor from another log (the server restarted, the model was re-created): resuming from
     // it would silently skip every event up to `after`.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", after, " is past the last event ", last_,
-        "; rebuild the index and watch again from sequence ", last_));
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", after, " is past the last event ", last_,
+                     "; rebuild the index and watch again from sequence ", last_));
   }
   if (after == last_) return out;
   const uint64_t oldest = events_.empty() ? last_ + 1 : events_.front().sequence;
   if (after + 1 < oldest) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "events after sequence ", after, " were dropped (oldest kept: ", oldest,
-        "); rebuild the index and watch again from sequence ", oldest - 1));
+    return absl::FailedPreconditionError(
+        absl::StrCat("events after sequence ", after, " were dropped (oldest kept: ", oldest,
+                     "); rebuild the index and watch again from sequence ", oldest - 1));
   }
   for (size_t i = after + 1 - oldest, n = 0; i < events_.size() && n < max_events; ++i, ++n) {
     const KvEvent& e = events_[i];

@@ -55,8 +55,8 @@ class KvEventLog {
   // Events with sequence > after, among the next max_events, that `tenant` may see (all when
   // see_all). FAILED_PRECONDITION when events after `after` were already dropped, or `after` is
   // past the last event (a cursor from an earlier log): the reader must rebuild its index.
-  absl::StatusOr<Batch> Read(uint64_t after, size_t max_events,
-                                            const std::string& tenant, bool see_all) const;
+  absl::StatusOr<Batch> Read(uint64_t after, size_t max_events, const std::string& tenant,
+                             bool see_all) const;
   uint64_t last_sequence() const;
   void Subscribe(KvEventListener* l);
   void Unsubscribe(KvEventListener* l);

@@ -75,9 +75,8 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
                         absl::StrCat("model '", name, "': ", pool.status().message()));
   }
   pool_bytes_used_ += (*pool)->pool_bytes();
-  auto store =
-      std::make_shared<SequenceStore>(config.layout, *std::move(pool), std::move(config.store),
-                                      std::move(events));
+  auto store = std::make_shared<SequenceStore>(config.layout, *std::move(pool),
+                                               std::move(config.store), std::move(events));
   models_[name] = store;
   return EnsureResult{store, true};
 }

@@ -19,7 +19,7 @@ struct Sequence {
   std::vector<ExtraKey> extra_keys;  // in every block's hash
   std::string lora;                  // for events
   uint8_t priority = 50;
-  std::vector<BlockHash> hashes;     // hash of each leading full block with known token ids
+  std::vector<BlockHash> hashes;    // hash of each leading full block with known token ids
   std::vector<BlockRef> blocks;     // block table: logical block i -> physical block
   std::vector<uint64_t> layer_len;  // tokens written per layer
   std::vector<uint32_t> token_ids;  // known token ids, positions [0, size)
@@ -161,8 +161,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   auto ttl = ResolveLease(o.lease);
   if (!ttl.ok()) return ttl.status();
   if (o.priority.has_value() && *o.priority > 100) {
-    return absl::InvalidArgumentError(absl::StrCat("priority ", int(*o.priority),
-                                                   " is outside [0, 100]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("priority ", int(*o.priority), " is outside [0, 100]"));
   }
   if (o.prompt.size() > options_.max_tokens_per_sequence) {
     return absl::InvalidArgumentError(absl::StrCat("prompt of ", o.prompt.size(),
@@ -595,9 +595,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     std::optional<uint32_t> layer_end) {
   const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
   if (l1 > layout_.num_layers || l0 >= l1) {
-    return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1,
-                                                   ") is empty or outside [0, ",
-                                                   layout_.num_layers, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
   const uint32_t tenant_id = pool_->InternTenant(tenant);
@@ -612,8 +611,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
   }
   r->token_begin_ = 0;
-  r->payload_ = PayloadLayout::Make(block_layout(), l0, l1,
-                                    r->refs_.size() * uint64_t{layout_.block_tokens});
+  r->payload_ =
+      PayloadLayout::Make(block_layout(), l0, l1, r->refs_.size() * uint64_t{layout_.block_tokens});
   r->map_ = MakeMap(r->payload_);
   r->map_.block_table = r->table_.data();
   r->map_.token_begin = 0;

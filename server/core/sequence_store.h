@@ -42,15 +42,15 @@ struct StoreOptions {
 struct CreateOptions {
   std::optional<absl::Duration> lease;  // unset: the default lease; zero: no lease
   std::string tenant;
-  std::vector<uint32_t> prompt;  // token ids known up front (appends may then omit them)
-  std::string cache_salt;        // part of the root hash: different salts never share
+  std::vector<uint32_t> prompt;      // token ids known up front (appends may then omit them)
+  std::string cache_salt;            // part of the root hash: different salts never share
   std::vector<ExtraKey> extra_keys;  // go into every block's hash (LoRA name, ...)
   std::optional<uint8_t> priority;   // of the blocks this sequence publishes
 };
 
 // A batched, side-effect-free look-up: how many leading tokens of a prompt are cached.
 struct MatchQuery {
-  std::vector<uint32_t> tokens;  // either token ids (hashed with the caller's root) ...
+  std::vector<uint32_t> tokens;   // either token ids (hashed with the caller's root) ...
   std::vector<BlockHash> hashes;  // ... or block hashes the caller computed
   std::string cache_salt;
   std::vector<ExtraKey> extra_keys;
@@ -69,7 +69,7 @@ struct TenantStats {
   std::string tenant;
   uint64_t prefix_query_tokens = 0;  // prompt tokens looked up at create
   uint64_t prefix_hit_tokens = 0;    // of those, attached from the cache
-  uint64_t blocks_referenced = 0;  // blocks on the tenant's quota: referenced or pinned
+  uint64_t blocks_referenced = 0;    // blocks on the tenant's quota: referenced or pinned
   uint64_t sequences = 0;
 };
 

@@ -177,7 +177,8 @@ absl::StatusOr<std::vector<ExtraKey>> ExtraKeysFromProto(
           absl::StrCat("extra_keys[", i, "].kind is unspecified or unknown (", int(k.kind()), ")"));
     }
     if (k.value().size() > 4096) {
-      return absl::InvalidArgumentError(absl::StrCat("extra_keys[", i, "].value exceeds 4096 bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("extra_keys[", i, "].value exceeds 4096 bytes"));
     }
     out.push_back(ExtraKey{static_cast<ExtraKeyKind>(k.kind()), k.value()});
   }
@@ -190,8 +191,8 @@ absl::StatusOr<std::vector<BlockHash>> HashesFromProto(
   out.reserve(hashes.size());
   for (int i = 0; i < hashes.size(); ++i) {
     if (hashes[i].size() != sizeof(BlockHash)) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] has ", hashes[i].size(),
-                                                     " bytes; a block hash has 32"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "] has ", hashes[i].size(), " bytes; a block hash has 32"));
     }
     BlockHash h;
     std::memcpy(h.data(), hashes[i].data(), h.size());

@@ -340,8 +340,9 @@ grpc::ServerUnaryReactor* KvBankService::Pin(grpc::CallbackServerContext* ctx,
     auto keys = ExtraKeysFromProto(req->extra_keys());
     if (!keys.ok()) return Done(ctx, keys.status());
     const std::vector<uint32_t> tokens(req->token_ids().begin(), req->token_ids().end());
-    *hashes = PrefixHashes((*model)->options().hash, (*model)->Root(caller->tenant, req->cache_salt()),
-                           tokens, (*model)->layout().block_tokens, *keys);
+    *hashes =
+        PrefixHashes((*model)->options().hash, (*model)->Root(caller->tenant, req->cache_salt()),
+                     tokens, (*model)->layout().block_tokens, *keys);
   }
   if (hashes->empty()) {
     return Done(ctx, absl::InvalidArgumentError(

@@ -1,0 +1,162 @@
+// ModelRegistry: idempotent Ensure, conflicts naming the differing field, the pool budget,
+// unbuilt quantized storage, lookups and lease expiry across models.
+#include "server/core/model_registry.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "kvbank/layout.h"
+
+namespace kvbank {
+namespace {
+
+using absl::StatusCode;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+ModelConfig Config(const std::string& name, uint64_t pool_bytes = kMiB) {
+  ModelConfig c;
+  c.layout.name = name;
+  c.layout.num_layers = 4;
+  c.layout.num_q_heads = 8;
+  c.layout.num_kv_heads = 2;
+  c.layout.head_dim = c.layout.head_dim_v = 16;
+  c.layout.block_tokens = 16;
+  c.layout.layer_dtypes.assign(4, DType::kFp16);
+  c.pool_bytes = pool_bytes;
+  c.store.default_lease = absl::ZeroDuration();
+  return c;
+}
+
+TEST(ModelRegistryTest, EnsureIsIdempotentForTheSameLayout) {
+  ModelRegistry reg(8 * kMiB);
+  auto first = reg.Ensure(Config("m"));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(first->created);
+  ASSERT_NE(first->model, nullptr);
+  const uint64_t used = reg.pool_bytes_used();
+  EXPECT_GT(used, 0u);
+  EXPECT_LE(used, kMiB);
+  EXPECT_EQ(used, first->model->pool().pool_bytes());
+
+  auto again = reg.Ensure(Config("m", 2 * kMiB));  // the pool size is not part of the layout
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(again->created);
+  EXPECT_EQ(again->model, first->model) << "a second Ensure made a second store";
+  EXPECT_EQ(reg.pool_bytes_used(), used) << "a second Ensure charged the budget";
+
+  auto got = reg.Get("m");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(*got, first->model);
+}
+
+TEST(ModelRegistryTest, DifferentLayoutUnderTheSameNameNamesTheField) {
+  ModelRegistry reg(8 * kMiB);
+  ASSERT_TRUE(reg.Ensure(Config("m")).ok());
+  struct Case {
+    void (*mutate)(ModelLayout&);
+    const char* field;
+  };
+  const Case cases[] = {
+      {[](ModelLayout& m) { m.head_dim = m.head_dim_v = 32; }, "head_dim"},
+      {[](ModelLayout& m) { m.block_tokens = 8; }, "block_tokens"},
+      {[](ModelLayout& m) { m.num_kv_heads = 4; }, "num_kv_heads"},
+      {[](ModelLayout& m) { m.input_dtype = DType::kBf16; }, "input_dtype"},
+      {[](ModelLayout& m) { m.layer_dtypes[2] = DType::kBf16; }, "layer 2"},
+      {[](ModelLayout& m) {
+         m.num_layers = 5;
+         m.layer_dtypes.assign(5, DType::kFp16);
+       },
+       "num_layers"},
+  };
+  for (const Case& c : cases) {
+    ModelConfig cfg = Config("m");
+    c.mutate(cfg.layout);
+    ASSERT_EQ(ValidateLayout(cfg.layout), "") << c.field;
+    auto r = reg.Ensure(cfg);
+    ASSERT_EQ(r.status().code(), StatusCode::kAlreadyExists) << c.field << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.field), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("'m'"), std::string::npos) << r.status();
+  }
+  EXPECT_EQ(reg.List().size(), 1u);
+}
+
+TEST(ModelRegistryTest, PoolBudgetIsEnforced) {
+  ModelRegistry reg(3 * kMiB);
+  auto too_big = reg.Ensure(Config("big", 4 * kMiB));
+  EXPECT_EQ(too_big.status().code(), StatusCode::kResourceExhausted) << too_big.status();
+  EXPECT_NE(too_big.status().message().find("pool_bytes"), std::string::npos);
+  EXPECT_EQ(reg.pool_bytes_used(), 0u);
+  ASSERT_TRUE(reg.Ensure(Config("a", 2 * kMiB)).ok());
+  auto over = reg.Ensure(Config("b", 2 * kMiB));
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted) << over.status();
+  EXPECT_EQ(reg.Get("b").status().code(), StatusCode::kNotFound) << "a refused model registered";
+  ASSERT_TRUE(reg.Ensure(Config("c", kMiB)).ok());
+  EXPECT_LE(reg.pool_bytes_used(), 3 * kMiB);
+  EXPECT_EQ(reg.List().size(), 2u);
+}
+
+TEST(ModelRegistryTest, QuantizedStorageIsUnimplemented) {
+  ModelRegistry reg(8 * kMiB);
+  for (DType d : {DType::kInt8, DType::kFp8E4M3, DType::kFp8E5M2}) {
+    ModelConfig cfg = Config(std::string("q-") + DTypeName(d));
+    cfg.layout.layer_dtypes[1] = d;
+    auto r = reg.Ensure(cfg);
+    EXPECT_EQ(r.status().code(), StatusCode::kUnimplemented) << r.status();
+    EXPECT_NE(r.status().message().find(DTypeName(d)), std::string::npos) << r.status();
+  }
+  EXPECT_EQ(reg.pool_bytes_used(), 0u);
+  EXPECT_TRUE(reg.List().empty());
+}
+
+TEST(ModelRegistryTest, InvalidConfigsAreInvalidArgument) {
+  ModelRegistry reg(8 * kMiB);
+  ModelConfig bad = Config("bad");
+  bad.layout.num_q_heads = 3;
+  auto r = reg.Ensure(bad);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("num_q_heads"), std::string::npos) << r.status();
+  EXPECT_EQ(reg.Ensure(Config("")).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.Ensure(Config(std::string(129, 'x'))).status().code(),
+            StatusCode::kInvalidArgument);
+  auto tiny = reg.Ensure(Config("tiny", 100));  // holds no block
+  EXPECT_EQ(tiny.status().code(), StatusCode::kInvalidArgument) << tiny.status();
+  EXPECT_NE(tiny.status().message().find("'tiny'"), std::string::npos) << tiny.status();
+  EXPECT_EQ(reg.pool_bytes_used(), 0u);
+  EXPECT_TRUE(reg.List().empty());
+}
+
+TEST(ModelRegistryTest, GetListAndExpire) {
+  ModelRegistry reg(8 * kMiB);
+  auto missing = reg.Get("nope");
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("nope"), std::string::npos) << missing.status();
+
+  absl::Time now = absl::FromUnixSeconds(1000);
+  for (const char* name : {"zeta", "alpha", "mid"}) {
+    ModelConfig cfg = Config(name);
+    cfg.store.clock = [&now] { return now; };
+    ASSERT_TRUE(reg.Ensure(cfg).ok());
+  }
+  const auto list = reg.List();
+  ASSERT_EQ(list.size(), 3u);
+  EXPECT_EQ(list[0]->layout().name, "alpha");
+  EXPECT_EQ(list[1]->layout().name, "mid");
+  EXPECT_EQ(list[2]->layout().name, "zeta");
+
+  for (const auto& m : list) {
+    ASSERT_TRUE(m->Create(absl::Seconds(5)).ok());
+    ASSERT_TRUE(m->Create(absl::ZeroDuration()).ok());
+  }
+  EXPECT_EQ(reg.ExpireLeases(now + absl::Seconds(4)), 0u);
+  EXPECT_EQ(reg.ExpireLeases(now + absl::Seconds(5)), 3u);
+  for (const auto& m : list) EXPECT_EQ(m->Stats().sequences, 1u);
+}
+
+}  // namespace
+}  // namespace kvbank
