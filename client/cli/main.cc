@@ -3,6 +3,7 @@
 //   kvbank [--server HOST:PORT] stats [MODEL]
 //   kvbank [--server HOST:PORT] models
 //   kvbank [--server HOST:PORT] demo [--model NAME] [--preset PRESET] [--tokens N] [--rounds R]
+//   kvbank plan ...   (offline capacity planner, no server; see plan.cc or `kvbank plan --help`)
 //
 // `demo` plays a prefill worker and a decode worker on two separate connections: the prefill side
 // creates a sequence and streams its KV layer by layer; the decode side fetches it back, checks
@@ -21,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "client/cli/plan.h"
 #include "kvbank/client.h"
 
 namespace kvbank {
@@ -40,7 +42,9 @@ ClientOptions OptionsFrom(std::map<std::string, std::string>& opts) {
 int Usage() {
   std::cerr << "usage: kvbank [--server HOST:PORT] [--token T] <stats [MODEL] | models |"
                " events MODEL [--count N] [--after SEQ] | demo [--model NAME] [--preset PRESET]"
-               " [--tokens N] [--rounds R]>\n";
+               " [--tokens N] [--rounds R]>\n"
+               "       kvbank "
+            << PlanUsage() << "\n";
   return 2;
 }
 
@@ -287,6 +291,8 @@ int Main(int argc, char** argv) {
   // every message cost more than the copy itself).
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  // `plan` is offline and has flags of its own (--sweep takes no value).
+  if (argc > 1 && std::strcmp(argv[1], "plan") == 0) return PlanMain(argc - 1, argv + 1);
   std::string server = "127.0.0.1:50051";
   std::vector<std::string> args;
   std::map<std::string, std::string> opts;
