@@ -328,16 +328,19 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendTensors(const std::string& mo
   if (l0 >= l1 || l1 > b.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1, ") is invalid"));
   }
+  // The tensors' dtype: as asked, else the server's default for the range (kvbank/layout.h).
+  AppendArgs sent = args;
+  if (!sent.dtype.has_value()) sent.dtype = DefaultWireDType(info->layout, l0, l1);
+  const PayloadLayout p = PayloadLayout::Make(b, l0, l1, args.num_tokens, sent.dtype);
   // Per layer: its K slice then its V slice. Each slice is contiguous in the tensors.
   std::vector<absl::Span<const uint8_t>> pieces;
   uint64_t k_off = 0, v_off = 0;
   for (uint32_t l = l0; l < l1; ++l) {
-    const LayerView& lv = b.layers[l];
-    const uint64_t kb = uint64_t{lv.num_kv_heads} * args.num_tokens * lv.KRowBytes();
-    const uint64_t vb = lv.has_v ? uint64_t{lv.num_kv_heads} * args.num_tokens * lv.VRowBytes() : 0;
+    const uint64_t kb = p.KPartBytes(b, l), vb = p.VPartBytes(b, l);
     if (k_off + kb > k.size() || v_off + vb > v.size()) {
       return absl::InvalidArgumentError(absl::StrCat("k/v spans are smaller than ", l1 - l0,
-                                                     " layers x ", args.num_tokens, " tokens"));
+                                                     " layers x ", args.num_tokens, " tokens of ",
+                                                     DTypeName(*sent.dtype)));
     }
     pieces.push_back(k.subspan(k_off, kb));
     if (vb) pieces.push_back(v.subspan(v_off, vb));
@@ -346,9 +349,10 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendTensors(const std::string& mo
   }
   if (k_off != k.size() || v_off != v.size()) {
     return absl::InvalidArgumentError(absl::StrCat("k/v spans are larger than ", l1 - l0,
-                                                   " layers x ", args.num_tokens, " tokens"));
+                                                   " layers x ", args.num_tokens, " tokens of ",
+                                                   DTypeName(*sent.dtype)));
   }
-  return impl_->StreamAppend(MakeHeader(model, id, args, k_off + v_off), pieces);
+  return impl_->StreamAppend(MakeHeader(model, id, sent, k_off + v_off), pieces);
 }
 
 namespace {
@@ -528,13 +532,12 @@ absl::Status Client::FetchTensors(const std::string& model, uint64_t id, const F
   auto r = Fetch(model, id, args);
   if (!r.ok()) return r.status();
   const BlockLayout b = ComputeBlockLayout(info->layout);
-  const PayloadLayout p = PayloadLayout::Make(b, r->layer_begin, r->layer_end, r->num_tokens);
+  const PayloadLayout p =
+      PayloadLayout::Make(b, r->layer_begin, r->layer_end, r->num_tokens, r->dtype);
   uint64_t k_need = 0, v_need = 0;
   for (uint32_t l = r->layer_begin; l < r->layer_end; ++l) {
-    k_need += uint64_t{b.layers[l].num_kv_heads} * r->num_tokens * b.layers[l].KRowBytes();
-    if (b.layers[l].has_v) {
-      v_need += uint64_t{b.layers[l].num_kv_heads} * r->num_tokens * b.layers[l].VRowBytes();
-    }
+    k_need += p.KPartBytes(b, l);
+    v_need += p.VPartBytes(b, l);
   }
   if (k.size() != k_need || v.size() != v_need || p.total_bytes != r->payload.size()) {
     return absl::InvalidArgumentError(absl::StrCat("k/v spans hold ", k.size(), "/", v.size(),
@@ -542,9 +545,7 @@ absl::Status Client::FetchTensors(const std::string& model, uint64_t id, const F
   }
   uint64_t k_off = 0, v_off = 0;
   for (uint32_t l = r->layer_begin; l < r->layer_end; ++l) {
-    const LayerView& lv = b.layers[l];
-    const uint64_t kb = uint64_t{lv.num_kv_heads} * r->num_tokens * lv.KRowBytes();
-    const uint64_t vb = lv.has_v ? uint64_t{lv.num_kv_heads} * r->num_tokens * lv.VRowBytes() : 0;
+    const uint64_t kb = p.KPartBytes(b, l), vb = p.VPartBytes(b, l);
     const uint8_t* at = r->payload.data() + p.layer_offset[l - r->layer_begin];
     std::memcpy(k.data() + k_off, at, kb);
     if (vb) std::memcpy(v.data() + v_off, at + kb, vb);

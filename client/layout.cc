@@ -147,18 +147,29 @@ uint64_t BlockLayout::PayloadBytes(uint32_t l0, uint32_t l1, uint64_t n) const {
   return total;
 }
 
-PayloadLayout PayloadLayout::Make(const BlockLayout& b, uint32_t l0, uint32_t l1, uint64_t n) {
+PayloadLayout PayloadLayout::Make(const BlockLayout& b, uint32_t l0, uint32_t l1, uint64_t n,
+                                  std::optional<DType> wire) {
   PayloadLayout p;
   p.layer_begin = l0;
   p.layer_end = l1;
   p.num_tokens = n;
+  p.wire_elem_bytes = wire.has_value() ? DTypeBytes(*wire) : 0;
   uint64_t off = 0;
   for (uint32_t l = l0; l < l1; ++l) {
     p.layer_offset.push_back(off);
-    off += b.layers[l].PayloadBytesPerToken() * n;
+    off += p.KPartBytes(b, l) + p.VPartBytes(b, l);
   }
   p.total_bytes = off;
   return p;
+}
+
+DType DefaultWireDType(const ModelLayout& m, uint32_t l0, uint32_t l1) {
+  for (uint32_t l = l0; l < l1; ++l) {
+    if (IsQuantized(m.layer_dtypes[l]) || m.layer_dtypes[l] != m.layer_dtypes[l0]) {
+      return m.input_dtype;
+    }
+  }
+  return l0 < l1 ? m.layer_dtypes[l0] : m.input_dtype;
 }
 
 namespace {

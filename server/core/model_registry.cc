@@ -41,13 +41,6 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   if (std::string e = ValidateLayout(config.layout); !e.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("model '", name, "': ", e));
   }
-  for (uint32_t l = 0; l < config.layout.num_layers; ++l) {
-    if (IsQuantized(config.layout.layer_dtypes[l])) {
-      return absl::UnimplementedError(absl::StrCat(
-          "model '", name, "': layer ", l, " storage dtype ",
-          DTypeName(config.layout.layer_dtypes[l]), " is not built yet (fp32, fp16, bf16 are)"));
-    }
-  }
   absl::MutexLock lock(&mu_);
   if (auto it = models_.find(name); it != models_.end()) {
     const ModelLayout& have = it->second->layout();

@@ -240,18 +240,8 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
                                                    " ids for num_tokens ", spec.num_tokens));
   }
-  for (uint32_t l = l0; l < l1; ++l) {
-    const DType stored = layout_.layer_dtypes[l];
-    if (IsQuantized(stored)) {
-      return absl::UnimplementedError(absl::StrCat("layer ", l, " stores ", DTypeName(stored),
-                                                   "; quantized storage is not built yet"));
-    }
-    if (spec.dtype.has_value() && *spec.dtype != stored) {
-      return absl::InvalidArgumentError(absl::StrCat("dtype ", DTypeName(*spec.dtype),
-                                                     " does not match layer ", l, " storage dtype ",
-                                                     DTypeName(stored)));
-    }
-  }
+  auto wire = WireDType(l0, l1, spec.dtype, /*append=*/true);
+  if (!wire.ok()) return wire.status();
 
   const uint64_t bt = layout_.block_tokens;
   std::unique_ptr<AppendTxn> txn(new AppendTxn());
@@ -328,10 +318,16 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   txn->spec_ = spec;
   txn->layer_end_ = l1;
   txn->position_ = pos;
-  txn->payload_ = PayloadLayout::Make(block_layout(), l0, l1, spec.num_tokens);
+  txn->dtype_ = wire->first;
+  txn->payload_ = PayloadLayout::Make(block_layout(), l0, l1, spec.num_tokens,
+                                      wire->second ? std::nullopt : std::optional(wire->first));
   txn->map_ = MakeMap(txn->payload_);
   txn->map_.block_table = txn->write_table_.data();
   txn->map_.token_begin = pos;
+  if (!wire->second) {
+    txn->codec_ = std::make_unique<RowCodec>(block_layout(), txn->payload_, wire->first,
+                                             pool_->base(), txn->write_table_.data(), pos);
+  }
   return txn;
 }
 
@@ -346,8 +342,12 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
         "payload exceeds the ", payload_.total_bytes, " bytes that ", spec_.num_tokens,
         " tokens of layers [", payload_.layer_begin, ", ", payload_.layer_end, ") take"));
   }
-  kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_,
-                          const_cast<uint8_t*>(data.data()), data.size());
+  if (codec_ != nullptr) {
+    if (absl::Status s = codec_->Write(written_, data); !s.ok()) return s;
+  } else {
+    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_,
+                            const_cast<uint8_t*>(data.data()), data.size());
+  }
   written_ += data.size();
   return absl::OkStatus();
 }
@@ -416,14 +416,10 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     return absl::InvalidArgumentError(absl::StrCat(
         "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
-  for (uint32_t l = l0; l < l1; ++l) {
-    if (spec.dtype.has_value() && *spec.dtype != layout_.layer_dtypes[l]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dtype ", DTypeName(*spec.dtype), " does not match layer ", l, " storage dtype ",
-          DTypeName(layout_.layer_dtypes[l]), "; conversion on fetch is not built yet"));
-    }
-  }
+  auto wire = WireDType(l0, l1, spec.dtype, /*append=*/false);
+  if (!wire.ok()) return wire.status();
   std::unique_ptr<FetchReader> r(new FetchReader());
+  uint64_t n = 0;
   {
     absl::MutexLock lock(&mu_);
     auto found = Find(spec.sequence_id, spec.tenant);
@@ -445,20 +441,59 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
       r->table_[i] = s.blocks[i].id();
     }
     r->token_begin_ = spec.token_begin;
-    r->payload_ = PayloadLayout::Make(block_layout(), l0, l1, t1 - spec.token_begin);
+    n = t1 - spec.token_begin;
     Renew(s);
   }
-  r->map_ = MakeMap(r->payload_);
-  r->map_.block_table = r->table_.data();
-  r->map_.token_begin = r->token_begin_;
+  FinishReader(*r, l0, l1, n, wire->first, wire->second);
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
   return r;
 }
 
 void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
-  kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
-                          out.size());
+  if (codec_ != nullptr) {
+    codec_->Read(offset, out);
+  } else {
+    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
+                            out.size());
+  }
+}
+
+void SequenceStore::FinishReader(FetchReader& r, uint32_t l0, uint32_t l1, uint64_t n, DType wire,
+                                 bool plain) const {
+  r.dtype_ = wire;
+  r.payload_ =
+      PayloadLayout::Make(block_layout(), l0, l1, n, plain ? std::nullopt : std::optional(wire));
+  r.map_ = MakeMap(r.payload_);
+  r.map_.block_table = r.table_.data();
+  r.map_.token_begin = r.token_begin_;
+  if (!plain) {
+    r.codec_ = std::make_unique<RowCodec>(block_layout(), r.payload_, wire, pool_->base(),
+                                          r.table_.data(), r.token_begin_);
+  }
+}
+
+absl::StatusOr<std::pair<DType, bool>> SequenceStore::WireDType(uint32_t l0, uint32_t l1,
+                                                                std::optional<DType> requested,
+                                                                bool append) const {
+  const DType wire = requested.value_or(DefaultWireDType(layout_, l0, l1));
+  if (IsQuantized(wire)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype ", DTypeName(wire), ": payloads travel as fp32, fp16 or bf16 and the server ",
+        "(de)quantizes; transfers in storage format are not built yet"));
+  }
+  bool plain = true;
+  for (uint32_t l = l0; l < l1; ++l) {
+    const DType stored = layout_.layer_dtypes[l];
+    if (stored == wire) continue;
+    plain = false;
+    if (append && wire != layout_.input_dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype ", DTypeName(wire), " does not match layer ", l, " storage dtype ",
+          DTypeName(stored), " nor the model's input dtype ", DTypeName(layout_.input_dtype)));
+    }
+  }
+  return std::make_pair(wire, plain);
 }
 
 absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl::Duration> lease,
@@ -592,13 +627,15 @@ std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
 
 absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
-    std::optional<uint32_t> layer_end) {
+    std::optional<uint32_t> layer_end, std::optional<DType> dtype) {
   const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
   if (l1 > layout_.num_layers || l0 >= l1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
+  auto wire = WireDType(l0, l1, dtype, /*append=*/false);
+  if (!wire.ok()) return wire.status();
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::unique_ptr<FetchReader> r(new FetchReader());
   for (const BlockHash& h : hashes) {
@@ -611,11 +648,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
   }
   r->token_begin_ = 0;
-  r->payload_ =
-      PayloadLayout::Make(block_layout(), l0, l1, r->refs_.size() * uint64_t{layout_.block_tokens});
-  r->map_ = MakeMap(r->payload_);
-  r->map_.block_table = r->table_.data();
-  r->map_.token_begin = 0;
+  FinishReader(*r, l0, l1, r->refs_.size() * uint64_t{layout_.block_tokens}, wire->first,
+               wire->second);
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
   return r;

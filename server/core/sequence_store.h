@@ -23,6 +23,7 @@
 #include "kvbank/prefix_hash.h"
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
+#include "server/core/row_codec.h"
 
 namespace kvbank {
 
@@ -122,8 +123,10 @@ class AppendTxn {
 
   uint64_t payload_bytes() const { return payload_.total_bytes; }
   uint64_t bytes_written() const { return written_; }
-  // Copies the next `data.size()` payload bytes into the pool. INVALID_ARGUMENT when they would
-  // run past payload_bytes() (nothing is written then).
+  DType dtype() const { return dtype_; }  // of the payload
+  // Copies (or converts, or quantizes) the next `data.size()` payload bytes into the pool.
+  // INVALID_ARGUMENT when they would run past payload_bytes(), or hold NaN / Inf on the way to a
+  // converted layer; the transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
   // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived; ABORTED when
   // the sequence was freed meanwhile. The transaction is finished either way.
@@ -141,7 +144,9 @@ class AppendTxn {
   uint32_t layer_end_ = 0;
   uint64_t position_ = 0;  // sequence position of payload token 0
   PayloadLayout payload_;
-  kernels::PayloadMap map_;
+  DType dtype_ = DType::kFp16;
+  kernels::PayloadMap map_;           // plain copies
+  std::unique_ptr<RowCodec> codec_;   // conversions: set when some layer stores another dtype
   std::vector<int32_t> write_table_;  // block table the payload is written through
   std::vector<BlockRef> new_blocks_;  // appended to the table at commit
   std::vector<std::pair<size_t, BlockRef>> replacements_;  // copy-on-write: table[i] <- block
@@ -158,7 +163,8 @@ class FetchReader {
   uint64_t num_tokens() const { return payload_.num_tokens; }
   uint32_t layer_begin() const { return payload_.layer_begin; }
   uint32_t layer_end() const { return payload_.layer_end; }
-  // Copies payload bytes [offset, offset + out.size()) into `out`.
+  DType dtype() const { return dtype_; }  // of the payload
+  // Copies (or dequantizes) payload bytes [offset, offset + out.size()) into `out`.
   // REQUIRES: offset + out.size() <= payload_bytes().
   void Read(uint64_t offset, absl::Span<uint8_t> out) const;
 
@@ -167,9 +173,11 @@ class FetchReader {
   FetchReader() = default;
   uint64_t token_begin_ = 0;
   PayloadLayout payload_;
+  DType dtype_ = DType::kFp16;
   kernels::PayloadMap map_;
-  std::vector<BlockRef> refs_;  // blocks covering the range (first block of the range first)
-  std::vector<int32_t> table_;  // their ids, indexed from the sequence's block 0
+  std::unique_ptr<RowCodec> codec_;  // set when some layer stores another dtype than dtype_
+  std::vector<BlockRef> refs_;       // blocks covering the range (first block of the range first)
+  std::vector<int32_t> table_;       // their ids, indexed from the sequence's block 0
 };
 
 // Thread-safe. Lock order: mu_, then BlockPool's lock. Payload copies run outside mu_.
@@ -218,10 +226,9 @@ class SequenceStore {
   BlockHash Root(const std::string& tenant, const std::string& cache_salt) const;
   // A reader over the longest run of leading `hashes` that `tenant` has cached: full blocks,
   // layers [layer_begin, layer_end). NOT_FOUND when not even the first is cached.
-  absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(const std::string& tenant,
-                                                           const std::vector<BlockHash>& hashes,
-                                                           uint32_t layer_begin,
-                                                           std::optional<uint32_t> layer_end);
+  absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(
+      const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
+      std::optional<uint32_t> layer_end, std::optional<DType> dtype = std::nullopt);
   // Pins (pin) or unpins the tenant's cached blocks with these hashes; returns how many matched
   // (a pin past the tenant's quota is not taken: pinned blocks count on it).
   size_t Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin);
@@ -263,6 +270,15 @@ class SequenceStore {
   // Takes `s` by value: callers often pass the map's own entry, which this erases.
   uint64_t Remove(SeqPtr s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   kernels::PayloadMap MakeMap(const PayloadLayout& p) const;
+  // The payload dtype of a transfer of layers [l0, l1) (DefaultWireDType when none is asked for)
+  // and whether it is a plain copy (every layer stores exactly that dtype). Appends accept a
+  // layer's storage dtype or the model's input dtype; fetches any of fp32 / fp16 / bf16.
+  absl::StatusOr<std::pair<DType, bool>> WireDType(uint32_t l0, uint32_t l1,
+                                                   std::optional<DType> requested,
+                                                   bool append) const;
+  // Fills r's payload, map and codec for layers [l0, l1) x n tokens from token_begin_.
+  void FinishReader(FetchReader& r, uint32_t l0, uint32_t l1, uint64_t n, DType wire,
+                    bool plain) const;
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it

@@ -94,6 +94,21 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
   } else if (!m.layer_dtypes.empty() && !IsQuantized(m.layer_dtypes[0])) {
     m.input_dtype = m.layer_dtypes[0];
   }
+  if (const uint32_t hp = spec.high_precision_layers(); hp > 0) {
+    if (!layer_dtypes.empty()) {
+      return absl::InvalidArgumentError(
+          "spec: give either layer_dtypes or high_precision_layers, not both");
+    }
+    if (uint64_t{hp} * 2 > m.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.high_precision_layers ", hp,
+                                                     " covers more than all ", m.num_layers,
+                                                     " layers twice over"));
+    }
+    for (uint32_t l = 0; l < hp; ++l) {
+      m.layer_dtypes[l] = m.input_dtype;
+      m.layer_dtypes[m.num_layers - 1 - l] = m.input_dtype;
+    }
+  }
   if (std::string e = ValidateLayout(m); !e.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("spec: ", e));
   }

@@ -273,7 +273,7 @@ grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::Fetch(grpc::Callback
     if (req->has_layer_end()) spec.layer_end = req->layer_end();
     spec.dtype = *d;
     auto reader = (*model)->BeginFetch(spec);
-    if (reader.ok()) dtype = (*model)->layout().layer_dtypes[(*reader)->layer_begin()];
+    if (reader.ok()) dtype = (*reader)->dtype();
     return reader;
   };
   auto reader = start();
@@ -292,8 +292,10 @@ grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::FetchBlocks(
     if (!hashes.ok()) return hashes.status();
     std::optional<uint32_t> layer_end;
     if (req->has_layer_end()) layer_end = req->layer_end();
-    auto reader = (*model)->FetchBlocks(caller->tenant, *hashes, req->layer_begin(), layer_end);
-    if (reader.ok()) dtype = (*model)->layout().layer_dtypes[(*reader)->layer_begin()];
+    auto d = FromProto(req->dtype(), "dtype");
+    if (!d.ok()) return d.status();
+    auto reader = (*model)->FetchBlocks(caller->tenant, *hashes, req->layer_begin(), layer_end, *d);
+    if (reader.ok()) dtype = (*reader)->dtype();
     return reader;
   };
   auto reader = start();

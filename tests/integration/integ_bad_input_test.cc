@@ -435,10 +435,11 @@ TEST_F(BadInputTest, EveryBadInputIsRefusedPreciselyAndChangesNothing) {
          args.dtype = DType::kFp32;
          return Of(c.Append("m", a_, args, std::vector<uint8_t>(bpt_)));
        }},
-      {"fetch dtype differs from storage", grpc::StatusCode::INVALID_ARGUMENT, "dtype bf16",
+      {"fetch in a quantized (storage-format) dtype", grpc::StatusCode::INVALID_ARGUMENT,
+       "storage format",
        [&] {
          auto r = fetch("m", a_);
-         r.set_dtype(v1::DTYPE_BF16);
+         r.set_dtype(v1::DTYPE_INT8);
          return Of(raw.Fetch(r));
        }},
       {"append dtype outside the enum", grpc::StatusCode::INVALID_ARGUMENT, "header.dtype",
@@ -598,8 +599,12 @@ TEST_F(BadInputTest, EveryBadInputIsRefusedPreciselyAndChangesNothing) {
          s.add_layer_dtypes(v1::DTYPE_FP16);
          return Of(raw.EnsureModel(s));
        }},
-      {"quantized storage", grpc::StatusCode::UNIMPLEMENTED, "int8",
-       [&] { return Of(raw.EnsureModel(Spec("z", 4, 8, 2, 64, v1::DTYPE_INT8))); }},
+      {"quantized input dtype", grpc::StatusCode::INVALID_ARGUMENT, "input_dtype",
+       [&] {
+         v1::ModelSpec s = Spec("z", 4, 8, 2, 64, v1::DTYPE_INT8);
+         s.set_input_dtype(v1::DTYPE_INT8);
+         return Of(raw.EnsureModel(s));
+       }},
       {"pool_bytes beyond the server's budget", grpc::StatusCode::RESOURCE_EXHAUSTED, "pool budget",
        [&] {
          v1::ModelSpec s = Spec("z", 4, 8, 2, 64);

@@ -259,8 +259,10 @@ TEST_F(StoreTest, AppendsCrossingBlocksAndSubRangeFetches) {
   EXPECT_EQ(Fetch(id, 6, 5, 0, 4).status().code(), StatusCode::kOutOfRange);
   EXPECT_EQ(Fetch(id, 0, 1, 2, 2).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Fetch(id, 0, 1, 0, 5).status().code(), StatusCode::kInvalidArgument);
-  auto wrong_dtype = store_->BeginFetch(MakeFetch(id, 0, 1, 0, 4, DType::kBf16));
-  EXPECT_EQ(wrong_dtype.status().code(), StatusCode::kInvalidArgument);
+  // Payloads travel as fp32 / fp16 / bf16; a storage-format (quantized) fetch is refused.
+  auto quantized = store_->BeginFetch(MakeFetch(id, 0, 1, 0, 4, DType::kInt8));
+  EXPECT_EQ(quantized.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(quantized.status().message().find("storage format"), std::string::npos);
 }
 
 TEST_F(StoreTest, StreamedAppendWithOddChunks) {

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -185,15 +186,37 @@ BlockLayout ComputeBlockLayout(const ModelLayout& m);
 // The dense payload of layers [l0, l1) x n tokens, described for the copy kernels.
 // layer_offset[i] is the payload byte offset of layer l0 + i; within it K is [heads][n][head_dim]
 // then V [heads][n][head_dim_v].
+// Elements travel in each layer's storage dtype, or all in one `wire` dtype (fp32/fp16/bf16) that
+// the server converts to and from the storage dtype (quantizing where it is int8 / fp8).
 struct PayloadLayout {
   uint32_t layer_begin = 0;
   uint32_t layer_end = 0;
   uint64_t num_tokens = 0;
   uint64_t total_bytes = 0;
+  uint32_t wire_elem_bytes = 0;        // 0: each layer's storage width
   std::vector<uint64_t> layer_offset;  // size layer_end - layer_begin
 
-  static PayloadLayout Make(const BlockLayout& b, uint32_t l0, uint32_t l1, uint64_t n);
+  static PayloadLayout Make(const BlockLayout& b, uint32_t l0, uint32_t l1, uint64_t n,
+                            std::optional<DType> wire = std::nullopt);
+  // Width of one element of layer l (absolute index) in this payload.
+  uint64_t ElemBytes(const BlockLayout& b, uint32_t l) const {
+    return wire_elem_bytes ? wire_elem_bytes : b.layers[l].elem_bytes;
+  }
+  // Bytes of layer l's K part ([heads][n][head_dim]) and V part (0 for MLA) in this payload.
+  uint64_t KPartBytes(const BlockLayout& b, uint32_t l) const {
+    return uint64_t{b.layers[l].num_kv_heads} * num_tokens * b.layers[l].head_dim * ElemBytes(b, l);
+  }
+  uint64_t VPartBytes(const BlockLayout& b, uint32_t l) const {
+    return b.layers[l].has_v ? uint64_t{b.layers[l].num_kv_heads} * num_tokens *
+                                   b.layers[l].head_dim_v * ElemBytes(b, l)
+                             : 0;
+  }
 };
+
+// The dtype a payload of layers [l0, l1) travels in when the caller names none: the storage dtype
+// when every layer of the range stores the same unquantized dtype, else the model's input dtype
+// (the server quantizes on the way in and dequantizes on the way out).
+DType DefaultWireDType(const ModelLayout& m, uint32_t l0, uint32_t l1);
 
 // Built-in model presets (llama-3.1-8b, llama-3-70b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b,
 // deepseek-v3). Returns false for an unknown name. Storage dtype = `storage` for every layer.

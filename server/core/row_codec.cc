@@ -1,0 +1,207 @@
+#include "server/core/row_codec.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/quant.h"
+
+namespace kvbank {
+
+namespace {
+// An fp8 block's scale is set when its first row is written, from the rows of that head at hand.
+// When the whole block is at hand (prefill) the scale is exact; when it is not (decode appends a
+// token at a time) it leaves this much headroom for the rows still to come, which saturate past
+// it. fp8's error is relative, so headroom costs only range at the bottom.
+constexpr float kFp8Headroom = 4.0f;
+}  // namespace
+
+RowCodec::RowCodec(const BlockLayout& blocks, const PayloadLayout& payload, DType wire,
+                   uint8_t* pool, const int32_t* block_table, uint64_t token_begin)
+    : blocks_(blocks),
+      payload_(payload),
+      wire_(wire),
+      wire_bytes_(DTypeBytes(wire)),
+      pool_(pool),
+      block_table_(block_table),
+      token_begin_(token_begin) {}
+
+RowCodec::Row RowCodec::RowAt(uint64_t offset) const {
+  size_t i = 0;
+  while (i + 1 < payload_.layer_offset.size() && payload_.layer_offset[i + 1] <= offset) ++i;
+  Row r;
+  r.layer = payload_.layer_begin + static_cast<uint32_t>(i);
+  const LayerView& v = blocks_.layers[r.layer];
+  uint64_t rel = offset - payload_.layer_offset[i];
+  const uint64_t k_part = payload_.KPartBytes(blocks_, r.layer);
+  r.kv = rel < k_part ? 0 : 1;
+  uint64_t part_begin = payload_.layer_offset[i];
+  if (r.kv == 1) {
+    rel -= k_part;
+    part_begin += k_part;
+  }
+  r.dim = r.kv == 0 ? v.head_dim : v.head_dim_v;
+  const uint64_t row_bytes = uint64_t{r.dim} * wire_bytes_;
+  const uint64_t index = rel / row_bytes;
+  r.head = static_cast<uint32_t>(index / payload_.num_tokens);
+  r.token = index % payload_.num_tokens;
+  r.begin = part_begin + index * row_bytes;
+  return r;
+}
+
+RowCodec::Row RowCodec::Next(const Row& r) const {
+  const LayerView& v = blocks_.layers[r.layer];
+  Row n = r;
+  n.begin = r.begin + uint64_t{r.dim} * wire_bytes_;
+  if (++n.token < payload_.num_tokens) return n;
+  n.token = 0;
+  if (++n.head < v.num_kv_heads) return n;
+  n.head = 0;
+  if (n.kv == 0 && v.has_v) {
+    n.kv = 1;
+    n.dim = v.head_dim_v;
+    return n;
+  }
+  n.kv = 0;
+  ++n.layer;
+  if (n.layer < blocks_.num_layers()) n.dim = blocks_.layers[n.layer].head_dim;
+  return n;
+}
+
+uint8_t* RowCodec::BlockOf(const Row& r, uint32_t* block_row) const {
+  const uint64_t pos = token_begin_ + r.token;
+  const uint32_t bt = blocks_.block_tokens;
+  *block_row = static_cast<uint32_t>(pos % bt);
+  return pool_ + uint64_t(block_table_[pos / bt]) * blocks_.block_bytes;
+}
+
+void RowCodec::EncodeRow(const Row& r, const uint8_t* src, uint64_t lookahead) {
+  const LayerView& v = blocks_.layers[r.layer];
+  uint32_t row = 0;
+  uint8_t* block = BlockOf(r, &row);
+  uint8_t* dst = block + (r.kv == 0 ? v.KRow(r.head, row) : v.VRow(r.head, row));
+  switch (v.dtype) {
+    case DType::kInt8:
+      kernels::QuantizeInt8Rows(src, wire_, 1, r.dim, dst,
+                                reinterpret_cast<float*>(block + v.Int8Scale(r.kv, r.head, row)),
+                                block + v.Int8ZeroPoint(r.kv, r.head, row));
+      break;
+    case DType::kFp8E4M3:
+    case DType::kFp8E5M2: {
+      float scale;
+      uint8_t* scale_at = block + v.Fp8Scale(r.kv, r.head);
+      if (row == 0) {  // the block's first row of this head: set its scale
+        const uint64_t rows = 1 + lookahead;
+        float amax = kernels::AbsMax(src, wire_, rows * r.dim);
+        if (rows < v.block_tokens) amax *= kFp8Headroom;
+        scale = kernels::Fp8ScaleFor(amax, v.dtype);
+        std::memcpy(scale_at, &scale, sizeof(scale));
+      } else {
+        std::memcpy(&scale, scale_at, sizeof(scale));
+      }
+      kernels::EncodeFp8(src, wire_, r.dim, scale, v.dtype, dst);
+      break;
+    }
+    default:
+      kernels::ConvertElements(src, wire_, dst, v.dtype, r.dim);
+  }
+}
+
+void RowCodec::DecodeRow(const Row& r, uint8_t* dst) const {
+  const LayerView& v = blocks_.layers[r.layer];
+  uint32_t row = 0;
+  const uint8_t* block = BlockOf(r, &row);
+  const uint8_t* src = block + (r.kv == 0 ? v.KRow(r.head, row) : v.VRow(r.head, row));
+  switch (v.dtype) {
+    case DType::kInt8:
+      kernels::DequantizeInt8Rows(
+          src, reinterpret_cast<const float*>(block + v.Int8Scale(r.kv, r.head, row)),
+          block + v.Int8ZeroPoint(r.kv, r.head, row), 1, r.dim, dst, wire_);
+      break;
+    case DType::kFp8E4M3:
+    case DType::kFp8E5M2: {
+      float scale;
+      std::memcpy(&scale, block + v.Fp8Scale(r.kv, r.head), sizeof(scale));
+      kernels::DecodeFp8(src, v.dtype, r.dim, scale, dst, wire_);
+      break;
+    }
+    default:
+      kernels::ConvertElements(src, v.dtype, dst, wire_, r.dim);
+  }
+}
+
+absl::Status RowCodec::Write(uint64_t offset, absl::Span<const uint8_t> data) {
+  auto check = [&](const Row& r, const uint8_t* src) -> absl::Status {
+    const int64_t bad = kernels::FindNonFinite(src, wire_, r.dim);
+    if (bad < 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("payload holds NaN or Inf (layer ", r.layer, ", ", r.kv ? "V" : "K", ", head ",
+                     r.head, ", token ", r.token, ", element ", bad, "); refused, nothing stored"));
+  };
+  uint64_t at = offset;
+  if (!carry_.empty()) {  // finish the row begun by the last call
+    const Row r = RowAt(at - carry_.size());
+    const size_t need = uint64_t{r.dim} * wire_bytes_ - carry_.size();
+    const size_t take = std::min(need, data.size());
+    carry_.insert(carry_.end(), data.begin(), data.begin() + take);
+    data.remove_prefix(take);
+    at += take;
+    if (take < need) return absl::OkStatus();
+    if (absl::Status s = check(r, carry_.data()); !s.ok()) return s;
+    EncodeRow(r, carry_.data(), 0);
+    carry_.clear();
+  }
+  if (data.empty()) return absl::OkStatus();
+  Row r = RowAt(at);
+  while (!data.empty()) {
+    const uint64_t row_bytes = uint64_t{r.dim} * wire_bytes_;
+    if (data.size() < row_bytes) {
+      carry_.assign(data.begin(), data.end());
+      break;
+    }
+    if (absl::Status s = check(r, data.data()); !s.ok()) return s;
+    // Rows of the same head that follow in this chunk and land in the same block.
+    const uint32_t block_row =
+        static_cast<uint32_t>((token_begin_ + r.token) % blocks_.block_tokens);
+    const uint64_t same_head = payload_.num_tokens - r.token - 1;
+    const uint64_t same_block = blocks_.block_tokens - block_row - 1;
+    const uint64_t in_data = data.size() / row_bytes - 1;
+    const uint64_t lookahead = std::min({same_head, same_block, in_data});
+    if (lookahead > 0 && block_row == 0 && IsQuantized(blocks_.layers[r.layer].dtype)) {
+      // The scale covers these rows too: they must be finite before any of them is encoded.
+      const int64_t bad =
+          kernels::FindNonFinite(data.data(), wire_, (lookahead + 1) * uint64_t{r.dim});
+      if (bad >= 0) return check(r, data.data() + (bad / r.dim) * row_bytes);
+    }
+    EncodeRow(r, data.data(), lookahead);
+    data.remove_prefix(row_bytes);
+    at += row_bytes;
+    if (at < payload_.total_bytes) r = Next(r);
+  }
+  return absl::OkStatus();
+}
+
+void RowCodec::Read(uint64_t offset, absl::Span<uint8_t> out) const {
+  if (out.empty()) return;
+  std::vector<uint8_t> tmp;
+  Row r = RowAt(offset);
+  uint64_t at = offset;
+  size_t done = 0;
+  while (done < out.size()) {
+    const uint64_t row_bytes = uint64_t{r.dim} * wire_bytes_;
+    const uint64_t skip = at - r.begin;
+    const size_t n = std::min<uint64_t>(row_bytes - skip, out.size() - done);
+    if (skip == 0 && n == row_bytes) {
+      DecodeRow(r, out.data() + done);
+    } else {
+      tmp.resize(row_bytes);
+      DecodeRow(r, tmp.data());
+      std::memcpy(out.data() + done, tmp.data() + skip, n);
+    }
+    done += n;
+    at += n;
+    if (at < payload_.total_bytes) r = Next(r);
+  }
+}
+
+}  // namespace kvbank
