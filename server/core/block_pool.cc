@@ -15,6 +15,7 @@ BlockRef& BlockRef::operator=(BlockRef&& o) noexcept {
     Reset();
     pool_ = o.pool_;
     id_ = o.id_;
+    touch_ = o.touch_;
     o.pool_ = nullptr;
     o.id_ = -1;
   }
@@ -22,7 +23,7 @@ BlockRef& BlockRef::operator=(BlockRef&& o) noexcept {
 }
 
 void BlockRef::Reset() {
-  if (pool_ != nullptr) pool_->Release(id_);
+  if (pool_ != nullptr) pool_->Release(id_, touch_);
   pool_ = nullptr;
   id_ = -1;
 }
@@ -170,15 +171,17 @@ bool BlockPool::Published(int32_t id) const {
   return records_[id].published;
 }
 
-void BlockPool::Release(int32_t id) {
+void BlockPool::Release(int32_t id, bool touch) {
   absl::MutexLock lock(&mu_);
   Record& r = records_[id];
   if (--r.refcount > 0) return;
   if (r.pins == 0) --tenant_used_[r.tenant];  // a pinned block stays on the tenant's quota
   if (r.published) {
     ++cached_;
-    r.tick = ++tick_;
-    r.last_used = options_.clock();
+    if (touch) {
+      r.tick = ++tick_;
+      r.last_used = options_.clock();
+    }
     if (r.pins == 0) evictable_.insert(KeyOf(id));
   } else {
     free_list_.push_back(id);
@@ -213,6 +216,14 @@ bool BlockPool::Publish(const BlockRef& ref, const PublishInfo& info, uint32_t t
 }
 
 BlockRef BlockPool::Lookup(const BlockHash& hash, uint32_t tenant) {
+  return LookupImpl(hash, tenant, true);
+}
+
+BlockRef BlockPool::Peek(const BlockHash& hash, uint32_t tenant) {
+  return LookupImpl(hash, tenant, false);
+}
+
+BlockRef BlockPool::LookupImpl(const BlockHash& hash, uint32_t tenant, bool touch) {
   absl::MutexLock lock(&mu_);
   auto it = index_.find(hash);
   if (it == index_.end() || records_[it->second].tenant != tenant) return BlockRef();
@@ -222,9 +233,11 @@ BlockRef BlockPool::Lookup(const BlockHash& hash, uint32_t tenant) {
     return BlockRef();
   }
   AddRefLocked(id);
-  records_[id].tick = ++tick_;
-  records_[id].last_used = options_.clock();
-  return BlockRef(this, id);
+  if (touch) {
+    records_[id].tick = ++tick_;
+    records_[id].last_used = options_.clock();
+  }
+  return BlockRef(this, id, touch);
 }
 
 bool BlockPool::Contains(const BlockHash& hash, uint32_t tenant) const {

@@ -39,7 +39,7 @@ class BlockPool;
 class BlockRef {
  public:
   BlockRef() = default;
-  BlockRef(BlockRef&& o) noexcept : pool_(o.pool_), id_(o.id_) {
+  BlockRef(BlockRef&& o) noexcept : pool_(o.pool_), id_(o.id_), touch_(o.touch_) {
     o.pool_ = nullptr;
     o.id_ = -1;
   }
@@ -54,9 +54,10 @@ class BlockRef {
 
  private:
   friend class BlockPool;
-  BlockRef(BlockPool* pool, int32_t id) : pool_(pool), id_(id) {}
+  BlockRef(BlockPool* pool, int32_t id, bool touch = true) : pool_(pool), id_(id), touch_(touch) {}
   BlockPool* pool_ = nullptr;
   int32_t id_ = -1;
+  bool touch_ = true;  // false for a peek: releasing it leaves the eviction order as it was
 };
 
 struct PoolStats {
@@ -128,6 +129,9 @@ class BlockPool {
   // A new reference to the block published under `hash` by `tenant`, or an invalid BlockRef.
   // Counts as a use for the eviction order. Quota-checked like Allocate.
   BlockRef Lookup(const BlockHash& hash, uint32_t tenant);
+  // Like Lookup, but without side effects on the eviction order: neither taking nor releasing
+  // the reference counts as a use (a read by hash, not a reuse).
+  BlockRef Peek(const BlockHash& hash, uint32_t tenant);
   // Whether `tenant` has a block published under `hash`. No side effects.
   bool Contains(const BlockHash& hash, uint32_t tenant) const;
   // Pins (or unpins) the tenant's published blocks with these hashes: pinned blocks are never
@@ -170,7 +174,8 @@ class BlockPool {
 
   BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks,
             PoolOptions options);
-  void Release(int32_t id);
+  void Release(int32_t id, bool touch);
+  BlockRef LookupImpl(const BlockHash& hash, uint32_t tenant, bool touch);
   void AddRefLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Evictable(const Record& r) const { return r.published && r.refcount == 0 && r.pins == 0; }
   EvictKey KeyOf(int32_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

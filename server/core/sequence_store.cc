@@ -639,7 +639,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::unique_ptr<FetchReader> r(new FetchReader());
   for (const BlockHash& h : hashes) {
-    BlockRef b = pool_->Lookup(h, tenant_id);
+    BlockRef b = pool_->Peek(h, tenant_id);  // a read, not a reuse: eviction order stays
     if (!b.valid()) break;
     r->table_.push_back(b.id());
     r->refs_.push_back(std::move(b));

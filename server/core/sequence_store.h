@@ -225,7 +225,8 @@ class SequenceStore {
   // The root hash of `tenant`'s prompts with this salt (what a router computes hashes from).
   BlockHash Root(const std::string& tenant, const std::string& cache_salt) const;
   // A reader over the longest run of leading `hashes` that `tenant` has cached: full blocks,
-  // layers [layer_begin, layer_end). NOT_FOUND when not even the first is cached.
+  // layers [layer_begin, layer_end). NOT_FOUND when not even the first is cached. No side
+  // effects on the eviction order.
   absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(
       const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
       std::optional<uint32_t> layer_end, std::optional<DType> dtype = std::nullopt);

@@ -301,6 +301,28 @@ def lifecycle(grpc, pb, pbg, channel):
     st = stats()
     check(st.blocks_used == 0 and st.sequences == 0, "the pool is empty again")
 
+    # Prefix sharing: the freed sequence's full blocks stay cached, and a prompt with the same
+    # token ids, created twice, attaches them both times instead of taking new blocks.
+    full = total // bt
+    check(st.blocks_cached == full, "its %d full blocks stay cached after Free" % st.blocks_cached)
+    prompt = pb.CreateSequenceRequest(model="py", prompt_token_ids=list(range(total)))
+    shared = [stub.CreateSequence(prompt, timeout=timeout) for _ in range(2)]
+    check(all(s.cached_tokens == full * bt and s.length == full * bt for s in shared),
+          "the prompt created twice reports %d cached tokens both times" % (full * bt))
+    st = stats()
+    check(st.blocks_used == full and st.blocks_cached == 0,
+          "both sequences share the same %d blocks" % st.blocks_used)
+    check(st.prefix_query_tokens == 2 * total and st.prefix_hit_tokens == 2 * full * bt,
+          "prefix counters: %d queried, %d hit" % (st.prefix_query_tokens, st.prefix_hit_tokens))
+    cut = (n1 // bt) * bt  # blocks that hold only the first append's tokens
+    _, data = fetch(pb.FetchRequest(model="py", sequence_id=shared[1].sequence_id, token_end=cut))
+    check(data == slice_payload(first, n1, layers, kv_heads, head_dim, elem, 0, cut, 0, layers),
+          "the shared blocks read back the first sequence's bytes")
+    for s in shared:
+        stub.Free(pb.FreeRequest(model="py", sequence_id=s.sequence_id), timeout=timeout)
+    st = stats()
+    check(st.blocks_used == 0 and st.blocks_cached == full, "freed again, the blocks stay cached")
+
     expect_code(grpc, lambda: stub.GetSequence(
         pb.GetSequenceRequest(model="py", sequence_id=sid), timeout=timeout),
         grpc.StatusCode.FAILED_PRECONDITION, "freed", "GetSequence after Free")

@@ -384,11 +384,18 @@ TEST(PrefixCacheTest, MatchHasNoSideEffects) {
         EXPECT_EQ(h.events->last_sequence(), ev);
       },
       /*expect_x_survives=*/false);
-  // The contrast: reading x's block by hash is a use, so y goes instead.
+  // Nor is reading x's block by hash (a read, not a reuse): x still goes first.
   EvictOneAfter(
       [](Harness& h, const std::vector<uint32_t>& x) {
         auto r = h.store->FetchBlocks("", h.Hashes("", x), 0, std::nullopt);
         ASSERT_TRUE(r.ok()) << r.status();
+      },
+      /*expect_x_survives=*/false);
+  // The contrast: attaching x's block to a new sequence is a use, so y goes instead.
+  EvictOneAfter(
+      [](Harness& h, const std::vector<uint32_t>& x) {
+        const uint64_t s = h.Create("", x, /*expect_cached=*/4);
+        ASSERT_TRUE(h.store->Free(s, "").ok());
       },
       /*expect_x_survives=*/true);
 }
