@@ -163,6 +163,40 @@ PayloadLayout PayloadLayout::Make(const BlockLayout& b, uint32_t l0, uint32_t l1
   return p;
 }
 
+uint64_t PayloadLayout::ScaleBytes(const BlockLayout& b, uint32_t l) const {
+  const LayerView& v = b.layers[l];
+  const uint64_t rows = uint64_t{v.KvParts()} * v.num_kv_heads;
+  switch (v.dtype) {
+    case DType::kInt8:
+      return rows * num_tokens * (4 + 1);
+    case DType::kFp8E4M3:
+    case DType::kFp8E5M2:
+      return rows * num_blocks * 4;
+    default:
+      return 0;
+  }
+}
+
+PayloadLayout PayloadLayout::MakeStorage(const BlockLayout& b, uint32_t l0, uint32_t l1,
+                                         uint64_t token_begin, uint64_t n) {
+  PayloadLayout p;
+  p.layer_begin = l0;
+  p.layer_end = l1;
+  p.num_tokens = n;
+  const uint64_t bt = b.block_tokens;
+  p.first_block = token_begin / bt;
+  p.num_blocks = n == 0 ? 0 : (token_begin + n + bt - 1) / bt - p.first_block;
+  uint64_t off = 0;
+  for (uint32_t l = l0; l < l1; ++l) {
+    p.layer_offset.push_back(off);
+    off += p.KPartBytes(b, l) + p.VPartBytes(b, l);
+    p.scale_offset.push_back(off);
+    off += p.ScaleBytes(b, l);
+  }
+  p.total_bytes = off;
+  return p;
+}
+
 DType DefaultWireDType(const ModelLayout& m, uint32_t l0, uint32_t l1) {
   for (uint32_t l = l0; l < l1; ++l) {
     if (IsQuantized(m.layer_dtypes[l]) || m.layer_dtypes[l] != m.layer_dtypes[l0]) {

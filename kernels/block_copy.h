@@ -25,6 +25,10 @@ struct PayloadMap {
   uint64_t token_begin = 0;              // sequence position of payload token 0
   uint64_t num_tokens = 0;
   uint64_t total_bytes = 0;  // payload size; == PayloadLayout::total_bytes
+  // Storage format only (PayloadLayout::MakeStorage): [num_layers] payload offset of each layer's
+  // scale section, and the sequence block of payload token 0. Null: no scale sections.
+  const uint64_t* scale_offset = nullptr;
+  uint64_t first_block = 0;
 };
 
 enum class CopyDirection { kPayloadToPool, kPoolToPayload };
@@ -34,6 +38,11 @@ enum class CopyDirection { kPayloadToPool, kPoolToPayload };
 // rows). REQUIRES: offset + len <= map.total_bytes; block_table covers every touched token.
 void PayloadCopyCpu(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
                     uint64_t len);
+
+// The scale sections of a storage-format payload (map.scale_offset set): copies those of payload
+// bytes [offset, offset + len) that fall in a scale section; the element rows are PayloadCopyCpu's.
+void ScaleCopyCpu(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                  uint64_t len);
 
 // Copies whole blocks: dst_ids[i] <- src_ids[i], each block_bytes long.
 void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,

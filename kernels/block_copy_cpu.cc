@@ -64,6 +64,61 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
   }
 }
 
+void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                  uint64_t len) {
+  if (m.scale_offset == nullptr || len == 0) return;
+  const uint64_t end = offset + len;
+  for (uint32_t li = 0; li < m.num_layers; ++li) {
+    const LayerView& v = m.layers[li];
+    const uint64_t section = m.scale_offset[li];
+    if (section >= end) break;
+    const uint32_t parts = v.KvParts();
+    if (v.dtype == DType::kInt8) {
+      // f32 scales [kv][h][n], then u8 zero points [kv][h][n]; runs of tokens within a block are
+      // contiguous on both sides.
+      for (int zp = 0; zp < 2; ++zp) {
+        const uint64_t width = zp ? 1 : 4;
+        const uint64_t base =
+            section + (zp ? uint64_t{parts} * v.num_kv_heads * m.num_tokens * 4 : 0);
+        for (uint32_t kv = 0; kv < parts; ++kv) {
+          for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+            const uint64_t row_begin =
+                base + (uint64_t{kv} * v.num_kv_heads + h) * m.num_tokens * width;
+            if (row_begin >= end || row_begin + m.num_tokens * width <= offset) continue;
+            for (uint64_t t = 0; t < m.num_tokens;) {
+              const uint64_t pos = m.token_begin + t;
+              const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);
+              const uint64_t run = std::min<uint64_t>(v.block_tokens - row, m.num_tokens - t);
+              uint8_t* block =
+                  m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
+              uint8_t* at = block + (zp ? v.Int8ZeroPoint(kv, h, row) : v.Int8Scale(kv, h, row));
+              CopyRun(at, run * width, row_begin + t * width, offset, buf, len, dir);
+              t += run;
+            }
+          }
+        }
+      }
+    } else if (v.dtype == DType::kFp8E4M3 || v.dtype == DType::kFp8E5M2) {
+      // f32 scales [kv][h][num_blocks].
+      const uint64_t nb =
+          m.num_tokens == 0 ? 0
+                            : (m.token_begin + m.num_tokens + v.block_tokens - 1) / v.block_tokens -
+                                  m.first_block;
+      for (uint32_t kv = 0; kv < parts; ++kv) {
+        for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+          for (uint64_t b = 0; b < nb; ++b) {
+            const uint64_t at_payload =
+                section + ((uint64_t{kv} * v.num_kv_heads + h) * nb + b) * 4;
+            if (at_payload >= end || at_payload + 4 <= offset) continue;
+            uint8_t* block = m.pool + uint64_t(m.block_table[m.first_block + b]) * m.block_bytes;
+            CopyRun(block + v.Fp8Scale(kv, h), 4, at_payload, offset, buf, len, dir);
+          }
+        }
+      }
+    }
+  }
+}
+
 void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
                    const int32_t* dst_ids, size_t n) {
   for (size_t i = 0; i < n; ++i) {

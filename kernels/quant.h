@@ -67,6 +67,11 @@ void DequantizeInt8Rows(const uint8_t* q, const float* scales, const uint8_t* ze
 // for e5m2); 1 for amax == 0; never below FLT_MIN.
 float Fp8ScaleFor(float amax, DType fp8);
 
+// Whether an fp8 code is NaN (E4M3FN: S.1111.111) or Inf / NaN (E5M2: exponent 11111).
+inline bool Fp8IsNonFinite(uint8_t code, DType fp8) {
+  return fp8 == DType::kFp8E4M3 ? (code & 0x7f) == 0x7f : (code & 0x7c) == 0x7c;
+}
+
 // The largest finite value of an fp8 format (448 or 57344).
 float Fp8Max(DType fp8);
 

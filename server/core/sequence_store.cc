@@ -1,11 +1,14 @@
 #include "server/core/sequence_store.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/quant.h"
 
 namespace kvbank {
 
@@ -240,7 +243,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
                                                    " ids for num_tokens ", spec.num_tokens));
   }
-  auto wire = WireDType(l0, l1, spec.dtype, /*append=*/true);
+  auto wire = Plan(l0, l1, spec.dtype, /*append=*/true);
   if (!wire.ok()) return wire.status();
 
   const uint64_t bt = layout_.block_tokens;
@@ -254,6 +257,14 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
         absl::StrCat("sequence_id ", s->id, " already has an append in flight"));
   }
   const uint64_t pos = s->layer_len[l0];
+  if (wire->mode == Mode::kStorage && IsQuantized(wire->dtype) && wire->dtype != DType::kInt8 &&
+      pos % layout_.block_tokens != 0) {
+    // An fp8 block has one scale per head; a storage-format append brings its own, so it must
+    // start a block (appends in fp32 / fp16 / bf16 can continue one: the server quantizes).
+    return absl::InvalidArgumentError(
+        absl::StrCat("an fp8 storage-format append must start on a block boundary; position ", pos,
+                     " is inside a block of ", layout_.block_tokens, " tokens"));
+  }
   for (uint32_t l = l0 + 1; l < l1; ++l) {
     if (s->layer_len[l] != pos) {
       return absl::FailedPreconditionError(
@@ -318,16 +329,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   txn->spec_ = spec;
   txn->layer_end_ = l1;
   txn->position_ = pos;
-  txn->dtype_ = wire->first;
-  txn->payload_ = PayloadLayout::Make(block_layout(), l0, l1, spec.num_tokens,
-                                      wire->second ? std::nullopt : std::optional(wire->first));
-  txn->map_ = MakeMap(txn->payload_);
-  txn->map_.block_table = txn->write_table_.data();
-  txn->map_.token_begin = pos;
-  if (!wire->second) {
-    txn->codec_ = std::make_unique<RowCodec>(block_layout(), txn->payload_, wire->first,
-                                             pool_->base(), txn->write_table_.data(), pos);
-  }
+  txn->dtype_ = wire->dtype;
+  txn->storage_format_ = wire->mode == Mode::kStorage;
+  Configure(*wire, l0, l1, pos, spec.num_tokens, txn->write_table_.data(), &txn->payload_,
+            &txn->map_, &txn->codec_);
   return txn;
 }
 
@@ -345,8 +350,11 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
   if (codec_ != nullptr) {
     if (absl::Status s = codec_->Write(written_, data); !s.ok()) return s;
   } else {
-    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_,
-                            const_cast<uint8_t*>(data.data()), data.size());
+    uint8_t* bytes = const_cast<uint8_t*>(data.data());  // read, never written
+    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_, bytes,
+                            data.size());
+    kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_, bytes,
+                          data.size());
   }
   written_ += data.size();
   return absl::OkStatus();
@@ -359,6 +367,12 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     return absl::InvalidArgumentError(absl::StrCat(
         "payload has ", written_, " bytes; ", spec_.num_tokens, " tokens of layers [",
         payload_.layer_begin, ", ", payload_.layer_end, ") take ", payload_.total_bytes));
+  }
+  if (storage_format_) {
+    if (absl::Status v = ValidateStorageFormat(); !v.ok()) {
+      Abort();
+      return v;
+    }
   }
   SequenceStore& st = *store_;
   absl::MutexLock lock(&st.mu_);
@@ -390,6 +404,46 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   return st.Info(s);
 }
 
+absl::Status AppendTxn::ValidateStorageFormat() const {
+  const BlockLayout& b = store_->block_layout();
+  const uint64_t bt = b.block_tokens;
+  for (uint32_t l = payload_.layer_begin; l < layer_end_; ++l) {
+    const LayerView& v = b.layers[l];
+    for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
+      for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+        const uint32_t dim = kv == 0 ? v.head_dim : v.head_dim_v;
+        for (uint64_t t = position_; t < position_ + spec_.num_tokens; ++t) {
+          const uint8_t* block = map_.pool + uint64_t(write_table_[t / bt]) * b.block_bytes;
+          const uint32_t row = static_cast<uint32_t>(t % bt);
+          float scale;
+          if (v.dtype == DType::kInt8) {
+            std::memcpy(&scale, block + v.Int8Scale(kv, h, row), 4);
+          } else {
+            std::memcpy(&scale, block + v.Fp8Scale(kv, h), 4);
+            const uint8_t* q = block + (kv == 0 ? v.KRow(h, row) : v.VRow(h, row));
+            for (uint32_t i = 0; i < dim; ++i) {
+              if (kernels::Fp8IsNonFinite(q[i], v.dtype)) {
+                return absl::InvalidArgumentError(absl::StrCat(
+                    "storage-format payload: layer ", l, ", ", kv ? "V" : "K", ", head ", h,
+                    ", token ", t, ", element ", i, " is an fp8 NaN/Inf code"));
+              }
+            }
+          }
+          const bool ok = v.dtype == DType::kInt8 ? std::isfinite(scale) && scale >= 0
+                                                  : std::isfinite(scale) && scale > 0;
+          if (!ok) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("storage-format payload: layer ", l, ", ", kv ? "V" : "K", ", head ",
+                             h, ", token ", t, " has scale ", scale, "; scales must be finite and ",
+                             v.dtype == DType::kInt8 ? "non-negative" : "positive"));
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 void AppendTxn::Abort() {
   absl::MutexLock lock(&store_->mu_);
   done_ = true;
@@ -416,7 +470,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     return absl::InvalidArgumentError(absl::StrCat(
         "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
-  auto wire = WireDType(l0, l1, spec.dtype, /*append=*/false);
+  auto wire = Plan(l0, l1, spec.dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();
   std::unique_ptr<FetchReader> r(new FetchReader());
   uint64_t n = 0;
@@ -444,7 +498,9 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     n = t1 - spec.token_begin;
     Renew(s);
   }
-  FinishReader(*r, l0, l1, n, wire->first, wire->second);
+  r->dtype_ = wire->dtype;
+  Configure(*wire, l0, l1, r->token_begin_, n, r->table_.data(), &r->payload_, &r->map_,
+            &r->codec_);
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
   return r;
@@ -456,31 +512,55 @@ void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
   } else {
     kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
                             out.size());
+    kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
+                          out.size());
   }
 }
 
-void SequenceStore::FinishReader(FetchReader& r, uint32_t l0, uint32_t l1, uint64_t n, DType wire,
-                                 bool plain) const {
-  r.dtype_ = wire;
-  r.payload_ =
-      PayloadLayout::Make(block_layout(), l0, l1, n, plain ? std::nullopt : std::optional(wire));
-  r.map_ = MakeMap(r.payload_);
-  r.map_.block_table = r.table_.data();
-  r.map_.token_begin = r.token_begin_;
-  if (!plain) {
-    r.codec_ = std::make_unique<RowCodec>(block_layout(), r.payload_, wire, pool_->base(),
-                                          r.table_.data(), r.token_begin_);
+void SequenceStore::Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin,
+                              uint64_t n, const int32_t* table, PayloadLayout* payload,
+                              kernels::PayloadMap* map, std::unique_ptr<RowCodec>* codec) const {
+  switch (t.mode) {
+    case Mode::kPlain:
+      *payload = PayloadLayout::Make(block_layout(), l0, l1, n);
+      break;
+    case Mode::kConvert:
+      *payload = PayloadLayout::Make(block_layout(), l0, l1, n, t.dtype);
+      break;
+    case Mode::kStorage:
+      *payload = PayloadLayout::MakeStorage(block_layout(), l0, l1, token_begin, n);
+      break;
+  }
+  *map = MakeMap(*payload);
+  map->block_table = table;
+  map->token_begin = token_begin;
+  if (t.mode == Mode::kStorage) {
+    map->scale_offset = payload->scale_offset.data();
+    map->first_block = payload->first_block;
+  }
+  if (t.mode == Mode::kConvert) {
+    *codec = std::make_unique<RowCodec>(block_layout(), *payload, t.dtype, pool_->base(), table,
+                                        token_begin);
   }
 }
 
-absl::StatusOr<std::pair<DType, bool>> SequenceStore::WireDType(uint32_t l0, uint32_t l1,
-                                                                std::optional<DType> requested,
-                                                                bool append) const {
+absl::StatusOr<SequenceStore::Transfer> SequenceStore::Plan(uint32_t l0, uint32_t l1,
+                                                            std::optional<DType> requested,
+                                                            bool append) const {
   const DType wire = requested.value_or(DefaultWireDType(layout_, l0, l1));
   if (IsQuantized(wire)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "dtype ", DTypeName(wire), ": payloads travel as fp32, fp16 or bf16 and the server ",
-        "(de)quantizes; transfers in storage format are not built yet"));
+    // The storage format: every layer of the range must store exactly this dtype.
+    for (uint32_t l = l0; l < l1; ++l) {
+      if (layout_.layer_dtypes[l] != wire) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("dtype ", DTypeName(wire), " (storage format) but layer ", l, " stores ",
+                         DTypeName(layout_.layer_dtypes[l]),
+                         "; transfer fp32, fp16 or bf16, or a layer range "
+                         "that stores ",
+                         DTypeName(wire)));
+      }
+    }
+    return Transfer{wire, Mode::kStorage};
   }
   bool plain = true;
   for (uint32_t l = l0; l < l1; ++l) {
@@ -493,7 +573,7 @@ absl::StatusOr<std::pair<DType, bool>> SequenceStore::WireDType(uint32_t l0, uin
           DTypeName(stored), " nor the model's input dtype ", DTypeName(layout_.input_dtype)));
     }
   }
-  return std::make_pair(wire, plain);
+  return Transfer{wire, plain ? Mode::kPlain : Mode::kConvert};
 }
 
 absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl::Duration> lease,
@@ -634,7 +714,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
         "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
-  auto wire = WireDType(l0, l1, dtype, /*append=*/false);
+  auto wire = Plan(l0, l1, dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::unique_ptr<FetchReader> r(new FetchReader());
@@ -648,8 +728,9 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
   }
   r->token_begin_ = 0;
-  FinishReader(*r, l0, l1, r->refs_.size() * uint64_t{layout_.block_tokens}, wire->first,
-               wire->second);
+  r->dtype_ = wire->dtype;
+  Configure(*wire, l0, l1, 0, r->refs_.size() * uint64_t{layout_.block_tokens}, r->table_.data(),
+            &r->payload_, &r->map_, &r->codec_);
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
   return r;

@@ -137,6 +137,9 @@ class AppendTxn {
   AppendTxn() = default;
   // Ends the transaction without publishing: drops its blocks, clears the in-flight mark.
   void Abort();
+  // Storage-format appends: the scales are finite (and positive for fp8) and no fp8 code is NaN
+  // or Inf. INVALID_ARGUMENT naming the first bad one.
+  absl::Status ValidateStorageFormat() const;
 
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;
@@ -147,6 +150,7 @@ class AppendTxn {
   DType dtype_ = DType::kFp16;
   kernels::PayloadMap map_;           // plain copies
   std::unique_ptr<RowCodec> codec_;   // conversions: set when some layer stores another dtype
+  bool storage_format_ = false;       // elements and scales arrive as stored
   std::vector<int32_t> write_table_;  // block table the payload is written through
   std::vector<BlockRef> new_blocks_;  // appended to the table at commit
   std::vector<std::pair<size_t, BlockRef>> replacements_;  // copy-on-write: table[i] <- block
@@ -271,15 +275,22 @@ class SequenceStore {
   // Takes `s` by value: callers often pass the map's own entry, which this erases.
   uint64_t Remove(SeqPtr s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   kernels::PayloadMap MakeMap(const PayloadLayout& p) const;
-  // The payload dtype of a transfer of layers [l0, l1) (DefaultWireDType when none is asked for)
-  // and whether it is a plain copy (every layer stores exactly that dtype). Appends accept a
-  // layer's storage dtype or the model's input dtype; fetches any of fp32 / fp16 / bf16.
-  absl::StatusOr<std::pair<DType, bool>> WireDType(uint32_t l0, uint32_t l1,
-                                                   std::optional<DType> requested,
-                                                   bool append) const;
-  // Fills r's payload, map and codec for layers [l0, l1) x n tokens from token_begin_.
-  void FinishReader(FetchReader& r, uint32_t l0, uint32_t l1, uint64_t n, DType wire,
-                    bool plain) const;
+  // How a transfer of layers [l0, l1) travels: its dtype (DefaultWireDType when none is asked
+  // for) and whether it is a plain copy (every layer stores exactly that dtype), a conversion
+  // (appends: a layer's storage dtype or the model's input dtype; fetches: fp32 / fp16 / bf16),
+  // or the storage format (a quantized dtype every layer of the range stores: elements and
+  // scales as stored).
+  enum class Mode { kPlain, kConvert, kStorage };
+  struct Transfer {
+    DType dtype;
+    Mode mode;
+  };
+  absl::StatusOr<Transfer> Plan(uint32_t l0, uint32_t l1, std::optional<DType> requested,
+                                bool append) const;
+  // Sets up a transfer's payload layout, copy map and (for conversions) codec over `table`.
+  void Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin, uint64_t n,
+                 const int32_t* table, PayloadLayout* payload, kernels::PayloadMap* map,
+                 std::unique_ptr<RowCodec>* codec) const;
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it

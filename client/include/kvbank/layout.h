@@ -195,9 +195,22 @@ struct PayloadLayout {
   uint64_t total_bytes = 0;
   uint32_t wire_elem_bytes = 0;        // 0: each layer's storage width
   std::vector<uint64_t> layer_offset;  // size layer_end - layer_begin
+  // Storage format (MakeStorage): after each layer's V part, its quantization scales for the
+  // rows in the payload: int8: f32 scale [kv][heads][n], then u8 zero point [kv][heads][n];
+  // fp8: f32 scale [kv][heads][num_blocks] of the blocks the token range touches. Empty otherwise.
+  std::vector<uint64_t> scale_offset;  // size layer_end - layer_begin, when storage format
+  uint64_t first_block = 0;            // storage format: sequence block of payload token 0
+  uint64_t num_blocks = 0;             // storage format: blocks the token range touches
 
   static PayloadLayout Make(const BlockLayout& b, uint32_t l0, uint32_t l1, uint64_t n,
                             std::optional<DType> wire = std::nullopt);
+  // The storage format of tokens [token_begin, token_begin + n): elements as stored, then the
+  // scales (see scale_offset). What a GPU that quantized KV itself appends, and fetches back.
+  static PayloadLayout MakeStorage(const BlockLayout& b, uint32_t l0, uint32_t l1,
+                                   uint64_t token_begin, uint64_t n);
+  bool storage_format() const { return !scale_offset.empty(); }
+  // Bytes of layer l's scale section (storage format).
+  uint64_t ScaleBytes(const BlockLayout& b, uint32_t l) const;
   // Width of one element of layer l (absolute index) in this payload.
   uint64_t ElemBytes(const BlockLayout& b, uint32_t l) const {
     return wire_elem_bytes ? wire_elem_bytes : b.layers[l].elem_bytes;
