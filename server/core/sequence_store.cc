@@ -8,6 +8,7 @@
 #include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/attention.h"
 #include "kernels/quant.h"
 
 namespace kvbank {
@@ -685,6 +686,89 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
   for (const SeqPtr& s : expired) Remove(s, "its lease expired");
   leases_expired_ += expired.size();
   return expired.size();
+}
+
+absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const AttendItem> items,
+                                   absl::Span<float> out, absl::Span<float> lse) {
+  const ModelLayout& m = layout_;
+  const uint64_t q_elems = uint64_t{m.num_q_heads} * m.head_dim;
+  if (items.empty()) return absl::InvalidArgumentError("items is empty");
+  if (items.size() > 4096) return absl::InvalidArgumentError("more than 4096 items in one call");
+  if (out.size() != items.size() * uint64_t{m.num_q_heads} * m.head_dim_v ||
+      lse.size() != items.size() * uint64_t{m.num_q_heads}) {
+    return absl::InternalError("Attend output spans do not match the items");
+  }
+  if (!std::isfinite(o.sm_scale) || o.sm_scale < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax_scale ", o.sm_scale, " is not >= 0"));
+  }
+  if (o.sinks > 0 && o.window == 0) {
+    return absl::InvalidArgumentError("sinks given without a window");
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendItem& it = items[i];
+    if (it.layer >= m.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", i, "].layer ", it.layer, " is outside [0, ", m.num_layers, ")"));
+    }
+    if (it.query.size() != q_elems) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", i, "].query has ", it.query.size(),
+                       " values; num_q_heads x head_dim = ", q_elems));
+    }
+    if (kernels::FindNonFinite(it.query.data(), DType::kFp32, q_elems) >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].query holds NaN or Inf"));
+    }
+  }
+  // Pin the blocks each item reads (as a fetch does), then compute without the lock.
+  std::vector<BlockRef> refs;
+  std::vector<int32_t> indptr{0}, indices;
+  std::vector<uint32_t> lengths;
+  std::vector<LayerView> views;
+  std::vector<float> q;
+  q.reserve(items.size() * q_elems);
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto found = Find(items[i].sequence_id, o.tenant);
+      if (!found.ok()) return found.status();
+      Sequence& s = **found;
+      const uint64_t len = s.layer_len[items[i].layer];
+      const uint64_t nb = CeilDiv(len, m.block_tokens);
+      for (uint64_t b = 0; b < nb; ++b) {
+        refs.push_back(pool_->Share(s.blocks[b]));
+        indices.push_back(s.blocks[b].id());
+      }
+      indptr.push_back(static_cast<int32_t>(indices.size()));
+      lengths.push_back(static_cast<uint32_t>(len));
+      views.push_back(block_layout().layers[items[i].layer]);
+      Renew(s);
+    }
+  }
+  for (const AttendItem& it : items) q.insert(q.end(), it.query.begin(), it.query.end());
+  if (indices.empty()) indices.push_back(0);  // every item is empty: no index is read
+  kernels::DecodeAttentionParams p;
+  p.kv.pool = pool_->base();
+  p.kv.block_bytes = block_layout().block_bytes;
+  p.kv.layers = views.data();
+  p.kv.indptr = indptr.data();
+  p.kv.indices = indices.data();
+  p.kv.lengths = lengths.data();
+  p.kv.batch = static_cast<uint32_t>(items.size());
+  p.num_q_heads = m.num_q_heads;
+  p.num_kv_heads = m.num_kv_heads;
+  p.head_dim = m.head_dim;
+  p.head_dim_v = m.head_dim_v;
+  p.sm_scale = o.sm_scale > 0 ? o.sm_scale : 1.0f / std::sqrt(float(m.head_dim));
+  p.window = o.window;
+  p.sinks = o.sinks;
+  p.q = q.data();
+  p.out = out.data();
+  p.lse = lse.data();
+  if (std::string e = kernels::ValidateDecodeAttention(p); !e.empty()) {
+    return absl::InternalError(absl::StrCat("attention batch: ", e));
+  }
+  kernels::DecodeAttentionCpu(p, o.num_threads);
+  return absl::OkStatus();
 }
 
 std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,

@@ -224,6 +224,27 @@ class SequenceStore {
   absl::StatusOr<SequenceInfo> RenewLease(uint64_t id, const std::string& tenant = "");
   absl::StatusOr<SequenceInfo> Get(uint64_t id, const std::string& tenant = "");
 
+  // Decode attention on the pool: for each item, the query of one new token against the KV that
+  // layer `layer` of the sequence holds (read in its storage dtype, dequantized in the kernel).
+  // query: [num_q_heads][head_dim] fp32; out: [items][num_q_heads][head_dim_v]; lse:
+  // [items][num_q_heads]. sm_scale 0: 1/sqrt(head_dim). window 0: every token; else the last
+  // `window` plus the first `sinks`. The blocks read are pinned for the call; the kernel runs
+  // outside the store's lock.
+  struct AttendItem {
+    uint64_t sequence_id = 0;
+    uint32_t layer = 0;
+    absl::Span<const float> query;
+  };
+  struct AttendOptions {
+    std::string tenant;
+    float sm_scale = 0;
+    uint32_t window = 0;
+    uint32_t sinks = 0;
+    uint32_t num_threads = 0;  // CPU kernel threads; 0: all cores
+  };
+  absl::Status Attend(const AttendOptions& options, absl::Span<const AttendItem> items,
+                      absl::Span<float> out, absl::Span<float> lse);
+
   // Cached tokens at the start of each prompt, for `tenant`. No side effects.
   std::vector<uint64_t> Match(const std::string& tenant, const std::vector<MatchQuery>& queries);
   // The root hash of `tenant`'s prompts with this salt (what a router computes hashes from).

@@ -1,6 +1,7 @@
 #include "server/rpc/service.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -30,7 +31,12 @@ absl::Status CheckSequenceId(uint64_t id) {
 
 KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
                              Authenticator auth)
-    : registry_(std::move(registry)), options_(std::move(options)), auth_(std::move(auth)) {}
+    : registry_(std::move(registry)),
+      options_(std::move(options)),
+      auth_(std::move(auth)),
+      attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {}
+
+KvBankService::~KvBankService() = default;
 
 grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext* ctx,
                                                      const v1::EnsureModelRequest* req,
@@ -536,6 +542,48 @@ grpc::ServerWriteReactor<v1::KvEventBatch>* KvBankService::Watch(grpc::CallbackS
   const uint64_t after =
       req->from_now() ? (*model)->events()->last_sequence() : req->after_sequence();
   return new WatchReactor(*std::move(model), *std::move(caller), after);
+}
+
+grpc::ServerUnaryReactor* KvBankService::Attend(grpc::CallbackServerContext* ctx,
+                                                const v1::AttendRequest* req,
+                                                v1::AttendResponse* resp) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto model = FindModel(*registry_, req->model());
+  if (!model.ok()) return Done(ctx, model.status());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  // The kernel's time grows with the context: it runs on a worker, never in this reaction.
+  attend_work_->Submit(
+      [this, req, resp, reactor, store = *std::move(model), tenant = caller->tenant] {
+        const ModelLayout& m = store->layout();
+        std::vector<SequenceStore::AttendItem> items;
+        for (const v1::AttendItem& it : req->items()) {
+          items.push_back({it.sequence_id(), it.layer(),
+                           absl::MakeConstSpan(it.query().data(), it.query().size())});
+        }
+        SequenceStore::AttendOptions o;
+        o.tenant = tenant;
+        o.sm_scale = req->softmax_scale();
+        o.window = req->window();
+        o.sinks = req->sinks();
+        const uint32_t cores = std::max(1u, std::thread::hardware_concurrency());
+        o.num_threads = options_.attend_kernel_threads
+                            ? options_.attend_kernel_threads
+                            : std::max(1u, cores / std::max(1u, options_.attend_workers));
+        const uint64_t out_per = uint64_t{m.num_q_heads} * m.head_dim_v;
+        std::vector<float> out(items.size() * out_per), lse(items.size() * m.num_q_heads);
+        absl::Status s = store->Attend(o, items, absl::MakeSpan(out), absl::MakeSpan(lse));
+        if (s.ok()) {
+          for (size_t i = 0; i < items.size(); ++i) {
+            v1::AttendResult* r = resp->add_results();
+            r->mutable_output()->Add(out.begin() + i * out_per, out.begin() + (i + 1) * out_per);
+            r->mutable_lse()->Add(lse.begin() + i * m.num_q_heads,
+                                  lse.begin() + (i + 1) * m.num_q_heads);
+          }
+        }
+        reactor->Finish(ToGrpcStatus(s));
+      });
+  return reactor;
 }
 
 }  // namespace kvbank::rpc

@@ -8,6 +8,7 @@
 #include "server/core/model_registry.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
+#include "server/rpc/work_queue.h"
 
 namespace kvbank::rpc {
 
@@ -15,6 +16,10 @@ struct ServiceOptions {
   ModelDefaults defaults;
   // Payload bytes per streamed message. Messages stay far below kMaxMessageBytes.
   uint64_t chunk_bytes = uint64_t{1} << 20;
+  // Attend runs on this many worker threads, each kernel call on attend_kernel_threads (0: the
+  // cores divided among the workers).
+  uint32_t attend_workers = 2;
+  uint32_t attend_kernel_threads = 0;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
@@ -26,6 +31,7 @@ class KvBankService final : public v1::KvBank::CallbackService {
  public:
   KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
                 Authenticator auth = Authenticator::Disabled());
+  ~KvBankService() override;
 
   grpc::ServerUnaryReactor* EnsureModel(grpc::CallbackServerContext* ctx,
                                         const v1::EnsureModelRequest* req,
@@ -67,6 +73,8 @@ class KvBankService final : public v1::KvBank::CallbackService {
                                           v1::GetPrefixRootResponse* resp) override;
   grpc::ServerWriteReactor<v1::KvEventBatch>* Watch(grpc::CallbackServerContext* ctx,
                                                     const v1::WatchRequest* req) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
+                                   v1::AttendResponse* resp) override;
 
  private:
   class AppendReactor;
@@ -76,6 +84,7 @@ class KvBankService final : public v1::KvBank::CallbackService {
   const std::shared_ptr<ModelRegistry> registry_;
   const ServiceOptions options_;
   const Authenticator auth_;
+  std::unique_ptr<WorkQueue> attend_work_;  // last: joined (finishing its calls) first
 };
 
 }  // namespace kvbank::rpc

@@ -193,6 +193,29 @@ class Client {
                      absl::Duration deadline,
                      const std::function<bool(const std::vector<Event>&, uint64_t)>& on_batch);
 
+  // Decode attention computed on the server, next to the KV (fused read): for each query
+  // ([num_q_heads][head_dim] fp32, one new token) the output [num_q_heads][head_dim_v] and the
+  // log-sum-exp per q head over the tokens layer `layer` of the sequence holds.
+  struct AttendQuery {
+    uint64_t sequence_id = 0;
+    uint32_t layer = 0;
+    std::vector<float> query;
+  };
+  struct AttendArgs {
+    float softmax_scale = 0;  // 0: 1/sqrt(head_dim)
+    uint32_t window = 0;      // 0: every token; else the last `window` ...
+    uint32_t sinks = 0;       // ... plus the first `sinks`
+  };
+  struct AttendOutput {
+    std::vector<float> output;  // [num_q_heads][head_dim_v]
+    std::vector<float> lse;     // [num_q_heads]
+  };
+  absl::StatusOr<std::vector<AttendOutput>> Attend(const std::string& model,
+                                                   const std::vector<AttendQuery>& queries,
+                                                   const AttendArgs& args);
+  absl::StatusOr<std::vector<AttendOutput>> Attend(const std::string& model,
+                                                   const std::vector<AttendQuery>& queries);
+
   // True when grpc.health.v1 reports SERVING within the deadline.
   bool WaitForServing(absl::Duration deadline);
 
