@@ -57,7 +57,7 @@ if ! configure -DKVBANK_GTEST_SOURCE_DIR="$PWD/.gtest" "$@"; then
   configure "$@" -DCMAKE_DISABLE_FIND_PACKAGE_GTest=OFF -DGTest_DIR="$gtest_dir"
 fi
 
-ninja -C "$BUILD" -j"$(nproc)" gpu_block_copy_test gpu_quant_test 2>&1 | tee "$OUT/build.log"
+ninja -C "$BUILD" -j"$(nproc)" gpu_block_copy_test gpu_quant_test gpu_attention_test 2>&1 | tee "$OUT/build.log"
 
 set +e
 ctest --test-dir "$BUILD" -L gpu --output-on-failure -V 2>&1 | tee "$OUT/ctest.log"
