@@ -171,7 +171,13 @@ absl::Status RowCodec::Write(uint64_t offset, absl::Span<const uint8_t> data) {
       // The scale covers these rows too: they must be finite before any of them is encoded.
       const int64_t bad =
           kernels::FindNonFinite(data.data(), wire_, (lookahead + 1) * uint64_t{r.dim});
-      if (bad >= 0) return check(r, data.data() + (bad / r.dim) * row_bytes);
+      if (bad >= 0) {  // name the row that holds it: the same head, bad / dim tokens on
+        const uint64_t skip = static_cast<uint64_t>(bad) / r.dim;
+        Row at = r;
+        at.token += skip;
+        at.begin += skip * row_bytes;
+        return check(at, data.data() + skip * row_bytes);
+      }
     }
     EncodeRow(r, data.data(), lookahead);
     data.remove_prefix(row_bytes);

@@ -137,7 +137,12 @@ void ToProto(const SequenceStore& model, v1::ModelInfo* out) {
   out->set_fingerprint(LayoutFingerprint(m));
   out->set_block_bytes(model.block_layout().block_bytes);
   out->set_num_blocks(model.pool().num_blocks());
-  out->set_payload_bytes_per_token(model.block_layout().PayloadBytesPerToken());
+  // What one token of an append in the default dtype takes: the input dtype for quantized or
+  // mixed layers (DefaultWireDType), not the storage width.
+  const BlockLayout& b = model.block_layout();
+  out->set_payload_bytes_per_token(
+      PayloadLayout::Make(b, 0, b.num_layers(), 1, DefaultWireDType(m, 0, m.num_layers))
+          .total_bytes);
 }
 
 void ToProto(const SequenceInfo& info, const std::string& model, v1::SequenceInfo* out) {
