@@ -107,7 +107,9 @@ class Client {
     uint32_t layer_begin = 0;
     std::optional<uint32_t> layer_end;
     uint64_t num_tokens = 0;
-    std::optional<DType> dtype;       // unset: the server checks against the storage dtype
+    // The payload dtype: a layer's storage dtype, the model's input dtype (the server
+    // quantizes), or a quantized storage dtype (storage format). Unset: DefaultWireDType.
+    std::optional<DType> dtype;
     std::vector<uint32_t> token_ids;  // empty or num_tokens ids
   };
   struct FetchArgs {
