@@ -34,6 +34,7 @@ Client::SequenceInfo FromProto(const v1::SequenceInfo& p) {
   s.num_blocks = p.num_blocks();
   s.cached_tokens = p.cached_tokens();
   s.lease_ttl = absl::Milliseconds(static_cast<int64_t>(p.lease_ttl_ms()));
+  s.compactions = p.compactions();
   return s;
 }
 
@@ -256,6 +257,10 @@ absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& m
   req.set_cache_salt(args.cache_salt);
   AddExtraKeys(args.extra_keys, req.mutable_extra_keys());
   if (args.priority.has_value()) req.set_priority(*args.priority);
+  req.mutable_retention()->set_kind(static_cast<v1::Retention::Kind>(args.retention_kind));
+  req.mutable_retention()->set_window(args.window);
+  req.mutable_retention()->set_sinks(args.sinks);
+  req.mutable_retention()->set_budget(args.budget);
   v1::SequenceInfo resp;
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, false);

@@ -32,6 +32,10 @@ struct Sequence {
   absl::Time lease_deadline = absl::InfiniteFuture();
   bool append_in_flight = false;
   bool removed = false;  // freed or expired; blocks go when the append in flight ends
+  RetentionPolicy retention;
+  std::vector<double> scores;  // heavy hitter: attention mass per token (all heads and layers)
+  uint64_t generation = 0;     // bumped by every compaction (positions move)
+  bool publishable = true;     // false once compacted: the ids no longer form a prompt prefix
 
   uint64_t Length() const { return *std::min_element(layer_len.begin(), layer_len.end()); }
 };
@@ -124,6 +128,9 @@ SequenceInfo SequenceStore::Info(const Sequence& s) const {
   i.num_blocks = s.blocks.size();
   i.cached_tokens = s.cached_tokens;
   i.lease_ttl = s.lease_ttl;
+  i.num_blocks =
+      std::count_if(s.blocks.begin(), s.blocks.end(), [](const BlockRef& b) { return b.valid(); });
+  i.compactions = s.generation;
   return i;
 }
 
@@ -168,6 +175,25 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("priority ", int(*o.priority), " is outside [0, 100]"));
   }
+  const RetentionPolicy& rp = o.retention;
+  if (rp.kind == RetentionPolicy::Kind::kSlidingWindow && rp.window == 0) {
+    return absl::InvalidArgumentError("retention.window must be positive for a sliding window");
+  }
+  if (rp.kind == RetentionPolicy::Kind::kHeavyHitter) {
+    if (rp.budget < 2 || rp.window + 1 >= rp.budget) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("retention.budget (", rp.budget, ") must exceed retention.window (",
+                       rp.window, ") + 1: the first token and at least one heavy hitter"));
+    }
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      if (layout_.layer_dtypes[l] == DType::kFp8E4M3 ||
+          layout_.layer_dtypes[l] == DType::kFp8E5M2) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("heavy-hitter retention moves tokens between blocks; layer ", l,
+                         " stores fp8, whose scale is per block"));
+      }
+    }
+  }
   if (o.prompt.size() > options_.max_tokens_per_sequence) {
     return absl::InvalidArgumentError(absl::StrCat("prompt of ", o.prompt.size(),
                                                    " tokens exceeds max_tokens_per_sequence ",
@@ -201,6 +227,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   }
   s->cached_tokens = s->blocks.size() * uint64_t{layout_.block_tokens};
   for (uint64_t& l : s->layer_len) l = s->cached_tokens;
+  s->retention = o.retention;
+  Retain(*s);
   TenantCounters& c = tenant_counters_[o.tenant];
   c.query_tokens += o.prompt.size();
   c.hit_tokens += s->cached_tokens;
@@ -208,6 +236,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
 }
 
 void SequenceStore::PublishFullBlocks(Sequence& s) {
+  if (!s.publishable) return;
   const uint64_t bt = layout_.block_tokens;
   const uint64_t full = std::min<uint64_t>(s.Length(), s.token_ids.size()) / bt;
   while (s.hashes.size() < full) {
@@ -221,6 +250,7 @@ void SequenceStore::PublishFullBlocks(Sequence& s) {
     info.lora = s.lora;
     info.priority = s.priority;
     s.hashes.push_back(info.hash);
+    if (!s.blocks[i].valid()) continue;  // released by a sliding window
     // False when the block is already published (shared from the cache) or another block holds
     // the same hash: then this copy stays private and goes back to the free list when released.
     pool_->Publish(s.blocks[i], info, s.tenant_id);
@@ -398,6 +428,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   }
   s.append_in_flight = false;
   st.PublishFullBlocks(s);
+  st.Retain(s);
   st.Renew(s);
   done_ = true;
   st.appends_.fetch_add(1, std::memory_order_relaxed);
@@ -492,6 +523,11 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     const uint64_t b0 = spec.token_begin / bt, b1 = CeilDiv(t1, bt);
     r->table_.assign(b1, -1);
     for (uint64_t i = b0; i < b1; ++i) {
+      if (!s.blocks[i].valid()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("token range [", spec.token_begin, ", ", t1, ") reaches tokens [", i * bt,
+                         ", ", (i + 1) * bt, ") the sequence's sliding window released"));
+      }
       r->refs_.push_back(pool_->Share(s.blocks[i]));
       r->table_[i] = s.blocks[i].id();
     }
@@ -607,10 +643,15 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
   child->lora = parent.lora;
   child->priority = parent.priority;
   child->hashes = parent.hashes;
+  child->retention = parent.retention;
+  child->scores = parent.scores;
+  child->publishable = parent.publishable;
   child->layer_len = parent.layer_len;
   child->token_ids = parent.token_ids;
   child->cached_tokens = parent.cached_tokens;
-  for (uint64_t i = 0; i < full; ++i) child->blocks.push_back(pool_->Share(parent.blocks[i]));
+  for (uint64_t i = 0; i < full; ++i) {
+    child->blocks.push_back(parent.blocks[i].valid() ? pool_->Share(parent.blocks[i]) : BlockRef());
+  }
   std::vector<uint32_t> rows(layout_.num_layers);
   for (uint64_t j = 0; j < partial; ++j) {
     const uint64_t i = full + j;
@@ -643,6 +684,11 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
     return absl::OutOfRangeError(
         absl::StrCat("num_tokens ", num_tokens, " is past the end: the sequence holds ", len));
   }
+  if (const uint64_t tail = CeilDiv(num_tokens, layout_.block_tokens);
+      tail > 0 && !s.blocks[tail - 1].valid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot truncate to ", num_tokens, " tokens: the sliding window released that block"));
+  }
   for (uint64_t& l : s.layer_len) l = num_tokens;
   if (s.token_ids.size() > num_tokens) s.token_ids.resize(num_tokens);
   s.cached_tokens = std::min(s.cached_tokens, num_tokens);
@@ -650,6 +696,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   // (it is immutable) but leaves the sequence's hash chain, and is copied before any write.
   const uint64_t keep = CeilDiv(num_tokens, layout_.block_tokens);
   while (s.blocks.size() > keep) s.blocks.pop_back();
+  if (s.scores.size() > num_tokens) s.scores.resize(num_tokens);
   s.hashes.resize(std::min<uint64_t>(s.hashes.size(), num_tokens / layout_.block_tokens));
   Renew(s);
   return Info(s);
@@ -688,6 +735,77 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
   return expired.size();
 }
 
+void SequenceStore::Retain(Sequence& s) {
+  const RetentionPolicy& p = s.retention;
+  const uint64_t bt = layout_.block_tokens;
+  const uint64_t n = s.Length();
+  if (n != *std::max_element(s.layer_len.begin(), s.layer_len.end())) return;  // layers differ
+  if (p.kind == RetentionPolicy::Kind::kSlidingWindow) {
+    if (n <= uint64_t{p.window} + p.sinks) return;
+    // Blocks wholly past the sinks and before the window hold no kept token.
+    const uint64_t first = CeilDiv(p.sinks, bt), end = (n - p.window) / bt;
+    for (uint64_t b = first; b < end && b < s.blocks.size(); ++b) s.blocks[b].Reset();
+  } else if (p.kind == RetentionPolicy::Kind::kHeavyHitter) {
+    if (n < uint64_t{p.budget} + bt) return;  // a block of slack: not a compaction per token
+    s.scores.resize(n, 0.0);
+    // The first token, the heaviest of the middle, the last `window`; ties go to the earlier.
+    std::vector<uint64_t> middle;
+    for (uint64_t t = 1; t < n - p.window; ++t) middle.push_back(t);
+    const size_t heavy = p.budget - 1 - p.window;
+    std::stable_sort(middle.begin(), middle.end(),
+                     [&](uint64_t a, uint64_t b) { return s.scores[a] > s.scores[b]; });
+    middle.resize(std::min(heavy, middle.size()));
+    std::vector<uint64_t> keep{0};
+    keep.insert(keep.end(), middle.begin(), middle.end());
+    for (uint64_t t = n - p.window; t < n; ++t) keep.push_back(t);
+    std::sort(keep.begin(), keep.end());
+    Compact(s, keep);
+  }
+}
+
+void SequenceStore::Compact(Sequence& s, const std::vector<uint64_t>& keep) {
+  const BlockLayout& b = block_layout();
+  const uint64_t bt = b.block_tokens;
+  auto fresh = pool_->Allocate(CeilDiv(keep.size(), bt), s.tenant_id);
+  if (!fresh.ok()) return;  // NOTE: no room to compact now; the next append tries again
+  // NOTE: copies budget x layers x heads rows under mu_; bounded by the budget.
+  for (uint64_t j = 0; j < keep.size(); ++j) {
+    const uint64_t t = keep[j];
+    const uint8_t* src = pool_->BlockData(s.blocks[t / bt].id());
+    uint8_t* dst = pool_->BlockData((*fresh)[j / bt].id());
+    const uint32_t sr = static_cast<uint32_t>(t % bt), dr = static_cast<uint32_t>(j % bt);
+    for (const LayerView& v : b.layers) {
+      for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
+        for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+          const uint64_t bytes = kv == 0 ? v.KRowBytes() : v.VRowBytes();
+          const uint64_t so = kv == 0 ? v.KRow(h, sr) : v.VRow(h, sr);
+          const uint64_t d_o = kv == 0 ? v.KRow(h, dr) : v.VRow(h, dr);
+          std::memcpy(dst + d_o, src + so, bytes);
+          if (v.dtype == DType::kInt8) {
+            std::memcpy(dst + v.Int8Scale(kv, h, dr), src + v.Int8Scale(kv, h, sr), 4);
+            dst[v.Int8ZeroPoint(kv, h, dr)] = src[v.Int8ZeroPoint(kv, h, sr)];
+          }
+        }
+      }
+    }
+  }
+  std::vector<uint32_t> ids;
+  std::vector<double> scores;
+  for (uint64_t t : keep) {
+    if (t < s.token_ids.size()) ids.push_back(s.token_ids[t]);
+    scores.push_back(t < s.scores.size() ? s.scores[t] : 0.0);
+  }
+  s.token_ids = ids.size() == keep.size() ? ids : std::vector<uint32_t>();
+  s.scores = std::move(scores);
+  while (!s.blocks.empty()) s.blocks.pop_back();  // tail first; shared blocks stay as they were
+  s.blocks = *std::move(fresh);
+  for (uint64_t& l : s.layer_len) l = keep.size();
+  s.hashes.clear();
+  s.publishable = false;
+  s.cached_tokens = 0;
+  ++s.generation;
+}
+
 absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const AttendItem> items,
                                    absl::Span<float> out, absl::Span<float> lse) {
   const ModelLayout& m = layout_;
@@ -720,54 +838,108 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
     }
   }
   // Pin the blocks each item reads (as a fetch does), then compute without the lock.
+  struct Item {
+    std::vector<int32_t> indices;
+    uint32_t length = 0;
+    uint32_t window = 0, sinks = 0;  // the call's, narrowed by a sliding-window policy
+    bool heavy_hitter = false;       // sums the attention mass per token into the sequence
+    uint64_t generation = 0;
+  };
   std::vector<BlockRef> refs;
-  std::vector<int32_t> indptr{0}, indices;
-  std::vector<uint32_t> lengths;
-  std::vector<LayerView> views;
-  std::vector<float> q;
-  q.reserve(items.size() * q_elems);
+  std::vector<Item> per(items.size());
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
       auto found = Find(items[i].sequence_id, o.tenant);
       if (!found.ok()) return found.status();
       Sequence& s = **found;
+      Item& it = per[i];
       const uint64_t len = s.layer_len[items[i].layer];
-      const uint64_t nb = CeilDiv(len, m.block_tokens);
-      for (uint64_t b = 0; b < nb; ++b) {
-        refs.push_back(pool_->Share(s.blocks[b]));
-        indices.push_back(s.blocks[b].id());
+      it.length = static_cast<uint32_t>(len);
+      for (uint64_t b = 0; b < CeilDiv(len, m.block_tokens); ++b) {
+        // A block a sliding window released holds no attended token: any index will do.
+        it.indices.push_back(s.blocks[b].valid() ? s.blocks[b].id() : 0);
+        if (s.blocks[b].valid()) refs.push_back(pool_->Share(s.blocks[b]));
       }
-      indptr.push_back(static_cast<int32_t>(indices.size()));
-      lengths.push_back(static_cast<uint32_t>(len));
-      views.push_back(block_layout().layers[items[i].layer]);
+      it.window = o.window;
+      it.sinks = o.sinks;
+      if (s.retention.kind == RetentionPolicy::Kind::kSlidingWindow) {
+        it.window = o.window == 0 ? s.retention.window : std::min(o.window, s.retention.window);
+        it.sinks = o.window == 0 ? s.retention.sinks : std::min(o.sinks, s.retention.sinks);
+      }
+      it.heavy_hitter = s.retention.kind == RetentionPolicy::Kind::kHeavyHitter;
+      it.generation = s.generation;
       Renew(s);
     }
   }
-  for (const AttendItem& it : items) q.insert(q.end(), it.query.begin(), it.query.end());
-  if (indices.empty()) indices.push_back(0);  // every item is empty: no index is read
-  kernels::DecodeAttentionParams p;
-  p.kv.pool = pool_->base();
-  p.kv.block_bytes = block_layout().block_bytes;
-  p.kv.layers = views.data();
-  p.kv.indptr = indptr.data();
-  p.kv.indices = indices.data();
-  p.kv.lengths = lengths.data();
-  p.kv.batch = static_cast<uint32_t>(items.size());
-  p.num_q_heads = m.num_q_heads;
-  p.num_kv_heads = m.num_kv_heads;
-  p.head_dim = m.head_dim;
-  p.head_dim_v = m.head_dim_v;
-  p.sm_scale = o.sm_scale > 0 ? o.sm_scale : 1.0f / std::sqrt(float(m.head_dim));
-  p.window = o.window;
-  p.sinks = o.sinks;
-  p.q = q.data();
-  p.out = out.data();
-  p.lse = lse.data();
-  if (std::string e = kernels::ValidateDecodeAttention(p); !e.empty()) {
-    return absl::InternalError(absl::StrCat("attention batch: ", e));
+  // One kernel call per distinct (window, sinks): the kernel takes one window for its batch.
+  std::vector<std::vector<float>> probs(items.size());
+  std::vector<bool> done(items.size(), false);
+  const uint64_t out_per = uint64_t{m.num_q_heads} * m.head_dim_v;
+  for (size_t first = 0; first < items.size(); ++first) {
+    if (done[first]) continue;
+    std::vector<size_t> group;
+    for (size_t i = first; i < items.size(); ++i) {
+      if (!done[i] && per[i].window == per[first].window && per[i].sinks == per[first].sinks) {
+        group.push_back(i);
+        done[i] = true;
+      }
+    }
+    std::vector<int32_t> indptr{0}, indices;
+    std::vector<uint32_t> lengths;
+    std::vector<LayerView> views;
+    std::vector<float> q, g_out(group.size() * out_per), g_lse(group.size() * m.num_q_heads);
+    std::vector<float*> g_probs;
+    for (size_t i : group) {
+      indices.insert(indices.end(), per[i].indices.begin(), per[i].indices.end());
+      indptr.push_back(static_cast<int32_t>(indices.size()));
+      lengths.push_back(per[i].length);
+      views.push_back(block_layout().layers[items[i].layer]);
+      q.insert(q.end(), items[i].query.begin(), items[i].query.end());
+      if (per[i].heavy_hitter) probs[i].assign(per[i].length, 0.f);
+      g_probs.push_back(per[i].heavy_hitter ? probs[i].data() : nullptr);
+    }
+    if (indices.empty()) indices.push_back(0);  // every item is empty: no index is read
+    kernels::DecodeAttentionParams p;
+    p.kv.pool = pool_->base();
+    p.kv.block_bytes = block_layout().block_bytes;
+    p.kv.layers = views.data();
+    p.kv.indptr = indptr.data();
+    p.kv.indices = indices.data();
+    p.kv.lengths = lengths.data();
+    p.kv.batch = static_cast<uint32_t>(group.size());
+    p.num_q_heads = m.num_q_heads;
+    p.num_kv_heads = m.num_kv_heads;
+    p.head_dim = m.head_dim;
+    p.head_dim_v = m.head_dim_v;
+    p.sm_scale = o.sm_scale > 0 ? o.sm_scale : 1.0f / std::sqrt(float(m.head_dim));
+    p.window = per[first].window;
+    p.sinks = per[first].sinks;
+    p.q = q.data();
+    p.out = g_out.data();
+    p.lse = g_lse.data();
+    p.token_probs = g_probs.data();
+    if (std::string e = kernels::ValidateDecodeAttention(p); !e.empty()) {
+      return absl::InternalError(absl::StrCat("attention batch: ", e));
+    }
+    kernels::DecodeAttentionCpu(p, o.num_threads);
+    for (size_t j = 0; j < group.size(); ++j) {
+      std::copy(g_out.begin() + j * out_per, g_out.begin() + (j + 1) * out_per,
+                out.begin() + group[j] * out_per);
+      std::copy(g_lse.begin() + j * m.num_q_heads, g_lse.begin() + (j + 1) * m.num_q_heads,
+                lse.begin() + group[j] * m.num_q_heads);
+    }
   }
-  kernels::DecodeAttentionCpu(p, o.num_threads);
+  // Heavy hitters: the attention mass each token got, summed over heads and layers.
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!per[i].heavy_hitter) continue;
+    auto it = live_.find(items[i].sequence_id);
+    if (it == live_.end() || it->second->generation != per[i].generation) continue;  // moved
+    Sequence& s = *it->second;
+    if (s.scores.size() < probs[i].size()) s.scores.resize(probs[i].size(), 0.0);
+    for (size_t t = 0; t < probs[i].size(); ++t) s.scores[t] += probs[i][t];
+  }
   return absl::OkStatus();
 }
 
@@ -879,6 +1051,7 @@ std::string SequenceStore::CheckInvariants() const {
                           " tokens");
     }
     for (const BlockRef& b : s->blocks) {
+      if (!b.valid() && s->retention.kind == RetentionPolicy::Kind::kSlidingWindow) continue;
       if (!b.valid() || pool_->RefCount(b.id()) == 0) {
         return absl::StrCat("sequence ", id, " holds a dead block reference");
       }

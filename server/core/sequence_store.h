@@ -39,6 +39,23 @@ struct StoreOptions {
   uint8_t default_priority = 50;                           // of published blocks, 0..100
 };
 
+// What a sequence keeps as it grows.
+//  full:           everything (default).
+//  sliding window: the first `sinks` and the last `window` tokens; blocks holding neither are
+//                  released, and Attend attends only those tokens.
+//  heavy hitter:   (H2O) once length reaches budget + block_tokens, keep `budget` tokens: the
+//                  first, the most attended (attention mass the server sums over heads and layers
+//                  during Attend) and the last `window`, compacted in order into fresh blocks;
+//                  the length becomes `budget`. Blocks shared with others are never written: the
+//                  sequence takes private copies. Not for fp8 layers (a row would change scale).
+struct RetentionPolicy {
+  enum class Kind : uint8_t { kFull = 0, kSlidingWindow = 1, kHeavyHitter = 2 };
+  Kind kind = Kind::kFull;
+  uint32_t window = 0;
+  uint32_t sinks = 0;
+  uint32_t budget = 0;
+};
+
 // How a sequence starts. The prompt's full blocks already in the prefix index are attached.
 struct CreateOptions {
   std::optional<absl::Duration> lease;  // unset: the default lease; zero: no lease
@@ -47,6 +64,7 @@ struct CreateOptions {
   std::string cache_salt;            // part of the root hash: different salts never share
   std::vector<ExtraKey> extra_keys;  // go into every block's hash (LoRA name, ...)
   std::optional<uint8_t> priority;   // of the blocks this sequence publishes
+  RetentionPolicy retention;
 };
 
 // A batched, side-effect-free look-up: how many leading tokens of a prompt are cached.
@@ -61,9 +79,10 @@ struct SequenceInfo {
   uint64_t id = 0;
   uint64_t length = 0;  // tokens written in every layer
   std::vector<uint64_t> layer_lengths;
-  uint64_t num_blocks = 0;
+  uint64_t num_blocks = 0;  // blocks held (a sliding window releases old ones)
   uint64_t cached_tokens = 0;
   absl::Duration lease_ttl = absl::ZeroDuration();  // zero: no lease
+  uint64_t compactions = 0;  // heavy-hitter retention: times the kept tokens were compacted
 };
 
 struct TenantStats {
@@ -282,6 +301,10 @@ class SequenceStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes and publishes every block that became full in all layers with known token ids.
   void PublishFullBlocks(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies the sequence's retention policy after it grew.
+  void Retain(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Heavy-hitter retention: keeps tokens `keep` (ascending) in fresh blocks.
+  void Compact(Sequence& s, const std::vector<uint64_t>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct TenantCounters {
     uint64_t query_tokens = 0;
     uint64_t hit_tokens = 0;

@@ -153,6 +153,7 @@ void ToProto(const SequenceInfo& info, const std::string& model, v1::SequenceInf
   out->set_num_blocks(info.num_blocks);
   out->set_cached_tokens(info.cached_tokens);
   out->set_lease_ttl_ms(absl::ToInt64Milliseconds(info.lease_ttl));
+  out->set_compactions(info.compactions);
 }
 
 void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* out) {

@@ -113,6 +113,14 @@ grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerCont
     }
     o.priority = static_cast<uint8_t>(req->priority());
   }
+  const v1::Retention& rt = req->retention();
+  if (!v1::Retention::Kind_IsValid(rt.kind())) {
+    return Done(ctx, absl::InvalidArgumentError("retention.kind is unknown"));
+  }
+  o.retention.kind = static_cast<RetentionPolicy::Kind>(rt.kind());
+  o.retention.window = rt.window();
+  o.retention.sinks = rt.sinks();
+  o.retention.budget = rt.budget();
   auto info = (*model)->Create(o);
   if (!info.ok()) return Done(ctx, info.status());
   ToProto(*info, req->model(), resp);

@@ -68,6 +68,9 @@ class Client {
     std::string cache_salt;
     std::vector<ExtraKey> extra_keys;
     std::optional<uint32_t> priority;  // 0..100
+    // Retention: kind 0 full, 1 sliding window (window, sinks), 2 heavy hitter (budget, window).
+    uint32_t retention_kind = 0;
+    uint32_t window = 0, sinks = 0, budget = 0;
   };
   struct MatchQuery {
     std::vector<uint32_t> tokens;   // either token ids ...
@@ -101,6 +104,7 @@ class Client {
     uint64_t num_blocks = 0;
     uint64_t cached_tokens = 0;
     absl::Duration lease_ttl = absl::ZeroDuration();  // zero: no lease
+    uint64_t compactions = 0;
   };
   // What an append covers. Layers [layer_begin, layer_end); layer_end unset = all layers.
   struct AppendArgs {
