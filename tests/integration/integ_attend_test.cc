@@ -207,5 +207,42 @@ TEST_F(AttendTest, BadInputsGetAClearStatus) {
   EXPECT_TRUE(client->GetStats("m").ok());
 }
 
+TEST_F(AttendTest, SlidingWindowRetentionThroughTheRpc) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--pool-bytes=16MiB"}));
+  auto client = NewClient();
+  const ModelLayout m = LayoutFor({"w", AttentionKind::kGqa, 8, 2, 64, DType::kFp32});
+  ASSERT_TRUE(client->EnsureModel(m).ok());
+  Client::CreateArgs ca;
+  ca.retention_kind = 1;  // sliding window
+  ca.window = 20;
+  ca.sinks = 4;
+  auto seq = client->CreateSequence("w", ca);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const uint64_t n = 100;
+  std::vector<uint8_t> payload(ComputeBlockLayout(m).PayloadBytes(0, m.num_layers, n), 0x3c);
+  Client::AppendArgs a;
+  a.num_tokens = n;
+  auto info = client->Append("w", seq->id, a, payload);
+  ASSERT_TRUE(info.ok()) << info.status();
+  // Kept: block 0 (the sinks) and blocks 5, 6 (tokens 80..99, the last 20): 3 of 7 blocks.
+  EXPECT_EQ(info->num_blocks, 3u);
+  EXPECT_EQ(info->length, n);
+  Client::FetchArgs released;
+  released.token_begin = 20;
+  released.token_end = 40;
+  auto f = client->Fetch("w", seq->id, released);
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition) << f.status();
+  EXPECT_NE(f.status().message().find("sliding window"), std::string::npos) << f.status();
+  Client::FetchArgs recent;
+  recent.token_begin = 80;
+  EXPECT_TRUE(client->Fetch("w", seq->id, recent).ok());
+  auto attended = client->Attend("w", {{seq->id, 0, std::vector<float>(8 * 64, 0.1f)}});
+  ASSERT_TRUE(attended.ok()) << attended.status();
+  for (float x : (*attended)[0].output) EXPECT_TRUE(std::isfinite(x));
+  auto st = client->GetStats("w");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ((*st)[0].blocks_used, 3u);
+}
+
 }  // namespace
 }  // namespace kvbank::integ
