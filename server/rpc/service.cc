@@ -27,6 +27,14 @@ absl::Status CheckSequenceId(uint64_t id) {
   return absl::OkStatus();
 }
 
+// Writes `info` into the reply, or passes its error on.
+absl::Status Reply(const absl::StatusOr<SequenceInfo>& info, const std::string& model,
+                   v1::SequenceInfo* resp) {
+  if (!info.ok()) return info.status();
+  ToProto(*info, model, resp);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
@@ -37,6 +45,17 @@ KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOpt
       attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {}
 
 KvBankService::~KvBankService() = default;
+
+template <typename Op>
+grpc::ServerUnaryReactor* KvBankService::OnSequence(grpc::CallbackServerContext* ctx,
+                                                    const std::string& model, uint64_t id, Op op) {
+  auto caller = auth_.Authenticate(*ctx);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  if (absl::Status s = CheckSequenceId(id); !s.ok()) return Done(ctx, s);
+  auto store = FindModel(*registry_, model);
+  if (!store.ok()) return Done(ctx, store.status());
+  return Done(ctx, op(**store, caller->tenant));
+}
 
 grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext* ctx,
                                                      const v1::EnsureModelRequest* req,
@@ -386,72 +405,50 @@ grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(grpc::CallbackServerConte
 
 grpc::ServerUnaryReactor* KvBankService::Fork(grpc::CallbackServerContext* ctx,
                                               const v1::ForkRequest* req, v1::SequenceInfo* resp) {
-  auto caller = auth_.Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto lease = LeaseFromProto(req->lease_ttl_ms(), false);
-  if (!lease.ok()) return Done(ctx, lease.status());
-  auto info = (*model)->Fork(req->sequence_id(), *lease, caller->tenant);
-  if (!info.ok()) return Done(ctx, info.status());
-  ToProto(*info, req->model(), resp);
-  return Done(ctx, absl::OkStatus());
+  return OnSequence(ctx, req->model(), req->sequence_id(),
+                    [&](SequenceStore& m, const std::string& tenant) -> absl::Status {
+                      auto lease = LeaseFromProto(req->lease_ttl_ms(), false);
+                      if (!lease.ok()) return lease.status();
+                      return Reply(m.Fork(req->sequence_id(), *lease, tenant), req->model(), resp);
+                    });
 }
 
 grpc::ServerUnaryReactor* KvBankService::Truncate(grpc::CallbackServerContext* ctx,
                                                   const v1::TruncateRequest* req,
                                                   v1::SequenceInfo* resp) {
-  auto caller = auth_.Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto info = (*model)->Truncate(req->sequence_id(), req->num_tokens(), caller->tenant);
-  if (!info.ok()) return Done(ctx, info.status());
-  ToProto(*info, req->model(), resp);
-  return Done(ctx, absl::OkStatus());
+  return OnSequence(
+      ctx, req->model(), req->sequence_id(), [&](SequenceStore& m, const std::string& tenant) {
+        return Reply(m.Truncate(req->sequence_id(), req->num_tokens(), tenant), req->model(), resp);
+      });
 }
 
 grpc::ServerUnaryReactor* KvBankService::Free(grpc::CallbackServerContext* ctx,
                                               const v1::FreeRequest* req, v1::FreeResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto released = (*model)->Free(req->sequence_id(), caller->tenant);
-  if (!released.ok()) return Done(ctx, released.status());
-  resp->set_blocks_released(*released);
-  return Done(ctx, absl::OkStatus());
+  return OnSequence(ctx, req->model(), req->sequence_id(),
+                    [&](SequenceStore& m, const std::string& tenant) -> absl::Status {
+                      auto released = m.Free(req->sequence_id(), tenant);
+                      if (!released.ok()) return released.status();
+                      resp->set_blocks_released(*released);
+                      return absl::OkStatus();
+                    });
 }
 
 grpc::ServerUnaryReactor* KvBankService::RenewLease(grpc::CallbackServerContext* ctx,
                                                     const v1::RenewLeaseRequest* req,
                                                     v1::SequenceInfo* resp) {
-  auto caller = auth_.Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto info = (*model)->RenewLease(req->sequence_id(), caller->tenant);
-  if (!info.ok()) return Done(ctx, info.status());
-  ToProto(*info, req->model(), resp);
-  return Done(ctx, absl::OkStatus());
+  return OnSequence(ctx, req->model(), req->sequence_id(),
+                    [&](SequenceStore& m, const std::string& tenant) {
+                      return Reply(m.RenewLease(req->sequence_id(), tenant), req->model(), resp);
+                    });
 }
 
 grpc::ServerUnaryReactor* KvBankService::GetSequence(grpc::CallbackServerContext* ctx,
                                                      const v1::GetSequenceRequest* req,
                                                      v1::SequenceInfo* resp) {
-  auto caller = auth_.Authenticate(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return Done(ctx, s);
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto info = (*model)->Get(req->sequence_id(), caller->tenant);
-  if (!info.ok()) return Done(ctx, info.status());
-  ToProto(*info, req->model(), resp);
-  return Done(ctx, absl::OkStatus());
+  return OnSequence(ctx, req->model(), req->sequence_id(),
+                    [&](SequenceStore& m, const std::string& tenant) {
+                      return Reply(m.Get(req->sequence_id(), tenant), req->model(), resp);
+                    });
 }
 
 // Server stream of KV events. Wakes on KvEventLog::Notify (from whichever thread appended) and

@@ -77,6 +77,12 @@ class KvBankService final : public v1::KvBank::CallbackService {
                                    v1::AttendResponse* resp) override;
 
  private:
+  // A unary call on one sequence: authenticates, checks the id, finds the model, then finishes
+  // with op(model, tenant)'s status.
+  template <typename Op>
+  grpc::ServerUnaryReactor* OnSequence(grpc::CallbackServerContext* ctx, const std::string& model,
+                                       uint64_t id, Op op);
+
   class AppendReactor;
   class FetchReactor;
   class WatchReactor;
