@@ -9,6 +9,11 @@
 #
 #   tests/gpu/run_on_device.sh [cmake args...]
 #
+# After the tests it builds and runs the CUDA decode-attention bench (gpu_attention_bench: log and
+# CSV in "$OUT") and then bench/torch_sdpa_compare.py on the CSV's shapes (python3 with torch,
+# where present). Both are bounded by `timeout` (KVBANK_BENCH_TIMEOUT_S, default 180 s each; reps
+# KVBANK_BENCH_REPS, default 15; KVBANK_SKIP_BENCH=1 skips them); neither changes the exit status.
+#
 # Exit status: ctest's (0 when every gpu test passed or skipped), or non-zero when the build fails.
 set -euo pipefail
 
@@ -68,6 +73,27 @@ if grep -q "No tests were found" "$OUT/ctest.log"; then
   rc=1
 fi
 echo "== ctest -L gpu exit code $rc" | tee -a "$OUT/ctest.log"
+
+# Bench: reported, never fatal (the exit status stays ctest's).
+if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
+  set +e
+  bench_timeout="${KVBANK_BENCH_TIMEOUT_S:-180}"
+  bench_reps="${KVBANK_BENCH_REPS:-15}"
+  {
+    echo "== $(date -u +%FT%TZ) gpu_attention_bench (reps $bench_reps, timeout ${bench_timeout}s)"
+    ninja -C "$BUILD" gpu_attention_bench 2>&1 &&
+      timeout "$bench_timeout" "$BUILD/bin/gpu_attention_bench" --reps "$bench_reps" \
+        --csv "$OUT/gpu_attention_bench.csv" 2>&1
+    echo "== gpu_attention_bench exit code $?"
+  } | tee "$OUT/gpu_attention_bench.log"
+  {
+    echo "== $(date -u +%FT%TZ) torch_sdpa_compare (timeout ${bench_timeout}s)"
+    PYTHONUNBUFFERED=1 timeout "$bench_timeout" python3 bench/torch_sdpa_compare.py \
+      --csv "$OUT/gpu_attention_bench.csv" --reps "$bench_reps" 2>&1
+    echo "== torch_sdpa_compare exit code $?"
+  } | tee "$OUT/torch_sdpa_compare.log"
+  set -e
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>/dev/null |
   tee -a "$OUT/nvidia-smi.log" || true
 exit "$rc"
