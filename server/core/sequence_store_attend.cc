@@ -1,0 +1,224 @@
+// SequenceStore: attention on the pool (Attend) and retention (sliding window, heavy hitters).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/attention.h"
+#include "kernels/quant.h"
+#include "server/core/sequence.h"
+#include "server/core/sequence_store.h"
+
+namespace kvbank {
+
+void SequenceStore::Retain(Sequence& s) {
+  const RetentionPolicy& p = s.retention;
+  const uint64_t bt = layout_.block_tokens;
+  const uint64_t n = s.Length();
+  if (n != *std::max_element(s.layer_len.begin(), s.layer_len.end())) return;  // layers differ
+  if (p.kind == RetentionPolicy::Kind::kSlidingWindow) {
+    if (n <= uint64_t{p.window} + p.sinks) return;
+    // Blocks wholly past the sinks and before the window hold no kept token.
+    const uint64_t first = CeilDiv(p.sinks, bt), end = (n - p.window) / bt;
+    for (uint64_t b = first; b < end && b < s.blocks.size(); ++b) s.blocks[b].Reset();
+  } else if (p.kind == RetentionPolicy::Kind::kHeavyHitter) {
+    if (n < uint64_t{p.budget} + bt) return;  // a block of slack: not a compaction per token
+    s.scores.resize(n, 0.0);
+    // The first token, the heaviest of the middle, the last `window`; ties go to the earlier.
+    std::vector<uint64_t> middle;
+    for (uint64_t t = 1; t < n - p.window; ++t) middle.push_back(t);
+    const size_t heavy = p.budget - 1 - p.window;
+    std::stable_sort(middle.begin(), middle.end(),
+                     [&](uint64_t a, uint64_t b) { return s.scores[a] > s.scores[b]; });
+    middle.resize(std::min(heavy, middle.size()));
+    std::vector<uint64_t> keep{0};
+    keep.insert(keep.end(), middle.begin(), middle.end());
+    for (uint64_t t = n - p.window; t < n; ++t) keep.push_back(t);
+    std::sort(keep.begin(), keep.end());
+    Compact(s, keep);
+  }
+}
+
+void SequenceStore::Compact(Sequence& s, const std::vector<uint64_t>& keep) {
+  const BlockLayout& b = block_layout();
+  const uint64_t bt = b.block_tokens;
+  auto fresh = pool_->Allocate(CeilDiv(keep.size(), bt), s.tenant_id);
+  if (!fresh.ok()) return;  // NOTE: no room to compact now; the next append tries again
+  // NOTE: copies budget x layers x heads rows under mu_; bounded by the budget.
+  for (uint64_t j = 0; j < keep.size(); ++j) {
+    const uint64_t t = keep[j];
+    const uint8_t* src = pool_->BlockData(s.blocks[t / bt].id());
+    uint8_t* dst = pool_->BlockData((*fresh)[j / bt].id());
+    const uint32_t sr = static_cast<uint32_t>(t % bt), dr = static_cast<uint32_t>(j % bt);
+    for (const LayerView& v : b.layers) {
+      for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
+        for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+          const uint64_t bytes = kv == 0 ? v.KRowBytes() : v.VRowBytes();
+          const uint64_t so = kv == 0 ? v.KRow(h, sr) : v.VRow(h, sr);
+          const uint64_t d_o = kv == 0 ? v.KRow(h, dr) : v.VRow(h, dr);
+          std::memcpy(dst + d_o, src + so, bytes);
+          if (v.dtype == DType::kInt8) {
+            std::memcpy(dst + v.Int8Scale(kv, h, dr), src + v.Int8Scale(kv, h, sr), 4);
+            dst[v.Int8ZeroPoint(kv, h, dr)] = src[v.Int8ZeroPoint(kv, h, sr)];
+          }
+        }
+      }
+    }
+  }
+  std::vector<uint32_t> ids;
+  std::vector<double> scores;
+  for (uint64_t t : keep) {
+    if (t < s.token_ids.size()) ids.push_back(s.token_ids[t]);
+    scores.push_back(t < s.scores.size() ? s.scores[t] : 0.0);
+  }
+  s.token_ids = ids.size() == keep.size() ? ids : std::vector<uint32_t>();
+  s.scores = std::move(scores);
+  while (!s.blocks.empty()) s.blocks.pop_back();  // tail first; shared blocks stay as they were
+  s.blocks = *std::move(fresh);
+  for (uint64_t& l : s.layer_len) l = keep.size();
+  s.hashes.clear();
+  s.publishable = false;
+  s.cached_tokens = 0;
+  ++s.generation;
+}
+
+absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const AttendItem> items,
+                                   absl::Span<float> out, absl::Span<float> lse) {
+  const ModelLayout& m = layout_;
+  const uint64_t q_elems = uint64_t{m.num_q_heads} * m.head_dim;
+  if (items.empty()) return absl::InvalidArgumentError("items is empty");
+  if (items.size() > 4096) return absl::InvalidArgumentError("more than 4096 items in one call");
+  if (out.size() != items.size() * uint64_t{m.num_q_heads} * m.head_dim_v ||
+      lse.size() != items.size() * uint64_t{m.num_q_heads}) {
+    return absl::InternalError("Attend output spans do not match the items");
+  }
+  if (!std::isfinite(o.sm_scale) || o.sm_scale < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("softmax_scale ", o.sm_scale, " is not >= 0"));
+  }
+  if (o.sinks > 0 && o.window == 0) {
+    return absl::InvalidArgumentError("sinks given without a window");
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendItem& it = items[i];
+    if (it.layer >= m.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", i, "].layer ", it.layer, " is outside [0, ", m.num_layers, ")"));
+    }
+    if (it.query.size() != q_elems) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items[", i, "].query has ", it.query.size(),
+                       " values; num_q_heads x head_dim = ", q_elems));
+    }
+    if (kernels::FindNonFinite(it.query.data(), DType::kFp32, q_elems) >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("items[", i, "].query holds NaN or Inf"));
+    }
+  }
+  // Pin the blocks each item reads (as a fetch does), then compute without the lock.
+  struct Item {
+    std::vector<int32_t> indices;
+    uint32_t length = 0;
+    uint32_t window = 0, sinks = 0;  // the call's, narrowed by a sliding-window policy
+    bool heavy_hitter = false;       // sums the attention mass per token into the sequence
+    uint64_t generation = 0;
+  };
+  std::vector<BlockRef> refs;
+  std::vector<Item> per(items.size());
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto found = Find(items[i].sequence_id, o.tenant);
+      if (!found.ok()) return found.status();
+      Sequence& s = **found;
+      Item& it = per[i];
+      const uint64_t len = s.layer_len[items[i].layer];
+      it.length = static_cast<uint32_t>(len);
+      for (uint64_t b = 0; b < CeilDiv(len, m.block_tokens); ++b) {
+        // A block a sliding window released holds no attended token: any index will do.
+        it.indices.push_back(s.blocks[b].valid() ? s.blocks[b].id() : 0);
+        if (s.blocks[b].valid()) refs.push_back(pool_->Share(s.blocks[b]));
+      }
+      it.window = o.window;
+      it.sinks = o.sinks;
+      if (s.retention.kind == RetentionPolicy::Kind::kSlidingWindow) {
+        it.window = o.window == 0 ? s.retention.window : std::min(o.window, s.retention.window);
+        it.sinks = o.window == 0 ? s.retention.sinks : std::min(o.sinks, s.retention.sinks);
+      }
+      it.heavy_hitter = s.retention.kind == RetentionPolicy::Kind::kHeavyHitter;
+      it.generation = s.generation;
+      Renew(s);
+    }
+  }
+  // One kernel call per distinct (window, sinks): the kernel takes one window for its batch.
+  std::vector<std::vector<float>> probs(items.size());
+  std::vector<bool> done(items.size(), false);
+  const uint64_t out_per = uint64_t{m.num_q_heads} * m.head_dim_v;
+  for (size_t first = 0; first < items.size(); ++first) {
+    if (done[first]) continue;
+    std::vector<size_t> group;
+    for (size_t i = first; i < items.size(); ++i) {
+      if (!done[i] && per[i].window == per[first].window && per[i].sinks == per[first].sinks) {
+        group.push_back(i);
+        done[i] = true;
+      }
+    }
+    std::vector<int32_t> indptr{0}, indices;
+    std::vector<uint32_t> lengths;
+    std::vector<LayerView> views;
+    std::vector<float> q, g_out(group.size() * out_per), g_lse(group.size() * m.num_q_heads);
+    std::vector<float*> g_probs;
+    for (size_t i : group) {
+      indices.insert(indices.end(), per[i].indices.begin(), per[i].indices.end());
+      indptr.push_back(static_cast<int32_t>(indices.size()));
+      lengths.push_back(per[i].length);
+      views.push_back(block_layout().layers[items[i].layer]);
+      q.insert(q.end(), items[i].query.begin(), items[i].query.end());
+      if (per[i].heavy_hitter) probs[i].assign(per[i].length, 0.f);
+      g_probs.push_back(per[i].heavy_hitter ? probs[i].data() : nullptr);
+    }
+    if (indices.empty()) indices.push_back(0);  // every item is empty: no index is read
+    kernels::DecodeAttentionParams p;
+    p.kv.pool = pool_->base();
+    p.kv.block_bytes = block_layout().block_bytes;
+    p.kv.layers = views.data();
+    p.kv.indptr = indptr.data();
+    p.kv.indices = indices.data();
+    p.kv.lengths = lengths.data();
+    p.kv.batch = static_cast<uint32_t>(group.size());
+    p.num_q_heads = m.num_q_heads;
+    p.num_kv_heads = m.num_kv_heads;
+    p.head_dim = m.head_dim;
+    p.head_dim_v = m.head_dim_v;
+    p.sm_scale = o.sm_scale > 0 ? o.sm_scale : 1.0f / std::sqrt(float(m.head_dim));
+    p.window = per[first].window;
+    p.sinks = per[first].sinks;
+    p.q = q.data();
+    p.out = g_out.data();
+    p.lse = g_lse.data();
+    p.token_probs = g_probs.data();
+    if (std::string e = kernels::ValidateDecodeAttention(p); !e.empty()) {
+      return absl::InternalError(absl::StrCat("attention batch: ", e));
+    }
+    kernels::DecodeAttentionCpu(p, o.num_threads);
+    for (size_t j = 0; j < group.size(); ++j) {
+      std::copy(g_out.begin() + j * out_per, g_out.begin() + (j + 1) * out_per,
+                out.begin() + group[j] * out_per);
+      std::copy(g_lse.begin() + j * m.num_q_heads, g_lse.begin() + (j + 1) * m.num_q_heads,
+                lse.begin() + group[j] * m.num_q_heads);
+    }
+  }
+  // Heavy hitters: the attention mass each token got, summed over heads and layers.
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!per[i].heavy_hitter) continue;
+    auto it = live_.find(items[i].sequence_id);
+    if (it == live_.end() || it->second->generation != per[i].generation) continue;  // moved
+    Sequence& s = *it->second;
+    if (s.scores.size() < probs[i].size()) s.scores.resize(probs[i].size(), 0.0);
+    for (size_t t = 0; t < probs[i].size(); ++t) s.scores[t] += probs[i][t];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvbank

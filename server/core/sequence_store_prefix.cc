@@ -1,0 +1,100 @@
+// SequenceStore: the prefix cache side (publishing, look-ups, pins, quotas, cache TTL).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/quant.h"
+#include "server/core/sequence.h"
+#include "server/core/sequence_store.h"
+
+namespace kvbank {
+
+void SequenceStore::PublishFullBlocks(Sequence& s) {
+  if (!s.publishable) return;
+  const uint64_t bt = layout_.block_tokens;
+  const uint64_t full = std::min<uint64_t>(s.Length(), s.token_ids.size()) / bt;
+  while (s.hashes.size() < full) {
+    const size_t i = s.hashes.size();
+    PublishInfo info;
+    info.has_parent = i > 0;
+    info.parent = i > 0 ? s.hashes[i - 1] : s.root;
+    const uint32_t* tokens = s.token_ids.data() + i * bt;
+    info.hash = ChainHash(options_.hash, info.parent, tokens, bt, s.extra_keys);
+    info.token_ids.assign(tokens, tokens + bt);
+    info.lora = s.lora;
+    info.priority = s.priority;
+    s.hashes.push_back(info.hash);
+    if (!s.blocks[i].valid()) continue;  // released by a sliding window
+    // False when the block is already published (shared from the cache) or another block holds
+    // the same hash: then this copy stays private and goes back to the free list when released.
+    pool_->Publish(s.blocks[i], info, s.tenant_id);
+  }
+}
+
+std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
+                                           const std::vector<MatchQuery>& queries) {
+  const uint32_t tenant_id = pool_->InternTenant(tenant);
+  std::vector<uint64_t> out;
+  out.reserve(queries.size());
+  for (const MatchQuery& q : queries) {
+    std::vector<BlockHash> hashes = q.hashes;
+    if (hashes.empty() && !q.tokens.empty()) {
+      hashes = PrefixHashes(options_.hash, Root(tenant, q.cache_salt), q.tokens,
+                            layout_.block_tokens, q.extra_keys);
+    }
+    uint64_t hits = 0;
+    while (hits < hashes.size() && pool_->Contains(hashes[hits], tenant_id)) ++hits;
+    out.push_back(hits * layout_.block_tokens);
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
+    const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
+    std::optional<uint32_t> layer_end, std::optional<DType> dtype) {
+  const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
+  if (l1 > layout_.num_layers || l0 >= l1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
+  }
+  if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
+  auto wire = Plan(l0, l1, dtype, /*append=*/false);
+  if (!wire.ok()) return wire.status();
+  const uint32_t tenant_id = pool_->InternTenant(tenant);
+  std::unique_ptr<FetchReader> r(new FetchReader());
+  for (const BlockHash& h : hashes) {
+    BlockRef b = pool_->Peek(h, tenant_id);  // a read, not a reuse: eviction order stays
+    if (!b.valid()) break;
+    r->table_.push_back(b.id());
+    r->refs_.push_back(std::move(b));
+  }
+  if (r->refs_.empty()) {
+    return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
+  }
+  r->token_begin_ = 0;
+  r->dtype_ = wire->dtype;
+  Configure(*wire, l0, l1, 0, r->refs_.size() * uint64_t{layout_.block_tokens}, r->table_.data(),
+            &r->payload_, &r->map_, &r->codec_);
+  fetches_.fetch_add(1, std::memory_order_relaxed);
+  bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
+  return r;
+}
+
+size_t SequenceStore::Pin(const std::string& tenant, const std::vector<BlockHash>& hashes,
+                          bool pin) {
+  return pool_->Pin(hashes, pool_->InternTenant(tenant), pin);
+}
+
+void SequenceStore::SetTenantQuota(const std::string& tenant, uint64_t max_blocks) {
+  pool_->SetTenantQuota(pool_->InternTenant(tenant), max_blocks);
+}
+
+size_t SequenceStore::ExpireCache(absl::Time now) {
+  if (options_.prefix_cache_ttl <= absl::ZeroDuration()) return 0;
+  return pool_->DropCachedBefore(now - options_.prefix_cache_ttl);
+}
+
+}  // namespace kvbank
