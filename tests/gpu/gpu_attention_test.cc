@@ -13,6 +13,7 @@
 #include "kernels/attention.h"
 #include "kernels/attention_cuda.h"
 #include "kvbank/layout.h"
+#include "tests/gpu/gpu_testing.h"
 #include "tests/unit/attention_testing.h"
 
 namespace kvbank::kernels {
@@ -31,23 +32,9 @@ constexpr uint64_t kSeed = 5105001;
 const DType kAll[] = {DType::kFp32, DType::kFp16,    DType::kBf16,
                       DType::kInt8, DType::kFp8E4M3, DType::kFp8E5M2};
 
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
-
 class GpuAttentionTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0) {
-      GTEST_SKIP() << "no CUDA device: "
-                   << (e != cudaSuccess ? cudaGetErrorString(e) : "device count is 0");
-    }
-    std::printf("seed=%llu devices=%d\n", static_cast<unsigned long long>(kSeed), n);
-  }
+  void SetUp() override { KVBANK_SKIP_WITHOUT_CUDA(kSeed); }
   void TearDown() override {
     for (void* p : allocations_) cudaFree(p);
     allocations_.clear();

@@ -16,29 +16,16 @@
 #include "kernels/block_copy.h"
 #include "kernels/block_copy_cuda.h"
 #include "kvbank/layout.h"
+#include "tests/gpu/gpu_testing.h"
 
 namespace kvbank::kernels {
 namespace {
 
 constexpr uint64_t kSeed = 424242;
 
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    const cudaError_t e_ = (expr);                                         \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
-  } while (0)
-
 class GpuBlockCopyTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n == 0) {
-      GTEST_SKIP() << "no CUDA device: "
-                   << (e != cudaSuccess ? cudaGetErrorString(e) : "device count is 0");
-    }
-    std::printf("seed=%llu devices=%d\n", static_cast<unsigned long long>(kSeed), n);
-  }
+  void SetUp() override { KVBANK_SKIP_WITHOUT_CUDA(kSeed); }
   void TearDown() override {
     for (void* p : allocations_) cudaFree(p);
   }
