@@ -80,6 +80,16 @@ struct Client::Impl {
       ctx->AddMetadata("authorization", "Bearer " + options.bearer_token);
     }
   }
+  // One unary call with the deadline and token every call carries.
+  template <typename Req, typename Resp>
+  absl::Status Call(grpc::Status (v1::KvBank::Stub::*method)(grpc::ClientContext*, const Req&,
+                                                             Resp*),
+                    const Req& req, Resp* resp) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, false);
+    return FromGrpc((stub.get()->*method)(&ctx, req, resp));
+  }
+
   void Remember(const ModelInfo& m) {
     absl::MutexLock lock(&mu);
     models[m.layout.name] = m;
@@ -119,9 +129,7 @@ absl::StatusOr<Client::ModelInfo> Client::EnsureModel(const ModelLayout& layout,
   proto::LayoutToSpec(layout, req.mutable_spec());
   req.mutable_spec()->set_pool_bytes(pool_bytes);
   v1::EnsureModelResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->EnsureModel(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::EnsureModel, req, &resp); !s.ok()) return s;
   auto info = FromProto(resp.model());
   if (!info.ok()) return info.status();
   info->created = resp.created();
@@ -141,9 +149,7 @@ absl::StatusOr<Client::ModelInfo> Client::EnsurePreset(const std::string& name,
   spec->set_pool_bytes(pool_bytes);
   spec->set_block_tokens(block_tokens);
   v1::EnsureModelResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->EnsureModel(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::EnsureModel, req, &resp); !s.ok()) return s;
   auto info = FromProto(resp.model());
   if (!info.ok()) return info.status();
   info->created = resp.created();
@@ -153,11 +159,8 @@ absl::StatusOr<Client::ModelInfo> Client::EnsurePreset(const std::string& name,
 
 absl::StatusOr<std::vector<Client::ModelInfo>> Client::ListModels() {
   v1::ListModelsResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->ListModels(&ctx, v1::ListModelsRequest(), &resp)); !s.ok()) {
+  if (auto s = impl_->Call(&v1::KvBank::Stub::ListModels, v1::ListModelsRequest(), &resp); !s.ok())
     return s;
-  }
   std::vector<ModelInfo> out;
   for (const auto& m : resp.models()) {
     auto info = FromProto(m);
@@ -185,9 +188,7 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
   v1::GetStatsRequest req;
   req.set_model(model);
   v1::GetStatsResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->GetStats(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::GetStats, req, &resp); !s.ok()) return s;
   std::vector<ModelStats> out;
   for (const auto& p : resp.models()) {
     ModelStats m;
@@ -262,9 +263,7 @@ absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& m
   req.mutable_retention()->set_sinks(args.sinks);
   req.mutable_retention()->set_budget(args.budget);
   v1::SequenceInfo resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->CreateSequence(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::CreateSequence, req, &resp); !s.ok()) return s;
   return FromProto(resp);
 }
 
@@ -444,9 +443,7 @@ absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
     AddExtraKeys(q.extra_keys, p->mutable_extra_keys());
   }
   v1::MatchResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->Match(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::Match, req, &resp); !s.ok()) return s;
   return std::vector<uint64_t>(resp.cached_tokens().begin(), resp.cached_tokens().end());
 }
 
@@ -459,9 +456,7 @@ absl::StatusOr<uint64_t> Client::Pin(const std::string& model, const MatchQuery&
   AddExtraKeys(blocks.extra_keys, req.mutable_extra_keys());
   req.set_unpin(!pin);
   v1::PinResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->Pin(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::Pin, req, &resp); !s.ok()) return s;
   return resp.blocks();
 }
 
@@ -471,9 +466,7 @@ absl::StatusOr<Client::PrefixRootInfo> Client::GetPrefixRoot(const std::string& 
   req.set_model(model);
   req.set_cache_salt(cache_salt);
   v1::GetPrefixRootResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->GetPrefixRoot(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::GetPrefixRoot, req, &resp); !s.ok()) return s;
   PrefixRootInfo info;
   info.root = HashFromBytes(resp.root_hash());
   if (!ParseHashAlgorithm(resp.hash_algorithm(), &info.algorithm)) {
@@ -570,9 +563,7 @@ absl::StatusOr<Client::SequenceInfo> Client::Fork(const std::string& model, uint
         static_cast<uint64_t>(std::max<int64_t>(0, absl::ToInt64Milliseconds(*lease))));
   }
   v1::SequenceInfo resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->Fork(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::Fork, req, &resp); !s.ok()) return s;
   return FromProto(resp);
 }
 
@@ -583,9 +574,7 @@ absl::StatusOr<Client::SequenceInfo> Client::Truncate(const std::string& model, 
   req.set_sequence_id(id);
   req.set_num_tokens(num_tokens);
   v1::SequenceInfo resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->Truncate(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::Truncate, req, &resp); !s.ok()) return s;
   return FromProto(resp);
 }
 
@@ -594,9 +583,7 @@ absl::StatusOr<uint64_t> Client::Free(const std::string& model, uint64_t id) {
   req.set_model(model);
   req.set_sequence_id(id);
   v1::FreeResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->Free(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::Free, req, &resp); !s.ok()) return s;
   return resp.blocks_released();
 }
 
@@ -605,9 +592,7 @@ absl::StatusOr<Client::SequenceInfo> Client::RenewLease(const std::string& model
   req.set_model(model);
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->RenewLease(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::RenewLease, req, &resp); !s.ok()) return s;
   return FromProto(resp);
 }
 
@@ -616,9 +601,7 @@ absl::StatusOr<Client::SequenceInfo> Client::GetSequence(const std::string& mode
   req.set_model(model);
   req.set_sequence_id(id);
   v1::SequenceInfo resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->GetSequence(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::GetSequence, req, &resp); !s.ok()) return s;
   return FromProto(resp);
 }
 
@@ -636,9 +619,7 @@ absl::StatusOr<std::vector<Client::AttendOutput>> Client::Attend(
   req.set_window(args.window);
   req.set_sinks(args.sinks);
   v1::AttendResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, false);
-  if (auto s = FromGrpc(impl_->stub->Attend(&ctx, req, &resp)); !s.ok()) return s;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::Attend, req, &resp); !s.ok()) return s;
   std::vector<AttendOutput> out;
   for (const v1::AttendResult& r : resp.results()) {
     out.push_back({std::vector<float>(r.output().begin(), r.output().end()),
