@@ -29,8 +29,8 @@ using testing::MakeBatch;
 using testing::Tolerance;
 
 constexpr uint64_t kSeed = 5005001;
-const DType kAll[] = {DType::kFp32, DType::kFp16,    DType::kBf16,
-                      DType::kInt8, DType::kFp8E4M3, DType::kFp8E5M2};
+using testing::ForEachSweepCase;
+constexpr const auto& kAll = testing::kAllDTypes;
 
 // Runs the reference and the CPU kernel (with and without probabilities) on one case.
 void CheckCase(const AttnCase& c, uint64_t seed, uint32_t threads = 4) {
@@ -53,26 +53,7 @@ void CheckCase(const AttnCase& c, uint64_t seed, uint32_t threads = 4) {
 
 TEST(AttentionTest, SweepDtypesBlockSizesHeads) {
   std::printf("seed=%llu\n", static_cast<unsigned long long>(kSeed));
-  struct Heads {
-    uint32_t d, hq, hkv;
-  };
-  // GQA ratio 1 (MHA), 4, 8, and MQA (one kv head).
-  const Heads heads[] = {{64, 4, 4}, {128, 8, 2}, {256, 8, 1}, {128, 32, 4}, {128, 4, 1}};
-  uint64_t seed = kSeed;
-  for (DType d : kAll) {
-    for (uint32_t bt : {1u, 3u, 16u, 17u}) {
-      for (const Heads& h : heads) {
-        AttnCase c;
-        c.dtype = d;
-        c.block_tokens = bt;
-        c.head_dim = c.head_dim_v = h.d;
-        c.num_q_heads = h.hq;
-        c.num_kv_heads = h.hkv;
-        CheckCase(c, ++seed);
-        if (HasFatalFailure()) return;
-      }
-    }
-  }
+  ForEachSweepCase(kSeed, [&](const AttnCase& c, uint64_t seed) { CheckCase(c, seed); });
 }
 
 TEST(AttentionTest, Mla) {

@@ -238,6 +238,35 @@ inline void ExpectMatches(const AttnCase& c, const AttnOutputs& got, const AttnO
   }
 }
 
+// The dtype x block size x heads sweep both the CPU and the GPU test run: calls check(case, seed)
+// for each case, seeds counting up from `seed`; stops at a fatal failure.
+// Every storage dtype the kernels read.
+inline constexpr DType kAllDTypes[] = {DType::kFp32, DType::kFp16,    DType::kBf16,
+                                       DType::kInt8, DType::kFp8E4M3, DType::kFp8E5M2};
+
+template <typename Check>
+void ForEachSweepCase(uint64_t seed, Check check) {
+  struct Heads {
+    uint32_t d, hq, hkv;
+  };
+  // GQA ratio 1 (MHA), 4, 8, and MQA (one kv head).
+  const Heads heads[] = {{64, 4, 4}, {128, 8, 2}, {256, 8, 1}, {128, 32, 4}, {128, 4, 1}};
+  for (DType d : kAllDTypes) {
+    for (uint32_t bt : {1u, 3u, 16u, 17u}) {
+      for (const Heads& h : heads) {
+        AttnCase c;
+        c.dtype = d;
+        c.block_tokens = bt;
+        c.head_dim = c.head_dim_v = h.d;
+        c.num_q_heads = h.hq;
+        c.num_kv_heads = h.hkv;
+        check(c, ++seed);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 }  // namespace kvbank::kernels::testing
 
 #endif  // KVBANK_TESTS_UNIT_ATTENTION_TESTING_H_
