@@ -73,6 +73,116 @@ __global__ void CopyBlocksKernel(uint8_t* pool, uint64_t block_bytes, const int3
   }
 }
 
+// The scale sections of a storage-format payload. Grid (x, layers); each thread takes scale
+// entries of its layer (an int8 scale or zero point of one (K/V, head, token), or an fp8 scale of
+// one (K/V, head, block)) and copies the bytes of the entry that fall in the window. Entries are
+// 4 or 1 bytes, so a byte loop is all there is.
+__global__ void ScaleCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                                uint64_t len) {
+  const uint64_t end = offset + len;
+  const uint64_t n = m.num_tokens;
+  for (uint32_t li = blockIdx.y; li < m.num_layers; li += gridDim.y) {
+    const LayerView& v = m.layers[li];
+    const uint64_t section = m.scale_offset[li];
+    if (section >= end) continue;
+    const uint64_t heads = v.num_kv_heads;
+    const uint64_t rows = uint64_t{v.KvParts()} * heads;  // (K/V, head) pairs
+    const bool int8 = v.dtype == DType::kInt8;
+    uint64_t nb = 0, entries = 0;
+    if (int8) {
+      entries = 2 * rows * n;  // f32 scales [kv][h][n], then u8 zero points [kv][h][n]
+    } else if (v.dtype == DType::kFp8E4M3 || v.dtype == DType::kFp8E5M2) {
+      nb = (m.token_begin + n + v.block_tokens - 1) / v.block_tokens - m.first_block;
+      entries = rows * nb;  // f32 scales [kv][h][nb]
+    }
+    for (uint64_t e = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; e < entries;
+         e += uint64_t{gridDim.x} * blockDim.x) {
+      uint64_t at_payload, width;
+      uint8_t* at_pool;
+      if (int8) {
+        const bool zp = e >= rows * n;
+        const uint64_t i = zp ? e - rows * n : e;
+        const uint32_t kv = static_cast<uint32_t>(i / n / heads);
+        const uint32_t h = static_cast<uint32_t>(i / n % heads);
+        const uint64_t pos = m.token_begin + i % n;
+        const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);
+        uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
+        width = zp ? 1 : 4;
+        at_payload = section + (zp ? rows * n * 4 : 0) + i * width;
+        at_pool = block + (zp ? v.Int8ZeroPoint(kv, h, row) : v.Int8Scale(kv, h, row));
+      } else {
+        const uint32_t kv = static_cast<uint32_t>(e / nb / heads);
+        const uint32_t h = static_cast<uint32_t>(e / nb % heads);
+        uint8_t* block = m.pool + uint64_t(m.block_table[m.first_block + e % nb]) * m.block_bytes;
+        width = 4;
+        at_payload = section + e * 4;
+        at_pool = block + v.Fp8Scale(kv, h);
+      }
+      const uint64_t lo = at_payload > offset ? at_payload : offset;
+      const uint64_t hi = at_payload + width < end ? at_payload + width : end;
+      for (uint64_t p = lo; p < hi; ++p) {
+        if (dir == CopyDirection::kPayloadToPool) {
+          at_pool[p - at_payload] = buf[p - offset];
+        } else {
+          buf[p - offset] = at_pool[p - at_payload];
+        }
+      }
+    }
+  }
+}
+
+// n bytes from src to dst by the 32 lanes of a warp: 16 bytes at a time where both sides and n
+// allow, else 4, else 1.
+__device__ inline void WarpCopy(uint8_t* dst, const uint8_t* src, uint64_t n, unsigned lane) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n;
+  if ((align & 15) == 0) {
+    for (uint64_t i = lane * 16ull; i < n; i += 32 * 16) {
+      *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+    }
+  } else if ((align & 3) == 0) {
+    for (uint64_t i = lane * 4ull; i < n; i += 32 * 4) {
+      *reinterpret_cast<uint32_t*>(dst + i) = *reinterpret_cast<const uint32_t*>(src + i);
+    }
+  } else {
+    for (uint64_t i = lane; i < n; i += 32) dst[i] = src[i];
+  }
+}
+
+// One CUDA block per RowCopy: a warp per (K/V, head) row, then a thread per (K/V, head) for the
+// scales. Scale slots are 4-byte aligned (scale sections start on 16-byte boundaries).
+// NOTE: copies into one fp8 block all write its scales; the caller guarantees they agree.
+__global__ void CopyRowsKernel(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                               const RowCopy* copies, size_t n) {
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned warps = blockDim.x / 32;
+  for (size_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const RowCopy c = copies[i];
+    const LayerView& v = layers[c.layer];
+    const uint8_t* s = pool + uint64_t(c.src_block) * block_bytes;
+    uint8_t* d = pool + uint64_t(c.dst_block) * block_bytes;
+    const uint32_t rows = v.KvParts() * v.num_kv_heads;
+    for (uint32_t r = threadIdx.x / 32; r < rows; r += warps) {
+      const uint32_t kv = r / v.num_kv_heads, h = r % v.num_kv_heads;
+      if (kv == 0) {
+        WarpCopy(d + v.KRow(h, c.dst_row), s + v.KRow(h, c.src_row), v.KRowBytes(), lane);
+      } else {
+        WarpCopy(d + v.VRow(h, c.dst_row), s + v.VRow(h, c.src_row), v.VRowBytes(), lane);
+      }
+    }
+    for (uint32_t r = threadIdx.x; r < rows; r += blockDim.x) {
+      const uint32_t kv = r / v.num_kv_heads, h = r % v.num_kv_heads;
+      if (v.dtype == DType::kInt8) {
+        *reinterpret_cast<uint32_t*>(d + v.Int8Scale(kv, h, c.dst_row)) =
+            *reinterpret_cast<const uint32_t*>(s + v.Int8Scale(kv, h, c.src_row));
+        d[v.Int8ZeroPoint(kv, h, c.dst_row)] = s[v.Int8ZeroPoint(kv, h, c.src_row)];
+      } else if ((v.dtype == DType::kFp8E4M3 || v.dtype == DType::kFp8E5M2) && s != d) {
+        *reinterpret_cast<uint32_t*>(d + v.Fp8Scale(kv, h)) =
+            *reinterpret_cast<const uint32_t*>(s + v.Fp8Scale(kv, h));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
@@ -80,6 +190,28 @@ cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t o
   if (len == 0 || map.num_tokens == 0) return cudaSuccess;
   // Rows are at most a few KiB; a fixed grid with a stride loop covers any payload.
   PayloadCopyKernel<<<4096, kThreads / 2, 0, stream>>>(map, dir, offset, buf, len);
+  return cudaGetLastError();
+}
+
+cudaError_t ScaleCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                          uint64_t len, cudaStream_t stream) {
+  if (map.scale_offset == nullptr || len == 0 || map.num_tokens == 0 || map.num_layers == 0) {
+    return cudaSuccess;
+  }
+  // The layer views are device memory: size x by the tokens (a few entries per token per head)
+  // and let the kernel stride over the rest.
+  const uint64_t x = (map.num_tokens + 7) / 8;
+  const dim3 grid(static_cast<unsigned>(x < 1024 ? x : 1024),
+                  map.num_layers < 65535 ? map.num_layers : 65535);
+  ScaleCopyKernel<<<grid, kThreads, 0, stream>>>(map, dir, offset, buf, len);
+  return cudaGetLastError();
+}
+
+cudaError_t CopyRowsCuda(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                         const RowCopy* copies, size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const unsigned grid = n < 65535 ? static_cast<unsigned>(n) : 65535u;
+  CopyRowsKernel<<<grid, kThreads / 2, 0, stream>>>(pool, block_bytes, layers, copies, n);
   return cudaGetLastError();
 }
 

@@ -54,6 +54,21 @@ void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
 void CopyTokenRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
                       const uint32_t* rows, uint32_t num_layers, int32_t src, int32_t dst);
 
+// One token row of one layer moved between blocks: its K and V rows of every kv head, its int8
+// scales and zero points, and for fp8 layers the (K/V, head) scales of the source block (which
+// then hold for every row of the destination block: only copy fp8 rows whose blocks share them).
+struct RowCopy {
+  int32_t src_block = 0;
+  int32_t dst_block = 0;
+  uint32_t src_row = 0;
+  uint32_t dst_row = 0;
+  uint32_t layer = 0;  // index into `layers`
+};
+
+// Applies `copies` (no two with the same destination row; sources are not destinations).
+void CopyRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                 const RowCopy* copies, size_t n);
+
 }  // namespace kvbank::kernels
 
 #endif  // KVBANK_KERNELS_BLOCK_COPY_H_

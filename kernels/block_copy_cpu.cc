@@ -154,4 +154,28 @@ void CopyTokenRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* laye
   }
 }
 
+void CopyRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                 const RowCopy* copies, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const RowCopy& c = copies[i];
+    const LayerView& v = layers[c.layer];
+    const uint8_t* s = pool + uint64_t(c.src_block) * block_bytes;
+    uint8_t* d = pool + uint64_t(c.dst_block) * block_bytes;
+    for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+      std::memcpy(d + v.KRow(h, c.dst_row), s + v.KRow(h, c.src_row), v.KRowBytes());
+      if (v.has_v) std::memcpy(d + v.VRow(h, c.dst_row), s + v.VRow(h, c.src_row), v.VRowBytes());
+    }
+    for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
+      for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
+        if (v.dtype == DType::kInt8) {
+          std::memcpy(d + v.Int8Scale(kv, h, c.dst_row), s + v.Int8Scale(kv, h, c.src_row), 4);
+          d[v.Int8ZeroPoint(kv, h, c.dst_row)] = s[v.Int8ZeroPoint(kv, h, c.src_row)];
+        } else if ((v.dtype == DType::kFp8E4M3 || v.dtype == DType::kFp8E5M2) && s != d) {
+          std::memcpy(d + v.Fp8Scale(kv, h), s + v.Fp8Scale(kv, h), 4);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace kvbank::kernels

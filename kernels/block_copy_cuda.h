@@ -15,6 +15,14 @@ namespace kvbank::kernels {
 cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
                             uint64_t len, cudaStream_t stream);
 
+// Device version of ScaleCopyCpu (storage-format payloads); `buf` as for PayloadCopyCuda.
+cudaError_t ScaleCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
+                          uint64_t len, cudaStream_t stream);
+
+// Device version of CopyRowsCpu. layers: [num_layers] device; copies: [n] device.
+cudaError_t CopyRowsCuda(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
+                         const RowCopy* copies, size_t n, cudaStream_t stream);
+
 // Device version of CopyBlocksCpu. src_ids, dst_ids: [n] device int32.
 cudaError_t CopyBlocksCuda(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
                            const int32_t* dst_ids, size_t n, cudaStream_t stream);

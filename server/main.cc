@@ -28,19 +28,28 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/core/pool_memory.h"
 #include "server/rpc/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
 ABSL_FLAG(std::string, port_file, "", "write the port actually bound to this file once serving");
-ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda:N (only the host pool is built yet)");
+ABSL_FLAG(std::string, device, "auto",
+          "where pools live: auto (a GPU when there is one, else host memory) | host | cuda:N | "
+          "host-staged (host memory through the GPU data path, for tests)");
+ABSL_FLAG(double, gpu_memory_utilization, 0.9,
+          "on a GPU: fraction of its memory this server may hold in all (the pools' budget is "
+          "this fraction of the total minus what is in use already)");
 ABSL_FLAG(std::string, models, "llama-3.1-8b",
           "comma-separated presets registered at start, each under its preset name");
 ABSL_FLAG(std::string, config, "", "ServerConfig in protobuf text format (models to register)");
-ABSL_FLAG(std::string, pool_bytes, "1GiB", "default pool size of a model (e.g. 512MiB, 4GiB)");
+ABSL_FLAG(std::string, pool_bytes, "",
+          "default pool size of a model (e.g. 512MiB, 4GiB); default: 1GiB in host memory, on a "
+          "GPU the budget shared by the --models");
 ABSL_FLAG(double, pool_memory_fraction, 0,
           "if > 0: default pool size of a model as this fraction of physical memory");
 ABSL_FLAG(std::string, max_pool_bytes, "",
-          "bound on all pools together (default: 80% of physical memory)");
+          "bound on all pools together (default: 80% of physical memory; on a GPU the "
+          "--gpu-memory-utilization budget)");
 ABSL_FLAG(uint64_t, max_sequences, 65536, "default live-sequence limit per model");
 ABSL_FLAG(uint64_t, max_tokens_per_sequence, 1 << 20, "default token limit per sequence");
 ABSL_FLAG(int64_t, default_lease_ms, 300000, "lease of a sequence created without one");
@@ -119,21 +128,48 @@ int Main(int argc, char** argv) {
   std::vector<char*> args = NormalizeFlagNames(argc, argv, &storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
 
-  const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "auto" && device != "cpu") {
-    return Fail(
-        absl::StrCat("--device ", device, ": only the host pool is built yet (use auto or cpu)"));
-  }
-
   rpc::ServiceOptions options;
-  auto pool_bytes = ParseBytes(absl::GetFlag(FLAGS_pool_bytes));
-  if (!pool_bytes.ok()) return Fail(absl::StrCat("--pool-bytes: ", pool_bytes.status().message()));
-  options.defaults.pool_bytes = *pool_bytes;
+  auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) return Fail(absl::StrCat("--device: ", device.status().message()));
+  options.defaults.device = *device;
+  const bool on_gpu = device->kind == MemoryKind::kCuda;
+  const size_t num_models = std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_models),
+                                                                    ',', absl::SkipWhitespace()))
+                                .size();
+  uint64_t max_pool = PhysicalMemory() / 10 * 8;
+  if (on_gpu) {
+    const double util = absl::GetFlag(FLAGS_gpu_memory_utilization);
+    if (!(util > 0 && util <= 1)) return Fail("--gpu-memory-utilization must be in (0, 1]");
+    uint64_t free_bytes = 0, total_bytes = 0;
+    if (absl::Status s = CudaMemoryInfo(device->cuda_device, &free_bytes, &total_bytes); !s.ok()) {
+      return Fail(absl::StrCat("--device ", device->Name(), ": ", s.message()));
+    }
+    // As vLLM's gpu_memory_utilization: this process may hold util x total; what others (or the
+    // CUDA context) hold already comes off it.
+    const double budget = util * double(total_bytes) - double(total_bytes - free_bytes);
+    if (budget < double(64 << 20)) {
+      return Fail(absl::StrCat("--gpu-memory-utilization ", util, " of ", total_bytes,
+                               " bytes leaves no room: ", total_bytes - free_bytes,
+                               " bytes are in use on ", device->Name()));
+    }
+    max_pool = static_cast<uint64_t>(budget);
+  }
+  if (std::string b = absl::GetFlag(FLAGS_pool_bytes); !b.empty()) {
+    auto pool_bytes = ParseBytes(b);
+    if (!pool_bytes.ok())
+      return Fail(absl::StrCat("--pool-bytes: ", pool_bytes.status().message()));
+    options.defaults.pool_bytes = *pool_bytes;
+  } else if (on_gpu) {
+    options.defaults.pool_bytes = max_pool / std::max<size_t>(num_models, 1);
+  } else {
+    options.defaults.pool_bytes = uint64_t{1} << 30;
+  }
   if (double f = absl::GetFlag(FLAGS_pool_memory_fraction); f > 0) {
+    if (on_gpu)
+      return Fail("--pool-memory-fraction is for host memory; use --gpu-memory-utilization");
     if (f > 0.95) return Fail("--pool-memory-fraction must be at most 0.95");
     options.defaults.pool_bytes = static_cast<uint64_t>(f * double(PhysicalMemory()));
   }
-  uint64_t max_pool = PhysicalMemory() / 10 * 8;
   if (std::string m = absl::GetFlag(FLAGS_max_pool_bytes); !m.empty()) {
     auto v = ParseBytes(m);
     if (!v.ok()) return Fail(absl::StrCat("--max-pool-bytes: ", v.status().message()));
@@ -195,8 +231,8 @@ int Main(int argc, char** argv) {
     auth.ApplyQuotas(*r->model);
     std::cerr << "kvbankd: model '" << s.name() << "': " << r->model->pool().num_blocks()
               << " blocks of " << r->model->block_layout().block_bytes << " bytes ("
-              << r->model->pool().num_blocks() * r->model->layout().block_tokens
-              << " tokens), host memory\n";
+              << r->model->pool().num_blocks() * r->model->layout().block_tokens << " tokens), "
+              << r->model->pool().memory().name() << " memory\n";
   }
 
   // Signals are taken by one thread with sigwait; every other thread has them blocked.

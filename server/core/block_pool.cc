@@ -1,8 +1,5 @@
 #include "server/core/block_pool.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <limits>
 
 #include "absl/status/status.h"
@@ -28,9 +25,10 @@ void BlockRef::Reset() {
   id_ = -1;
 }
 
-absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout layout,
-                                                                 uint64_t pool_bytes,
-                                                                 PoolOptions options) {
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(BlockLayout layout,
+                                                             uint64_t pool_bytes,
+                                                             const DeviceSpec& device,
+                                                             PoolOptions options) {
   if (layout.block_bytes == 0) return absl::InvalidArgumentError("block layout is empty");
   const uint64_t n = pool_bytes / layout.block_bytes;
   if (n == 0) {
@@ -41,28 +39,18 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::CreateHost(BlockLayout lay
     return absl::InvalidArgumentError(
         absl::StrCat("pool_bytes ", pool_bytes, " makes ", n, " blocks; at most 2^31-1"));
   }
-  const uint64_t bytes = n * layout.block_bytes;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map ", bytes, " bytes of host memory"));
-  }
-  madvise(p, bytes, MADV_HUGEPAGE);  // best effort
-  if (options.prefault) {
-    // One write per page (after the huge-page advice, so 2 MiB pages where the kernel has them).
-    const long page = sysconf(_SC_PAGESIZE);
-    for (uint64_t off = 0; off < bytes; off += uint64_t(page)) static_cast<uint8_t*>(p)[off] = 0;
-  }
+  auto memory = CreatePoolMemory(device, n * layout.block_bytes, options.prefault);
+  if (!memory.ok()) return memory.status();
   return std::unique_ptr<BlockPool>(
-      new BlockPool(std::move(layout), static_cast<uint8_t*>(p), bytes, n, std::move(options)));
+      new BlockPool(std::move(layout), *std::move(memory), n, std::move(options)));
 }
 
-BlockPool::BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks,
+BlockPool::BlockPool(BlockLayout layout, std::unique_ptr<PoolMemory> memory, uint64_t num_blocks,
                      PoolOptions options)
     : layout_(std::move(layout)),
-      base_(base),
-      mapped_bytes_(mapped_bytes),
+      memory_(std::move(memory)),
+      base_(memory_->base()),
+      mapped_bytes_(memory_->bytes()),
       num_blocks_(num_blocks),
       options_(std::move(options)) {
   records_.resize(num_blocks);
@@ -71,7 +59,7 @@ BlockPool::BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, u
   for (uint64_t i = num_blocks; i > 0; --i) free_list_.push_back(static_cast<int32_t>(i - 1));
 }
 
-BlockPool::~BlockPool() { munmap(base_, mapped_bytes_); }
+BlockPool::~BlockPool() = default;
 
 uint32_t BlockPool::InternTenant(const std::string& tenant) {
   absl::MutexLock lock(&mu_);

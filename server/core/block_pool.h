@@ -28,6 +28,7 @@
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
 #include "server/core/kv_events.h"
+#include "server/core/pool_memory.h"
 
 namespace kvbank {
 
@@ -93,12 +94,18 @@ class BlockPool {
  public:
   static constexpr uint32_t kDefaultTenant = 0;  // the tenant "" when auth is off
 
-  // Allocates host memory for as many blocks of `layout.block_bytes` as fit in `pool_bytes`
-  // (page-aligned, transparent huge pages requested). INVALID_ARGUMENT when not one block fits,
-  // RESOURCE_EXHAUSTED when the memory cannot be mapped.
+  // Allocates memory on `device` for as many blocks of `layout.block_bytes` as fit in
+  // `pool_bytes`. INVALID_ARGUMENT when not one block fits, RESOURCE_EXHAUSTED when the memory
+  // cannot be had, FAILED_PRECONDITION for a device that is not there.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(BlockLayout layout, uint64_t pool_bytes,
+                                                           const DeviceSpec& device,
+                                                           PoolOptions options = {});
+  // Create on host memory (page-aligned, transparent huge pages requested).
   static absl::StatusOr<std::unique_ptr<BlockPool>> CreateHost(BlockLayout layout,
                                                                uint64_t pool_bytes,
-                                                               PoolOptions options = {});
+                                                               PoolOptions options = {}) {
+    return Create(std::move(layout), pool_bytes, DeviceSpec(), std::move(options));
+  }
   // REQUIRES: every BlockRef of this pool is gone.
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
@@ -145,9 +152,12 @@ class BlockPool {
   // Drops every cached, unpinned block; an AllCleared event when all cached blocks went.
   size_t ClearCache();
 
-  // Start of block `id`'s bytes. Stable for the pool's lifetime.
+  // Start of block `id`'s bytes (a device pointer when the memory is not direct()). Stable for
+  // the pool's lifetime.
   uint8_t* BlockData(int32_t id) const { return base_ + uint64_t(id) * layout_.block_bytes; }
   uint8_t* base() const { return base_; }
+  // Where the blocks live and how bytes move in and out of them.
+  PoolMemory& memory() const { return *memory_; }
   const BlockLayout& layout() const { return layout_; }
   uint64_t num_blocks() const { return num_blocks_; }
   uint64_t pool_bytes() const { return mapped_bytes_; }
@@ -172,7 +182,7 @@ class BlockPool {
   };
   using EvictKey = std::tuple<uint8_t, uint64_t, int32_t>;  // priority, tick, id
 
-  BlockPool(BlockLayout layout, uint8_t* base, uint64_t mapped_bytes, uint64_t num_blocks,
+  BlockPool(BlockLayout layout, std::unique_ptr<PoolMemory> memory, uint64_t num_blocks,
             PoolOptions options);
   void Release(int32_t id, bool touch);
   BlockRef LookupImpl(const BlockHash& hash, uint32_t tenant, bool touch);
@@ -185,6 +195,7 @@ class BlockPool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BlockLayout layout_;
+  const std::unique_ptr<PoolMemory> memory_;
   uint8_t* const base_;
   const uint64_t mapped_bytes_;
   const uint64_t num_blocks_;

@@ -61,8 +61,8 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   pool_options.enable_prefix_caching = config.enable_prefix_caching;
   pool_options.events = events.get();
   pool_options.clock = config.store.clock;
-  auto pool =
-      BlockPool::CreateHost(ComputeBlockLayout(config.layout), config.pool_bytes, pool_options);
+  auto pool = BlockPool::Create(ComputeBlockLayout(config.layout), config.pool_bytes, config.device,
+                                pool_options);
   if (!pool.ok()) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("model '", name, "': ", pool.status().message()));

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kvbank/layout.h"
+#include "server/core/pool_memory.h"
 #include "server/core/sequence_store.h"
 
 namespace kvbank {
@@ -18,6 +19,7 @@ namespace kvbank {
 struct ModelConfig {
   ModelLayout layout;  // layout.name is the model's name
   uint64_t pool_bytes = 0;
+  DeviceSpec device;  // where the pool's blocks live
   StoreOptions store;
   bool enable_prefix_caching = true;
   size_t event_capacity = 65536;  // KV events kept for watchers to resume from

@@ -13,6 +13,28 @@
 
 namespace kvbank {
 
+namespace {
+
+// "layer L, K|V, head H, token T, element E" for byte `offset` of a converted (uniform wire
+// dtype) payload, for error messages.
+std::string DescribePayloadByte(const BlockLayout& b, const PayloadLayout& p, uint64_t offset) {
+  uint32_t i = 0;
+  while (i + 1 < p.layer_offset.size() && p.layer_offset[i + 1] <= offset) ++i;
+  const uint32_t l = p.layer_begin + i;
+  const LayerView& v = b.layers[l];
+  uint64_t rel = offset - p.layer_offset[i];
+  const uint64_t k_part = p.KPartBytes(b, l);
+  const uint32_t kv = rel < k_part ? 0 : 1;
+  if (kv == 1) rel -= k_part;
+  const uint64_t dim = kv == 0 ? v.head_dim : v.head_dim_v;
+  const uint64_t elem = rel / p.ElemBytes(b, l);
+  const uint64_t row = elem / dim;
+  return absl::StrCat("layer ", l, ", ", kv ? "V" : "K", ", head ", row / p.num_tokens, ", token ",
+                      row % p.num_tokens, ", element ", elem % dim);
+}
+
+}  // namespace
+
 SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool,
                              StoreOptions options, std::unique_ptr<KvEventLog> events)
     : layout_(std::move(layout)),
@@ -285,13 +307,19 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   txn->write_table_.reserve(std::max(need, have));
   for (const BlockRef& b : s->blocks) txn->write_table_.push_back(b.id());
   size_t next = 0;
+  std::vector<int32_t> cow_src, cow_dst;
   for (size_t i : cow) {
     BlockRef copy = std::move((*blocks)[next++]);
-    const int32_t src = s->blocks[i].id(), dst = copy.id();
-    // NOTE: the source is shared, hence immutable: copying it whole under mu_ is safe and short.
-    kernels::CopyBlocksCpu(pool_->base(), block_layout().block_bytes, &src, &dst, 1);
-    txn->write_table_[i] = dst;
+    cow_src.push_back(s->blocks[i].id());
+    cow_dst.push_back(copy.id());
+    txn->write_table_[i] = copy.id();
     txn->replacements_.emplace_back(i, std::move(copy));
+  }
+  // NOTE: the sources are shared, hence immutable: copying them whole under mu_ is safe; at most
+  // two blocks (the first and last an append touches) unless the sequence was forked mid-way.
+  if (absl::Status c = pool_->memory().CopyBlocks(cow_src, cow_dst, block_layout().block_bytes);
+      !c.ok()) {
+    return c;
   }
   for (; next < blocks->size(); ++next) {
     txn->write_table_.push_back((*blocks)[next].id());
@@ -308,7 +336,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   txn->dtype_ = wire->dtype;
   txn->storage_format_ = wire->mode == Mode::kStorage;
   Configure(*wire, l0, l1, pos, spec.num_tokens, txn->write_table_.data(), &txn->payload_,
-            &txn->map_, &txn->codec_);
+            &txn->job_, &txn->codec_);
   return txn;
 }
 
@@ -323,13 +351,34 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
         "payload exceeds the ", payload_.total_bytes, " bytes that ", spec_.num_tokens,
         " tokens of layers [", payload_.layer_begin, ", ", payload_.layer_end, ") take"));
   }
-  if (codec_ != nullptr) {
+  if (!store_->pool_->memory().direct()) {
+    if (staging_ == nullptr) {
+      auto staged = store_->pool_->memory().Stage(payload_.total_bytes);
+      if (!staged.ok()) return staged.status();
+      staging_ = *std::move(staged);
+    }
+    std::memcpy(staging_->data() + written_, data.data(), data.size());
+    if (job_.convert.has_value()) {
+      // The elements this chunk completes must be finite, as RowCodec checks on direct memory.
+      const uint32_t width = DTypeBytes(*job_.convert);
+      const uint64_t end = (written_ + data.size()) / width;
+      const int64_t bad = kernels::FindNonFinite(staging_->data() + checked_ * width, *job_.convert,
+                                                 end - checked_);
+      if (bad >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "payload holds NaN or Inf (",
+            DescribePayloadByte(store_->block_layout(), payload_, (checked_ + bad) * width),
+            "); refused, nothing stored"));
+      }
+      checked_ = end;
+    }
+  } else if (codec_ != nullptr) {
     if (absl::Status s = codec_->Write(written_, data); !s.ok()) return s;
   } else {
     uint8_t* bytes = const_cast<uint8_t*>(data.data());  // read, never written
-    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_, bytes,
+    kernels::PayloadCopyCpu(job_.map, kernels::CopyDirection::kPayloadToPool, written_, bytes,
                             data.size());
-    kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_, bytes,
+    kernels::ScaleCopyCpu(job_.map, kernels::CopyDirection::kPayloadToPool, written_, bytes,
                           data.size());
   }
   written_ += data.size();
@@ -344,7 +393,12 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
         "payload has ", written_, " bytes; ", spec_.num_tokens, " tokens of layers [",
         payload_.layer_begin, ", ", payload_.layer_end, ") take ", payload_.total_bytes));
   }
-  if (storage_format_) {
+  if (!store_->pool_->memory().direct()) {
+    if (absl::Status f = FlushStaged(); !f.ok()) {
+      Abort();
+      return f;
+    }
+  } else if (storage_format_) {
     if (absl::Status v = ValidateStorageFormat(); !v.ok()) {
       Abort();
       return v;
@@ -381,23 +435,63 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   return st.Info(s);
 }
 
+absl::Status AppendTxn::FlushStaged() {
+  const uint8_t* payload = staging_ != nullptr ? staging_->data() : nullptr;
+  if (storage_format_) {
+    if (absl::Status v = ValidateStorageFormat(); !v.ok()) return v;
+  }
+  if (payload_.total_bytes == 0) return absl::OkStatus();
+  return store_->pool_->memory().WritePayload(job_, payload);
+}
+
 absl::Status AppendTxn::ValidateStorageFormat() const {
   const BlockLayout& b = store_->block_layout();
   const uint64_t bt = b.block_tokens;
+  // Where the scales and rows are: in the blocks (direct memory: written already), or in the
+  // staged payload (PayloadLayout::MakeStorage's order).
+  const uint8_t* staged = staging_ != nullptr ? staging_->data() : nullptr;
+  auto scale_at = [&](const LayerView& v, uint32_t l, uint32_t kv, uint32_t h, uint64_t t) {
+    float scale;
+    if (staged != nullptr) {
+      const uint64_t section = payload_.scale_offset[l - payload_.layer_begin];
+      const uint64_t at =
+          v.dtype == DType::kInt8
+              ? section +
+                    ((uint64_t{kv} * v.num_kv_heads + h) * payload_.num_tokens + (t - position_)) *
+                        4
+              : section + ((uint64_t{kv} * v.num_kv_heads + h) * payload_.num_blocks +
+                           (t / bt - payload_.first_block)) *
+                              4;
+      std::memcpy(&scale, staged + at, 4);
+    } else {
+      const uint8_t* block = job_.map.pool + uint64_t(write_table_[t / bt]) * b.block_bytes;
+      const uint32_t row = static_cast<uint32_t>(t % bt);
+      std::memcpy(&scale,
+                  block + (v.dtype == DType::kInt8 ? v.Int8Scale(kv, h, row) : v.Fp8Scale(kv, h)),
+                  4);
+    }
+    return scale;
+  };
+  auto row_at = [&](const LayerView& v, uint32_t l, uint32_t kv, uint32_t h, uint64_t t) {
+    if (staged != nullptr) {
+      const uint64_t part = payload_.layer_offset[l - payload_.layer_begin] +
+                            (kv == 0 ? 0 : payload_.KPartBytes(b, l));
+      const uint64_t row_bytes = kv == 0 ? v.KRowBytes() : v.VRowBytes();
+      return staged + part + (uint64_t{h} * payload_.num_tokens + (t - position_)) * row_bytes;
+    }
+    const uint8_t* block = job_.map.pool + uint64_t(write_table_[t / bt]) * b.block_bytes;
+    const uint32_t row = static_cast<uint32_t>(t % bt);
+    return block + (kv == 0 ? v.KRow(h, row) : v.VRow(h, row));
+  };
   for (uint32_t l = payload_.layer_begin; l < layer_end_; ++l) {
     const LayerView& v = b.layers[l];
     for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
       for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
         const uint32_t dim = kv == 0 ? v.head_dim : v.head_dim_v;
         for (uint64_t t = position_; t < position_ + spec_.num_tokens; ++t) {
-          const uint8_t* block = map_.pool + uint64_t(write_table_[t / bt]) * b.block_bytes;
-          const uint32_t row = static_cast<uint32_t>(t % bt);
-          float scale;
-          if (v.dtype == DType::kInt8) {
-            std::memcpy(&scale, block + v.Int8Scale(kv, h, row), 4);
-          } else {
-            std::memcpy(&scale, block + v.Fp8Scale(kv, h), 4);
-            const uint8_t* q = block + (kv == 0 ? v.KRow(h, row) : v.VRow(h, row));
+          const float scale = scale_at(v, l, kv, h, t);
+          if (v.dtype != DType::kInt8) {
+            const uint8_t* q = row_at(v, l, kv, h, t);
             for (uint32_t i = 0; i < dim; ++i) {
               if (kernels::Fp8IsNonFinite(q[i], v.dtype)) {
                 return absl::InvalidArgumentError(absl::StrCat(
@@ -481,27 +575,44 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     Renew(s);
   }
   r->dtype_ = wire->dtype;
-  Configure(*wire, l0, l1, r->token_begin_, n, r->table_.data(), &r->payload_, &r->map_,
+  Configure(*wire, l0, l1, r->token_begin_, n, r->table_.data(), &r->payload_, &r->job_,
             &r->codec_);
+  if (absl::Status st = StageFetch(*r); !st.ok()) return st;
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
   return r;
 }
 
 void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
-  if (codec_ != nullptr) {
+  if (staged_ != nullptr) {
+    std::memcpy(out.data(), staged_->data() + offset, out.size());
+  } else if (codec_ != nullptr) {
     codec_->Read(offset, out);
   } else {
-    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
+    kernels::PayloadCopyCpu(job_.map, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
                             out.size());
-    kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
+    kernels::ScaleCopyCpu(job_.map, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
                           out.size());
   }
 }
 
+absl::Status SequenceStore::StageFetch(FetchReader& r) {
+  PoolMemory& memory = pool_->memory();
+  if (memory.direct()) return absl::OkStatus();
+  // NOTE: the whole payload at once: the device gathers (and dequantizes) it in one pass and
+  // one copy brings it over; the reader's blocks stay referenced until it is destroyed.
+  auto staged = memory.Stage(r.payload_.total_bytes);
+  if (!staged.ok()) return staged.status();
+  if (r.payload_.total_bytes > 0) {
+    if (absl::Status s = memory.ReadPayload(r.job_, (*staged)->data()); !s.ok()) return s;
+  }
+  r.staged_ = *std::move(staged);
+  return absl::OkStatus();
+}
+
 void SequenceStore::Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin,
                               uint64_t n, const int32_t* table, PayloadLayout* payload,
-                              kernels::PayloadMap* map, std::unique_ptr<RowCodec>* codec) const {
+                              PayloadJob* job, std::unique_ptr<RowCodec>* codec) const {
   switch (t.mode) {
     case Mode::kPlain:
       *payload = PayloadLayout::Make(block_layout(), l0, l1, n);
@@ -513,6 +624,7 @@ void SequenceStore::Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint6
       *payload = PayloadLayout::MakeStorage(block_layout(), l0, l1, token_begin, n);
       break;
   }
+  kernels::PayloadMap* map = &job->map;
   *map = MakeMap(*payload);
   map->block_table = table;
   map->token_begin = token_begin;
@@ -520,7 +632,9 @@ void SequenceStore::Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint6
     map->scale_offset = payload->scale_offset.data();
     map->first_block = payload->first_block;
   }
-  if (t.mode == Mode::kConvert) {
+  job->convert.reset();
+  if (t.mode == Mode::kConvert) job->convert = t.dtype;
+  if (t.mode == Mode::kConvert && pool_->memory().direct()) {
     *codec = std::make_unique<RowCodec>(block_layout(), *payload, t.dtype, pool_->base(), table,
                                         token_begin);
   }
@@ -581,6 +695,19 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
   const uint64_t partial = CeilDiv(max_len, bt) - full;  // blocks some layer has rows in: copied
   auto copies = pool_->Allocate(partial, parent.tenant_id);
   if (!copies.ok()) return copies.status();
+  std::vector<kernels::RowCopy> rows;
+  for (uint64_t j = 0; j < partial; ++j) {
+    const uint64_t i = full + j;
+    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+      const uint64_t len = parent.layer_len[l];
+      const uint64_t n = len <= i * bt ? 0 : std::min<uint64_t>(len - i * bt, bt);
+      // Only rows below the lengths: an append in flight may be writing the rows past them.
+      for (uint32_t r = 0; r < n; ++r) {
+        rows.push_back({parent.blocks[i].id(), (*copies)[j].id(), r, r, l});
+      }
+    }
+  }
+  if (absl::Status c = pool_->memory().CopyRows(block_layout(), rows); !c.ok()) return c;
 
   SeqPtr child = Insert(ttl, parent.tenant);
   child->root = parent.root;
@@ -597,19 +724,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
   for (uint64_t i = 0; i < full; ++i) {
     child->blocks.push_back(parent.blocks[i].valid() ? pool_->Share(parent.blocks[i]) : BlockRef());
   }
-  std::vector<uint32_t> rows(layout_.num_layers);
-  for (uint64_t j = 0; j < partial; ++j) {
-    const uint64_t i = full + j;
-    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
-      const uint64_t len = parent.layer_len[l];
-      rows[l] = len <= i * bt ? 0 : static_cast<uint32_t>(std::min<uint64_t>(len - i * bt, bt));
-    }
-    // Only rows below the lengths: an append in flight may be writing the rows past them.
-    kernels::CopyTokenRowsCpu(pool_->base(), block_layout().block_bytes,
-                              block_layout().layers.data(), rows.data(), layout_.num_layers,
-                              parent.blocks[i].id(), (*copies)[j].id());
-    child->blocks.push_back(std::move((*copies)[j]));
-  }
+  for (BlockRef& copy : *copies) child->blocks.push_back(std::move(copy));
   Renew(parent);
   return Info(*child);
 }

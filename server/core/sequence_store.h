@@ -23,6 +23,7 @@
 #include "kvbank/prefix_hash.h"
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
+#include "server/core/pool_memory.h"
 #include "server/core/row_codec.h"
 
 namespace kvbank {
@@ -143,12 +144,14 @@ class AppendTxn {
   uint64_t payload_bytes() const { return payload_.total_bytes; }
   uint64_t bytes_written() const { return written_; }
   DType dtype() const { return dtype_; }  // of the payload
-  // Copies (or converts, or quantizes) the next `data.size()` payload bytes into the pool.
+  // Copies (or converts, or quantizes) the next `data.size()` payload bytes into the pool; on
+  // memory that is not direct (a GPU) they are staged and move at Commit.
   // INVALID_ARGUMENT when they would run past payload_bytes(), or hold NaN / Inf on the way to a
   // converted layer; the transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
   // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived; ABORTED when
-  // the sequence was freed meanwhile. The transaction is finished either way.
+  // the sequence was freed meanwhile; INTERNAL when the device failed. The transaction is
+  // finished either way.
   absl::StatusOr<SequenceInfo> Commit();
 
  private:
@@ -159,6 +162,8 @@ class AppendTxn {
   // Storage-format appends: the scales are finite (and positive for fp8) and no fp8 code is NaN
   // or Inf. INVALID_ARGUMENT naming the first bad one.
   absl::Status ValidateStorageFormat() const;
+  // Staged memory: the storage-format checks, then the move into the blocks.
+  absl::Status FlushStaged();
 
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;
@@ -167,8 +172,10 @@ class AppendTxn {
   uint64_t position_ = 0;  // sequence position of payload token 0
   PayloadLayout payload_;
   DType dtype_ = DType::kFp16;
-  kernels::PayloadMap map_;           // plain copies
-  std::unique_ptr<RowCodec> codec_;   // conversions: set when some layer stores another dtype
+  PayloadJob job_;                   // the payload over the blocks (job_.convert: conversions)
+  std::unique_ptr<RowCodec> codec_;  // conversions on direct (host) memory, streamed
+  std::unique_ptr<StagingBuffer> staging_;  // memory that is not direct: the whole payload
+  uint64_t checked_ = 0;              // staged conversions: payload elements found finite so far
   bool storage_format_ = false;       // elements and scales arrive as stored
   std::vector<int32_t> write_table_;  // block table the payload is written through
   std::vector<BlockRef> new_blocks_;  // appended to the table at commit
@@ -197,10 +204,11 @@ class FetchReader {
   uint64_t token_begin_ = 0;
   PayloadLayout payload_;
   DType dtype_ = DType::kFp16;
-  kernels::PayloadMap map_;
-  std::unique_ptr<RowCodec> codec_;  // set when some layer stores another dtype than dtype_
-  std::vector<BlockRef> refs_;       // blocks covering the range (first block of the range first)
-  std::vector<int32_t> table_;       // their ids, indexed from the sequence's block 0
+  PayloadJob job_;
+  std::unique_ptr<RowCodec> codec_;  // direct memory, some layer stores another dtype than dtype_
+  std::unique_ptr<StagingBuffer> staged_;  // memory that is not direct: the payload, read whole
+  std::vector<BlockRef> refs_;  // blocks covering the range (first block of the range first)
+  std::vector<int32_t> table_;  // their ids, indexed from the sequence's block 0
 };
 
 // Thread-safe. Lock order: mu_, then BlockPool's lock. Payload copies run outside mu_.
@@ -331,10 +339,13 @@ class SequenceStore {
   };
   absl::StatusOr<Transfer> Plan(uint32_t l0, uint32_t l1, std::optional<DType> requested,
                                 bool append) const;
-  // Sets up a transfer's payload layout, copy map and (for conversions) codec over `table`.
+  // Sets up a transfer's payload layout, job over `table` and (for conversions on direct memory)
+  // codec.
   void Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin, uint64_t n,
-                 const int32_t* table, PayloadLayout* payload, kernels::PayloadMap* map,
+                 const int32_t* table, PayloadLayout* payload, PayloadJob* job,
                  std::unique_ptr<RowCodec>* codec) const;
+  // Memory that is not direct: reads the reader's whole payload into a staging buffer.
+  absl::Status StageFetch(FetchReader& r);
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it

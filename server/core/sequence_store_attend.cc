@@ -46,27 +46,18 @@ void SequenceStore::Compact(Sequence& s, const std::vector<uint64_t>& keep) {
   const uint64_t bt = b.block_tokens;
   auto fresh = pool_->Allocate(CeilDiv(keep.size(), bt), s.tenant_id);
   if (!fresh.ok()) return;  // NOTE: no room to compact now; the next append tries again
-  // NOTE: copies budget x layers x heads rows under mu_; bounded by the budget.
+  // NOTE: copies budget x layers rows under mu_; bounded by the budget. Rows only (with their
+  // int8 scales): fp8 layers, whose scales are per block, never come here.
+  std::vector<kernels::RowCopy> rows;
+  rows.reserve(keep.size() * b.num_layers());
   for (uint64_t j = 0; j < keep.size(); ++j) {
     const uint64_t t = keep[j];
-    const uint8_t* src = pool_->BlockData(s.blocks[t / bt].id());
-    uint8_t* dst = pool_->BlockData((*fresh)[j / bt].id());
-    const uint32_t sr = static_cast<uint32_t>(t % bt), dr = static_cast<uint32_t>(j % bt);
-    for (const LayerView& v : b.layers) {
-      for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
-        for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
-          const uint64_t bytes = kv == 0 ? v.KRowBytes() : v.VRowBytes();
-          const uint64_t so = kv == 0 ? v.KRow(h, sr) : v.VRow(h, sr);
-          const uint64_t d_o = kv == 0 ? v.KRow(h, dr) : v.VRow(h, dr);
-          std::memcpy(dst + d_o, src + so, bytes);
-          if (v.dtype == DType::kInt8) {
-            std::memcpy(dst + v.Int8Scale(kv, h, dr), src + v.Int8Scale(kv, h, sr), 4);
-            dst[v.Int8ZeroPoint(kv, h, dr)] = src[v.Int8ZeroPoint(kv, h, sr)];
-          }
-        }
-      }
+    for (uint32_t l = 0; l < b.num_layers(); ++l) {
+      rows.push_back({s.blocks[t / bt].id(), (*fresh)[j / bt].id(), static_cast<uint32_t>(t % bt),
+                      static_cast<uint32_t>(j % bt), l});
     }
   }
+  if (!pool_->memory().CopyRows(b, rows).ok()) return;  // the next append tries again
   std::vector<uint32_t> ids;
   std::vector<double> scores;
   for (uint64_t t : keep) {
@@ -200,7 +191,8 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
     if (std::string e = kernels::ValidateDecodeAttention(p); !e.empty()) {
       return absl::InternalError(absl::StrCat("attention batch: ", e));
     }
-    kernels::DecodeAttentionCpu(p, o.num_threads);
+    const uint32_t max_length = *std::max_element(lengths.begin(), lengths.end());
+    if (absl::Status a = pool_->memory().Attend(p, max_length, o.num_threads); !a.ok()) return a;
     for (size_t j = 0; j < group.size(); ++j) {
       std::copy(g_out.begin() + j * out_per, g_out.begin() + (j + 1) * out_per,
                 out.begin() + group[j] * out_per);

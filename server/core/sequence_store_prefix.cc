@@ -77,7 +77,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   r->token_begin_ = 0;
   r->dtype_ = wire->dtype;
   Configure(*wire, l0, l1, 0, r->refs_.size() * uint64_t{layout_.block_tokens}, r->table_.data(),
-            &r->payload_, &r->map_, &r->codec_);
+            &r->payload_, &r->job_, &r->codec_);
+  if (absl::Status st = StageFetch(*r); !st.ok()) return st;
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
   return r;

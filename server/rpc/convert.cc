@@ -113,6 +113,7 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
     return absl::InvalidArgumentError(absl::StrCat("spec: ", e));
   }
   c.pool_bytes = spec.pool_bytes() ? spec.pool_bytes() : defaults.pool_bytes;
+  c.device = defaults.device;
   c.enable_prefix_caching = spec.has_enable_prefix_caching() ? spec.enable_prefix_caching()
                                                              : defaults.enable_prefix_caching;
   c.store = defaults.store;

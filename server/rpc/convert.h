@@ -15,6 +15,7 @@ namespace kvbank::rpc {
 // Server-wide defaults a ModelSpec falls back on.
 struct ModelDefaults {
   uint64_t pool_bytes = uint64_t{1} << 30;
+  DeviceSpec device;  // where every model's pool goes
   bool enable_prefix_caching = true;
   StoreOptions store;
 };

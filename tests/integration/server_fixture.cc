@@ -65,6 +65,11 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   // async-signal-safe calls are allowed (the test process has gRPC threads).
   std::vector<std::string> args = {KvbankdPath(), "--listen=127.0.0.1:0",
                                    "--port-file=" + port_file};
+  // KVBANK_TEST_DEVICE runs the suite on another pool memory (ctest's *_staged variants:
+  // host-staged, the device data path on host memory); a test's own --device wins.
+  if (const char* device = std::getenv("KVBANK_TEST_DEVICE"); device != nullptr && *device) {
+    args.push_back(std::string("--device=") + device);
+  }
   args.insert(args.end(), flags.begin(), flags.end());
   // Tests that exercise tenancy pass --auth-tokens-file; every other test runs without auth.
   if (std::none_of(flags.begin(), flags.end(),

@@ -15,6 +15,7 @@
 #include "server/core/block_pool.h"
 #include "server/core/model_registry.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -42,7 +43,7 @@ class Harness {
     po.events = events;
     po.clock = [this] { return now; };
     const BlockLayout bl = ComputeBlockLayout(layout);
-    auto pool = BlockPool::CreateHost(bl, blocks * bl.block_bytes, po);
+    auto pool = testenv::CreateTestPool(bl, blocks * bl.block_bytes, po);
     EXPECT_TRUE(pool.ok()) << pool.status();
     StoreOptions so;
     so.clock = [this] { return now; };

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -77,7 +78,7 @@ class ModelTest : public ::testing::Test {
     m.layer_dtypes.assign(kLayers, DType::kFp16);
     ASSERT_EQ(ValidateLayout(m), "");
     const BlockLayout b = ComputeBlockLayout(m);
-    auto pool = BlockPool::CreateHost(b, kPoolBlocks * b.block_bytes);
+    auto pool = testenv::CreateTestPool(b, kPoolBlocks * b.block_bytes);
     ASSERT_TRUE(pool.ok()) << pool.status();
     StoreOptions opt;
     opt.max_sequences = kMaxSequences;

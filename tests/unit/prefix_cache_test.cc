@@ -13,6 +13,7 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -89,7 +90,7 @@ class Harness {
     po.events = events;
     po.clock = [this] { return now; };
     const BlockLayout bl = ComputeBlockLayout(layout);
-    auto pool = BlockPool::CreateHost(bl, blocks * bl.block_bytes, po);
+    auto pool = testenv::CreateTestPool(bl, blocks * bl.block_bytes, po);
     EXPECT_TRUE(pool.ok()) << pool.status();
     StoreOptions so;
     so.clock = [this] { return now; };

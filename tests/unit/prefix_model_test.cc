@@ -20,6 +20,7 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -107,7 +108,7 @@ class PrefixModel {
     po.events = events_;
     po.clock = [this] { return now_; };
     const BlockLayout bl = ComputeBlockLayout(TestLayout());
-    auto pool = BlockPool::CreateHost(bl, kPoolBlocks * bl.block_bytes, po);
+    auto pool = testenv::CreateTestPool(bl, kPoolBlocks * bl.block_bytes, po);
     EXPECT_TRUE(pool.ok());
     StoreOptions so;
     so.clock = [this] { return now_; };

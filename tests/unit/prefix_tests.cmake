@@ -20,8 +20,11 @@ if(KVBANK_PYTHON3)
 endif()
 
 kvbank_add_test(NAME prefix_cache_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/prefix_cache_test.cc
-                LIBS kvbank_core LABELS unit)
+                LIBS kvbank_core kvbank_test_memory LABELS unit)
+kvbank_memory_variants(prefix_cache_test)
 kvbank_add_test(NAME kv_events_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/kv_events_test.cc
-                LIBS kvbank_core LABELS unit)
+                LIBS kvbank_core kvbank_test_memory LABELS unit)
+kvbank_memory_variants(kv_events_test)
 kvbank_add_test(NAME prefix_model_test SOURCES ${CMAKE_CURRENT_LIST_DIR}/prefix_model_test.cc
-                LIBS kvbank_core LABELS unit TIMEOUT 600)
+                LIBS kvbank_core kvbank_test_memory LABELS unit TIMEOUT 600)
+kvbank_memory_variants(prefix_model_test)

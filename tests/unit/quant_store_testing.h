@@ -26,6 +26,7 @@
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank::quant_testing {
 
@@ -279,7 +280,7 @@ class QuantStore {
  public:
   explicit QuantStore(const ModelLayout& m, uint64_t blocks = 96) : m_(m) {
     const BlockLayout b = ComputeBlockLayout(m);
-    auto pool = BlockPool::CreateHost(b, blocks * b.block_bytes);
+    auto pool = testenv::CreateTestPool(b, blocks * b.block_bytes);
     EXPECT_TRUE(pool.ok()) << pool.status();
     if (pool.ok()) store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
   }

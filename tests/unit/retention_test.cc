@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -44,7 +45,7 @@ class RetentionTest : public testing::Test {
   void SetUp() override {
     const ModelLayout m = Layout();
     auto pool =
-        BlockPool::CreateHost(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes);
+        testenv::CreateTestPool(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes);
     ASSERT_TRUE(pool.ok());
     StoreOptions o;
     o.default_lease = absl::ZeroDuration();

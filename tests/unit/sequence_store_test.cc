@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -80,7 +81,7 @@ class StoreTest : public ::testing::Test {
     const LayerView& v = b.layers[0];
     krow_ = v.num_kv_heads * v.KRowBytes();
     vrow_ = v.has_v ? v.num_kv_heads * v.VRowBytes() : 0;
-    auto pool = BlockPool::CreateHost(b, blocks * b.block_bytes);
+    auto pool = testenv::CreateTestPool(b, blocks * b.block_bytes);
     ASSERT_TRUE(pool.ok()) << pool.status();
     opt.clock = [c = clock_] { return *c; };
     store_ = std::make_unique<SequenceStore>(m, *std::move(pool), opt);

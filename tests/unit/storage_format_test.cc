@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/quant.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
@@ -43,7 +44,7 @@ class StorageFormatTest : public testing::TestWithParam<std::tuple<DType, Attent
   void SetUp() override {
     const ModelLayout m = Layout(std::get<0>(GetParam()), std::get<1>(GetParam()));
     auto pool =
-        BlockPool::CreateHost(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes);
+        testenv::CreateTestPool(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes);
     ASSERT_TRUE(pool.ok()) << pool.status();
     StoreOptions o;
     o.default_lease = absl::ZeroDuration();

@@ -1,0 +1,625 @@
+// The cuda:N pool memory (see pool_memory.h and cuda_memory.h): the blocks are one cudaMalloc
+// allocation and every move is a kernel on the memory's own stream.
+//
+// Each call holds the memory's mutex from start to end: it packs the host-side description
+// (layer views, offsets, block table, ids, ...) into one host block, sends it to a grow-only
+// device scratch buffer in one copy, copies the payload next to it, launches the kernels, and
+// synchronizes the stream before returning. One stream and one scratch buffer, so calls from
+// several threads take turns; the kernels are short next to the copies that feed them.
+//
+// Staging buffers are page-locked (cudaHostAlloc) so the payload copies run at full speed. They
+// come from a small cache, since cudaHostAlloc costs milliseconds per call and cudaFreeHost
+// synchronizes the device.
+//
+// Lock order: CudaMemory::mu_, then PinnedCache::mu_ (never held across a CUDA call).
+#include "server/core/cuda_memory.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kernels/attention.h"
+#include "kernels/attention_cuda.h"
+#include "kernels/block_copy.h"
+#include "kernels/block_copy_cuda.h"
+#include "kernels/payload_codec.h"
+#include "kernels/payload_codec_cuda.h"
+#include "kvbank/layout.h"
+#include "server/core/pool_memory.h"
+
+namespace kvbank {
+namespace {
+
+// Alignment of every array in the device scratch (cudaMalloc's own).
+constexpr uint64_t kScratchAlign = 256;
+// Page-locked buffers are allocated in multiples of this, so that close sizes share buffers.
+constexpr uint64_t kPinnedGranule = uint64_t{64} << 10;
+// What the pinned cache keeps of released buffers; more is freed.
+constexpr size_t kMaxCachedBuffers = 8;
+constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
+
+// In a CudaMemory call: returns the call's failure (Fail: drains the stream, names `what`) when
+// `expr`, a CUDA call or launch, did not succeed.
+#define KVBANK_CUDA_TRY(expr, what)               \
+  do {                                            \
+    const cudaError_t e_ = (expr);                \
+    if (e_ != cudaSuccess) return Fail(e_, what); \
+  } while (0)
+
+std::string CudaErrorText(cudaError_t e) {
+  return absl::StrCat(cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
+// Makes `device` the calling thread's current device for the guard's life, and restores the
+// previous one after (CUDA's current device is per thread; the store calls from many threads,
+// and an embedding process may use the device too).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    status_ = previous_ == device ? cudaSuccess : cudaSetDevice(device);
+    if (status_ != cudaSuccess) cudaGetLastError();
+  }
+  ~DeviceGuard() {
+    if (status_ == cudaSuccess && previous_ >= 0 && previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+  cudaError_t status() const { return status_; }
+
+ private:
+  const int device_;
+  int previous_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Page-locked host buffers, kept after their staging buffer is released for the next Stage that
+// fits. Shared (shared_ptr) by the memory and every staging buffer it handed out, so a staging
+// buffer may outlive its memory. Thread-safe.
+class PinnedCache {
+ public:
+  struct Buffer {
+    uint8_t* data = nullptr;
+    uint64_t capacity = 0;
+  };
+
+  explicit PinnedCache(int device) : device_(device) {}
+  ~PinnedCache() {
+    DeviceGuard guard(device_);
+    for (const Buffer& b : free_) cudaFreeHost(b.data);
+  }
+  PinnedCache(const PinnedCache&) = delete;
+  PinnedCache& operator=(const PinnedCache&) = delete;
+
+  // A buffer of at least `bytes`: a cached one of at most twice the size, else a new one.
+  absl::StatusOr<Buffer> Take(uint64_t bytes) {
+    const uint64_t want = AlignUp(std::max<uint64_t>(bytes, 1), kPinnedGranule);
+    {
+      absl::MutexLock lock(&mu_);
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->capacity >= want && it->capacity / 2 <= want &&
+            (best == free_.end() || it->capacity < best->capacity)) {
+          best = it;
+        }
+      }
+      if (best != free_.end()) {
+        const Buffer b = *best;
+        free_.erase(best);
+        free_bytes_ -= b.capacity;
+        return b;
+      }
+    }
+    // NOTE: slow (the pages are locked one by one); the cache is there to make this rare.
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    const cudaError_t e = guard.status() != cudaSuccess
+                              ? guard.status()
+                              : cudaHostAlloc(&p, want, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat("cuda:", device_, ": no page-locked host ",
+                                                       "buffer of ", want,
+                                                       " bytes for staging: ", CudaErrorText(e)));
+    }
+    return Buffer{static_cast<uint8_t*>(p), want};
+  }
+
+  // Takes `b` back: cached while the cache has room, else freed.
+  void Give(Buffer b) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (free_.size() < kMaxCachedBuffers && free_bytes_ + b.capacity <= kMaxCachedBytes) {
+        free_.push_back(b);
+        free_bytes_ += b.capacity;
+        return;
+      }
+    }
+    DeviceGuard guard(device_);
+    cudaFreeHost(b.data);  // NOTE: synchronizes the device
+  }
+
+ private:
+  const int device_;
+  absl::Mutex mu_;
+  std::vector<Buffer> free_ ABSL_GUARDED_BY(mu_);
+  uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A staging buffer over a cached page-locked buffer; the destructor gives it back.
+class PinnedStagingBuffer final : public StagingBuffer {
+ public:
+  PinnedStagingBuffer(std::shared_ptr<PinnedCache> cache, PinnedCache::Buffer buffer, uint64_t size)
+      : StagingBuffer(buffer.data, size), cache_(std::move(cache)), buffer_(buffer) {}
+  ~PinnedStagingBuffer() override { cache_->Give(buffer_); }
+
+ private:
+  const std::shared_ptr<PinnedCache> cache_;
+  const PinnedCache::Buffer buffer_;
+};
+
+// Where one call's arrays go in the device scratch: first the ones the host fills (Host(); sent
+// in one copy of host_bytes()), then the ones only the device writes (Device()). Offsets are
+// kScratchAlign-aligned.
+class ScratchPlan {
+ public:
+  uint64_t Host(uint64_t bytes) {
+    const uint64_t at = total_;
+    total_ = AlignUp(total_ + bytes, kScratchAlign);
+    host_bytes_ = total_;
+    return at;
+  }
+  uint64_t Device(uint64_t bytes) {
+    const uint64_t at = total_;
+    total_ = AlignUp(total_ + bytes, kScratchAlign);
+    return at;
+  }
+  uint64_t host_bytes() const { return host_bytes_; }
+  uint64_t total() const { return total_; }
+
+ private:
+  uint64_t total_ = 0;
+  uint64_t host_bytes_ = 0;
+};
+
+// The host block that mirrors a plan's Host() arrays.
+class HostBlock {
+ public:
+  explicit HostBlock(const ScratchPlan& plan) : bytes_(plan.host_bytes()) {}
+  void Put(uint64_t at, const void* src, uint64_t bytes) {
+    if (bytes != 0) std::memcpy(bytes_.data() + at, src, bytes);
+  }
+  const uint8_t* data() const { return bytes_.data(); }
+  uint64_t size() const { return bytes_.size(); }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+template <typename T>
+T* At(uint8_t* scratch, uint64_t offset) {
+  return reinterpret_cast<T*>(scratch + offset);
+}
+
+class CudaMemory final : public PoolMemory {
+ public:
+  // Takes ownership of `base` (cudaMalloc'd, `bytes` long, on `device`) and `stream`.
+  CudaMemory(int device, uint8_t* base, uint64_t bytes, cudaStream_t stream)
+      : PoolMemory(MemoryKind::kCuda, absl::StrCat("cuda:", device), base, bytes),
+        device_(device),
+        pinned_(std::make_shared<PinnedCache>(device)),
+        stream_(stream) {}
+
+  ~CudaMemory() override {
+    DeviceGuard guard(device_);
+    absl::MutexLock lock(&mu_);
+    cudaStreamSynchronize(stream_);
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    cudaStreamDestroy(stream_);
+    cudaFree(base());
+  }
+
+  absl::StatusOr<std::unique_ptr<StagingBuffer>> Stage(uint64_t bytes) override {
+    absl::StatusOr<PinnedCache::Buffer> b = pinned_->Take(bytes);
+    if (!b.ok()) return b.status();
+    return std::unique_ptr<StagingBuffer>(new PinnedStagingBuffer(pinned_, *b, bytes));
+  }
+
+  absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) override {
+    if (absl::Status s = CheckJob(job); !s.ok()) return s;
+    const kernels::PayloadMap& m = job.map;
+    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    absl::MutexLock lock(&mu_);
+    uint8_t* dev_payload = nullptr;
+    absl::StatusOr<kernels::PayloadMap> d = SendMap(m, &dev_payload);
+    if (!d.ok()) return d.status();
+    KVBANK_CUDA_TRY(
+        cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, stream_),
+        "copying the payload to the device");
+    if (job.convert) {
+      KVBANK_CUDA_TRY(kernels::EncodePayloadCuda(*d, *job.convert, dev_payload, stream_),
+                      absl::StrCat("encoding a ", DTypeName(*job.convert), " payload"));
+    } else {
+      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, kernels::CopyDirection::kPayloadToPool, 0,
+                                               dev_payload, m.total_bytes, stream_),
+                      "scattering the payload");
+      if (d->scale_offset != nullptr) {
+        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, kernels::CopyDirection::kPayloadToPool, 0,
+                                               dev_payload, m.total_bytes, stream_),
+                        "scattering the payload's scales");
+      }
+    }
+    return Finish("writing a payload");
+  }
+
+  absl::Status ReadPayload(const PayloadJob& job, uint8_t* payload) override {
+    if (absl::Status s = CheckJob(job); !s.ok()) return s;
+    const kernels::PayloadMap& m = job.map;
+    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    absl::MutexLock lock(&mu_);
+    uint8_t* dev_payload = nullptr;
+    absl::StatusOr<kernels::PayloadMap> d = SendMap(m, &dev_payload);
+    if (!d.ok()) return d.status();
+    if (job.convert) {
+      KVBANK_CUDA_TRY(kernels::DecodePayloadCuda(*d, *job.convert, dev_payload, stream_),
+                      absl::StrCat("decoding a ", DTypeName(*job.convert), " payload"));
+    } else {
+      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, kernels::CopyDirection::kPoolToPayload, 0,
+                                               dev_payload, m.total_bytes, stream_),
+                      "gathering the payload");
+      if (d->scale_offset != nullptr) {
+        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, kernels::CopyDirection::kPoolToPayload, 0,
+                                               dev_payload, m.total_bytes, stream_),
+                        "gathering the payload's scales");
+      }
+    }
+    KVBANK_CUDA_TRY(
+        cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, stream_),
+        "copying the payload to the host");
+    return Finish("reading a payload");
+  }
+
+  absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
+                          uint64_t block_bytes) override {
+    if (src.size() != dst.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(name(), ": CopyBlocks of ", src.size(),
+                                                     " sources and ", dst.size(), " destinations"));
+    }
+    if (src.empty() || block_bytes == 0) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    absl::MutexLock lock(&mu_);
+    const uint64_t ids_bytes = src.size() * sizeof(int32_t);
+    ScratchPlan plan;
+    const uint64_t at_src = plan.Host(ids_bytes);
+    const uint64_t at_dst = plan.Host(ids_bytes);
+    HostBlock host(plan);
+    host.Put(at_src, src.data(), ids_bytes);
+    host.Put(at_dst, dst.data(), ids_bytes);
+    absl::StatusOr<uint8_t*> s = Send(plan, host);
+    if (!s.ok()) return s.status();
+    KVBANK_CUDA_TRY(kernels::CopyBlocksCuda(base(), block_bytes, At<const int32_t>(*s, at_src),
+                                            At<const int32_t>(*s, at_dst), src.size(), stream_),
+                    "copying blocks");
+    return Finish("copying blocks");
+  }
+
+  absl::Status CopyRows(const BlockLayout& layout,
+                        absl::Span<const kernels::RowCopy> copies) override {
+    if (copies.empty()) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    absl::MutexLock lock(&mu_);
+    const uint64_t layers_bytes = layout.layers.size() * sizeof(LayerView);
+    const uint64_t copies_bytes = copies.size() * sizeof(kernels::RowCopy);
+    ScratchPlan plan;
+    const uint64_t at_layers = plan.Host(layers_bytes);
+    const uint64_t at_copies = plan.Host(copies_bytes);
+    HostBlock host(plan);
+    host.Put(at_layers, layout.layers.data(), layers_bytes);
+    host.Put(at_copies, copies.data(), copies_bytes);
+    absl::StatusOr<uint8_t*> s = Send(plan, host);
+    if (!s.ok()) return s.status();
+    KVBANK_CUDA_TRY(
+        kernels::CopyRowsCuda(base(), layout.block_bytes, At<const LayerView>(*s, at_layers),
+                              At<const kernels::RowCopy>(*s, at_copies), copies.size(), stream_),
+        "copying token rows");
+    return Finish("copying token rows");
+  }
+
+  absl::Status Attend(const kernels::DecodeAttentionParams& p, uint32_t max_length,
+                      uint32_t num_threads) override {
+    const kernels::PagedKv& kv = p.kv;
+    if (kv.batch == 0) return absl::OkStatus();
+    if (kv.pool != base()) {
+      return absl::InvalidArgumentError(absl::StrCat(name(), ": attention over another pool"));
+    }
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    absl::MutexLock lock(&mu_);
+    const uint64_t batch = kv.batch;
+    const uint64_t num_indices = static_cast<uint64_t>(kv.indptr[batch]);
+    const uint64_t q_bytes = batch * p.num_q_heads * p.head_dim * sizeof(float);
+    const uint64_t out_bytes = batch * p.num_q_heads * p.head_dim_v * sizeof(float);
+    const uint64_t lse_bytes = batch * p.num_q_heads * sizeof(float);
+
+    ScratchPlan plan;
+    const uint64_t at_layers = plan.Host(batch * sizeof(LayerView));
+    const uint64_t at_indptr = plan.Host((batch + 1) * sizeof(int32_t));
+    const uint64_t at_indices = plan.Host(num_indices * sizeof(int32_t));
+    const uint64_t at_lengths = plan.Host(batch * sizeof(uint32_t));
+    const uint64_t at_q = plan.Host(q_bytes);
+    const uint64_t at_probs_ptrs = p.token_probs ? plan.Host(batch * sizeof(float*)) : 0;
+    // The outputs are contiguous, so one copy brings them all back.
+    const uint64_t at_out = plan.Device(out_bytes);
+    const uint64_t at_lse = plan.Device(lse_bytes);
+    std::vector<uint64_t> at_probs(p.token_probs ? batch : 0, 0);
+    for (uint64_t i = 0; i < at_probs.size(); ++i) {
+      if (p.token_probs[i] != nullptr) at_probs[i] = plan.Device(kv.lengths[i] * sizeof(float));
+    }
+    const uint64_t outputs_end = plan.total();
+    // Reads only p's scalar fields, which the device copy shares.
+    const size_t workspace_bytes = kernels::DecodeAttentionWorkspaceBytes(p, max_length);
+    const uint64_t at_workspace = plan.Device(workspace_bytes);
+
+    absl::StatusOr<uint8_t*> scratch = Scratch(plan.total());
+    if (!scratch.ok()) return scratch.status();
+    uint8_t* const s = *scratch;
+    HostBlock host(plan);
+    host.Put(at_layers, kv.layers, batch * sizeof(LayerView));
+    host.Put(at_indptr, kv.indptr, (batch + 1) * sizeof(int32_t));
+    host.Put(at_indices, kv.indices, num_indices * sizeof(int32_t));
+    host.Put(at_lengths, kv.lengths, batch * sizeof(uint32_t));
+    host.Put(at_q, p.q, q_bytes);
+    if (p.token_probs) {
+      std::vector<float*> ptrs(batch, nullptr);
+      for (uint64_t i = 0; i < batch; ++i) {
+        if (p.token_probs[i] != nullptr) ptrs[i] = At<float>(s, at_probs[i]);
+      }
+      host.Put(at_probs_ptrs, ptrs.data(), batch * sizeof(float*));
+    }
+    KVBANK_CUDA_TRY(cudaMemcpyAsync(s, host.data(), host.size(), cudaMemcpyHostToDevice, stream_),
+                    "copying the attention batch to the device");
+
+    kernels::DecodeAttentionParams d = p;
+    d.kv.pool = base();
+    d.kv.layers = At<const LayerView>(s, at_layers);
+    d.kv.indptr = At<const int32_t>(s, at_indptr);
+    d.kv.indices = At<const int32_t>(s, at_indices);
+    d.kv.lengths = At<const uint32_t>(s, at_lengths);
+    d.q = At<const float>(s, at_q);
+    d.out = At<float>(s, at_out);
+    d.lse = At<float>(s, at_lse);
+    d.token_probs = p.token_probs ? At<float* const>(s, at_probs_ptrs) : nullptr;
+    KVBANK_CUDA_TRY(
+        kernels::DecodeAttentionCuda(d, max_length, workspace_bytes ? s + at_workspace : nullptr,
+                                     workspace_bytes, stream_),
+        "launching decode attention");
+    std::vector<uint8_t> outputs(outputs_end - at_out);
+    KVBANK_CUDA_TRY(cudaMemcpyAsync(outputs.data(), s + at_out, outputs.size(),
+                                    cudaMemcpyDeviceToHost, stream_),
+                    "copying the attention outputs to the host");
+    if (absl::Status st = Finish("running decode attention"); !st.ok()) return st;
+    std::memcpy(p.out, outputs.data(), out_bytes);
+    std::memcpy(p.lse, outputs.data() + (at_lse - at_out), lse_bytes);
+    for (uint64_t i = 0; i < at_probs.size(); ++i) {
+      if (p.token_probs[i] != nullptr && kv.lengths[i] != 0) {
+        std::memcpy(p.token_probs[i], outputs.data() + (at_probs[i] - at_out),
+                    kv.lengths[i] * sizeof(float));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status CheckJob(const PayloadJob& job) const {
+    if (job.map.pool != base()) {
+      return absl::InvalidArgumentError(absl::StrCat(name(), ": payload map over another pool"));
+    }
+    if (job.convert && job.map.scale_offset != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name(), ": a converted payload has no scale sections"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The error of `what`, naming this memory and the CUDA error.
+  absl::Status Error(cudaError_t e, absl::string_view what) const {
+    return absl::InternalError(absl::StrCat(name(), ": ", what, ": ", CudaErrorText(e)));
+  }
+
+  // Ends a call that failed at `what`. NOTE: a sync point: drains the stream so that no copy
+  // still reads or writes the caller's buffers once the call has returned. A kernel fault
+  // (e.g. cudaErrorIllegalAddress) is sticky: every later call fails too.
+  absl::Status Fail(cudaError_t e, absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    cudaStreamSynchronize(stream_);
+    cudaGetLastError();
+    return Error(e, what);
+  }
+
+  // Waits for the call's work; the error of the first failed step, if any, surfaces here.
+  absl::Status Finish(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    if (e == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();
+    return Error(e, what);
+  }
+
+  // The scratch, at least `bytes` long. The stream is idle (every call ends synchronized), so a
+  // smaller scratch can be freed. NOTE: grow-only: the device keeps the largest call's payload's
+  // worth of scratch next to the pool.
+  absl::StatusOr<uint8_t*> Scratch(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (bytes <= scratch_bytes_) return scratch_;
+    const uint64_t want = AlignUp(bytes, uint64_t{1} << 20);
+    if (scratch_ != nullptr) cudaFree(scratch_);  // NOTE: synchronizes the device
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, want);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      return absl::ResourceExhaustedError(
+          absl::StrCat(name(), ": no device memory for ", want, " bytes of transfer scratch (",
+                       CudaErrorText(e), "; ", free_bytes, " of ", total_bytes, " bytes free)"));
+    }
+    scratch_ = static_cast<uint8_t*>(p);
+    scratch_bytes_ = want;
+    return scratch_;
+  }
+
+  // Sizes the scratch for `plan` and sends `host` (the plan's Host() arrays) to its start.
+  absl::StatusOr<uint8_t*> Send(const ScratchPlan& plan, const HostBlock& host)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::StatusOr<uint8_t*> s = Scratch(plan.total());
+    if (!s.ok()) return s.status();
+    KVBANK_CUDA_TRY(cudaMemcpyAsync(*s, host.data(), host.size(), cudaMemcpyHostToDevice, stream_),
+                    "copying a call's arguments to the device");
+    return *s;
+  }
+
+  // Sends m's host arrays (layers, layer_offset, block_table, scale_offset) to the scratch, with
+  // room for the payload after them (*dev_payload), and returns the map over those copies.
+  // REQUIRES: m.num_layers > 0.
+  absl::StatusOr<kernels::PayloadMap> SendMap(const kernels::PayloadMap& m, uint8_t** dev_payload)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uint32_t bt = m.layers[0].block_tokens;
+    const uint64_t table_len = (m.token_begin + m.num_tokens + bt - 1) / bt;
+    const uint64_t layers_bytes = uint64_t{m.num_layers} * sizeof(LayerView);
+    const uint64_t offsets_bytes = uint64_t{m.num_layers} * sizeof(uint64_t);
+    const uint64_t table_bytes = table_len * sizeof(int32_t);
+    ScratchPlan plan;
+    const uint64_t at_layers = plan.Host(layers_bytes);
+    const uint64_t at_offsets = plan.Host(offsets_bytes);
+    const uint64_t at_table = plan.Host(table_bytes);
+    const uint64_t at_scales = m.scale_offset ? plan.Host(offsets_bytes) : 0;
+    const uint64_t at_payload = plan.Device(m.total_bytes);
+    HostBlock host(plan);
+    host.Put(at_layers, m.layers, layers_bytes);
+    host.Put(at_offsets, m.layer_offset, offsets_bytes);
+    host.Put(at_table, m.block_table, table_bytes);
+    if (m.scale_offset) host.Put(at_scales, m.scale_offset, offsets_bytes);
+    absl::StatusOr<uint8_t*> s = Send(plan, host);
+    if (!s.ok()) return s.status();
+    kernels::PayloadMap d = m;
+    d.pool = base();
+    d.layers = At<const LayerView>(*s, at_layers);
+    d.layer_offset = At<const uint64_t>(*s, at_offsets);
+    d.block_table = At<const int32_t>(*s, at_table);
+    d.scale_offset = m.scale_offset ? At<const uint64_t>(*s, at_scales) : nullptr;
+    *dev_payload = *s + at_payload;
+    return d;
+  }
+
+  const int device_;
+  const std::shared_ptr<PinnedCache> pinned_;
+  absl::Mutex mu_;
+  // Every call's work runs on this stream, under mu_.
+  cudaStream_t const stream_;
+  uint8_t* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint64_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+#undef KVBANK_CUDA_TRY
+
+bool CudaBuiltIn() { return true; }
+
+int CudaDeviceCount() {
+  int n = 0;
+  // No driver or no device is an error here, not a crash: the answer is then 0.
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+absl::Status CudaMemoryInfo(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  const int n = CudaDeviceCount();
+  if (device < 0 || device >= n) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no CUDA device ", device, ": this machine has ", n));
+  }
+  DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cuda:", device, ": selecting the device: ", CudaErrorText(guard.status())));
+  }
+  size_t f = 0, t = 0;
+  const cudaError_t e = cudaMemGetInfo(&f, &t);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(
+        absl::StrCat("cuda:", device, ": cudaMemGetInfo: ", CudaErrorText(e)));
+  }
+  *free_bytes = f;
+  *total_bytes = t;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PoolMemory>> CreateCudaMemory(int device, uint64_t bytes) {
+  const int n = CudaDeviceCount();
+  if (device < 0 || device >= n) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no CUDA device ", device, ": this machine has ", n));
+  }
+  if (bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda:", device, ": a pool of 0 bytes"));
+  }
+  DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cuda:", device, ": selecting the device: ", CudaErrorText(guard.status())));
+  }
+  void* base = nullptr;
+  cudaError_t e = cudaMalloc(&base, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda:", device, ": cudaMalloc of ", bytes, " bytes failed (",
+                     CudaErrorText(e), "); ", free_bytes, " of ", total_bytes, " bytes free"));
+  }
+  cudaStream_t stream = nullptr;
+  e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess) {
+    e = cudaMemsetAsync(base, 0, bytes, stream);
+    const cudaError_t sync = cudaStreamSynchronize(stream);
+    if (e == cudaSuccess) e = sync;
+    if (e != cudaSuccess) cudaStreamDestroy(stream);
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(base);
+    return absl::InternalError(
+        absl::StrCat("cuda:", device, ": setting up the pool: ", CudaErrorText(e)));
+  }
+  return std::make_unique<CudaMemory>(device, static_cast<uint8_t*>(base), bytes, stream);
+}
+
+}  // namespace kvbank

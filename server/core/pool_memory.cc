@@ -1,0 +1,170 @@
+#include "server/core/pool_memory.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "kernels/payload_codec.h"
+#include "server/core/cuda_memory.h"
+
+namespace kvbank {
+
+namespace {
+
+class HeapStaging final : public StagingBuffer {
+ public:
+  HeapStaging(uint8_t* data, uint64_t size) : StagingBuffer(data, size) {}
+  ~HeapStaging() override { std::free(data()); }
+};
+
+// Host memory: mmap'd once, unmapped at the end. The host kind is read and written by the store
+// directly; the calls below are what both host kinds run (the staged kind for every move).
+class HostMemory final : public PoolMemory {
+ public:
+  HostMemory(bool staged, uint8_t* base, uint64_t bytes)
+      : PoolMemory(staged ? MemoryKind::kHostStaged : MemoryKind::kHost,
+                   staged ? "host-staged" : "host", base, bytes) {}
+  ~HostMemory() override { munmap(base(), bytes()); }
+
+  absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) override {
+    if (job.convert.has_value()) {
+      kernels::EncodePayloadCpu(job.map, *job.convert, payload);
+    } else {
+      uint8_t* bytes = const_cast<uint8_t*>(payload);  // read, never written
+      kernels::PayloadCopyCpu(job.map, kernels::CopyDirection::kPayloadToPool, 0, bytes,
+                              job.map.total_bytes);
+      kernels::ScaleCopyCpu(job.map, kernels::CopyDirection::kPayloadToPool, 0, bytes,
+                            job.map.total_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadPayload(const PayloadJob& job, uint8_t* payload) override {
+    if (job.convert.has_value()) {
+      kernels::DecodePayloadCpu(job.map, *job.convert, payload);
+    } else {
+      kernels::PayloadCopyCpu(job.map, kernels::CopyDirection::kPoolToPayload, 0, payload,
+                              job.map.total_bytes);
+      kernels::ScaleCopyCpu(job.map, kernels::CopyDirection::kPoolToPayload, 0, payload,
+                            job.map.total_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
+                          uint64_t block_bytes) override {
+    kernels::CopyBlocksCpu(base(), block_bytes, src.data(), dst.data(), src.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyRows(const BlockLayout& layout,
+                        absl::Span<const kernels::RowCopy> copies) override {
+    kernels::CopyRowsCpu(base(), layout.block_bytes, layout.layers.data(), copies.data(),
+                         copies.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status Attend(const kernels::DecodeAttentionParams& p, uint32_t max_length,
+                      uint32_t num_threads) override {
+    kernels::DecodeAttentionCpu(p, num_threads);
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StagingBuffer>> PoolMemory::Stage(uint64_t bytes) {
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " staging bytes"));
+  }
+  return std::unique_ptr<StagingBuffer>(new HeapStaging(static_cast<uint8_t*>(p), bytes));
+}
+
+absl::StatusOr<std::unique_ptr<PoolMemory>> CreateHostMemory(uint64_t bytes, bool prefault,
+                                                             bool staged) {
+  if (bytes == 0) return absl::InvalidArgumentError("pool memory of 0 bytes");
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", bytes, " bytes of host memory"));
+  }
+  madvise(p, bytes, MADV_HUGEPAGE);  // best effort
+  if (prefault) {
+    // One write per page (after the huge-page advice, so 2 MiB pages where the kernel has them):
+    // the pool is a reservation, and first-touch faults would otherwise land on the append path.
+    const long page = sysconf(_SC_PAGESIZE);
+    for (uint64_t off = 0; off < bytes; off += uint64_t(page)) static_cast<uint8_t*>(p)[off] = 0;
+  }
+  return std::unique_ptr<PoolMemory>(new HostMemory(staged, static_cast<uint8_t*>(p), bytes));
+}
+
+std::string DeviceSpec::Name() const {
+  switch (kind) {
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kHostStaged:
+      return "host-staged";
+    case MemoryKind::kCuda:
+      return absl::StrCat("cuda:", cuda_device);
+  }
+  return "?";
+}
+
+absl::StatusOr<DeviceSpec> ResolveDevice(const std::string& spec) {
+  DeviceSpec d;
+  if (spec == "host" || spec == "cpu") return d;
+  if (spec == "host-staged") {
+    d.kind = MemoryKind::kHostStaged;
+    return d;
+  }
+  const int count = CudaDeviceCount();
+  if (spec == "auto") {
+    if (count > 0) d.kind = MemoryKind::kCuda;
+    return d;
+  }
+  absl::string_view s = spec;
+  if (s == "cuda" || absl::StartsWith(s, "cuda:")) {
+    int n = 0;
+    if (s.size() > 4 && !absl::SimpleAtoi(s.substr(5), &n)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device '", spec, "': bad CUDA device number"));
+    }
+    if (!CudaBuiltIn()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device '", spec, "': this kvbank was built without CUDA"));
+    }
+    if (n < 0 || n >= count) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("device '", spec, "': no such CUDA device (", count, " visible)"));
+    }
+    d.kind = MemoryKind::kCuda;
+    d.cuda_device = n;
+    return d;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "device '", spec, "': expected auto, host (or cpu), cuda, cuda:N or host-staged"));
+}
+
+absl::StatusOr<std::unique_ptr<PoolMemory>> CreatePoolMemory(const DeviceSpec& device,
+                                                             uint64_t bytes, bool prefault) {
+  switch (device.kind) {
+    case MemoryKind::kHost:
+      return CreateHostMemory(bytes, prefault, /*staged=*/false);
+    case MemoryKind::kHostStaged:
+      return CreateHostMemory(bytes, prefault, /*staged=*/true);
+    case MemoryKind::kCuda:
+      return CreateCudaMemory(device.cuda_device, bytes);
+  }
+  return absl::InvalidArgumentError("unknown memory kind");
+}
+
+}  // namespace kvbank

@@ -1,0 +1,51 @@
+#include "tests/unit/test_memory.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "server/core/cuda_memory.h"
+
+namespace kvbank::testenv {
+
+namespace {
+
+std::string Requested() {
+  const char* v = std::getenv("KVBANK_TEST_MEMORY");
+  return v == nullptr || *v == '\0' ? "host" : v;
+}
+
+// Skips every test of a cuda run on a machine without a device (and fails an unknown kind).
+class MemoryEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    const std::string want = Requested();
+    if (want == "cuda" && CudaDeviceCount() == 0) {
+      GTEST_SKIP() << "KVBANK_TEST_MEMORY=cuda but no CUDA device is visible"
+                   << (CudaBuiltIn() ? "" : " (built without CUDA)");
+    }
+    ASSERT_TRUE(want == "host" || want == "host-staged" || want == "cuda")
+        << "KVBANK_TEST_MEMORY=" << want << ": expected host, host-staged or cuda";
+    std::fprintf(stderr, "store tests on %s memory\n", TestDevice().Name().c_str());
+  }
+};
+
+const ::testing::Environment* const kEnvironment =
+    ::testing::AddGlobalTestEnvironment(new MemoryEnvironment);
+
+}  // namespace
+
+DeviceSpec TestDevice() {
+  const std::string want = Requested();
+  DeviceSpec d;
+  if (want == "host-staged") d.kind = MemoryKind::kHostStaged;
+  if (want == "cuda") d.kind = MemoryKind::kCuda;
+  return d;
+}
+
+absl::StatusOr<std::unique_ptr<BlockPool>> CreateTestPool(BlockLayout layout, uint64_t pool_bytes,
+                                                          PoolOptions options) {
+  return BlockPool::Create(std::move(layout), pool_bytes, TestDevice(), std::move(options));
+}
+
+}  // namespace kvbank::testenv

@@ -1,0 +1,28 @@
+// The pool memory the store tests run on, so that one suite covers every backend. Chosen by the
+// environment variable KVBANK_TEST_MEMORY (ctest registers each store test once per kind):
+//   unset or "host"  host memory, streamed (the default backend)
+//   "host-staged"    the device data path (staged payloads, every move through PoolMemory) over
+//                    host memory with the CPU kernels: runs everywhere
+//   "cuda"           cuda:0 (label gpu); every test skips, saying why, without a device
+#ifndef KVBANK_TESTS_UNIT_TEST_MEMORY_H_
+#define KVBANK_TESTS_UNIT_TEST_MEMORY_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kvbank/layout.h"
+#include "server/core/block_pool.h"
+#include "server/core/pool_memory.h"
+
+namespace kvbank::testenv {
+
+DeviceSpec TestDevice();
+
+// BlockPool::Create on TestDevice().
+absl::StatusOr<std::unique_ptr<BlockPool>> CreateTestPool(BlockLayout layout, uint64_t pool_bytes,
+                                                          PoolOptions options = {});
+
+}  // namespace kvbank::testenv
+
+#endif  // KVBANK_TESTS_UNIT_TEST_MEMORY_H_
