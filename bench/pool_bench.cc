@@ -1,6 +1,11 @@
 // pool_bench: the in-process core's put and get throughput against memcpy of the same bytes.
 //
-//   pool_bench [--quick] [--reps N]
+//   pool_bench [--quick] [--reps N] [--device host|host-staged|cuda:N|auto]
+//
+// --device puts the pools there (default host). On cuda:N put and get are the whole device data
+// path: the payload staged in page-locked memory, copied to the GPU and scattered (and, for the
+// int8 layout, quantized) by kernels; the get gathers, copies back and unstages. The baseline stays
+// a host memcpy, so there the ratio includes the PCIe / NVLink-C2C hop.
 //
 // For each layout and sequence length: put = SequenceStore::Append of the whole sequence (all
 // layers) from a dense payload; get = BeginFetch + FetchReader::Read of the same range into another
@@ -80,11 +85,20 @@ ModelLayout Preset(const char* name) {
   return m;
 }
 
-std::unique_ptr<SequenceStore> MakeStore(const ModelLayout& layout, uint64_t pool_bytes) {
+ModelLayout Int8Preset(const char* name) {
+  ModelLayout m = Preset(name);
+  m.name += "-int8";
+  m.layer_dtypes.assign(m.num_layers, DType::kInt8);  // bf16 in, int8 stored: a conversion
+  return m;
+}
+
+std::unique_ptr<SequenceStore> MakeStore(const ModelLayout& layout, uint64_t pool_bytes,
+                                         const DeviceSpec& device) {
   BlockLayout b = ComputeBlockLayout(layout);
-  auto pool = Check(BlockPool::CreateHost(std::move(b), pool_bytes), "BlockPool::CreateHost");
-  // Touches every block once so the timed loops never take a page fault in the pool.
-  std::memset(pool->base(), 0, pool->pool_bytes());
+  auto pool = Check(BlockPool::Create(std::move(b), pool_bytes, device), "BlockPool::Create");
+  // Touches every block once so the timed loops never take a page fault in the pool (device
+  // memory is touched when it is allocated).
+  if (pool->memory().direct()) std::memset(pool->base(), 0, pool->pool_bytes());
   StoreOptions opts;
   return std::make_unique<SequenceStore>(layout, std::move(pool), opts);
 }
@@ -109,8 +123,15 @@ struct Row {
 };
 
 Row RunCase(SequenceStore& store, uint64_t tokens, int reps) {
-  const uint64_t bytes = store.block_layout().PayloadBytes(0, store.layout().num_layers, tokens);
-  const std::vector<uint8_t> src = Pattern(bytes, static_cast<uint32_t>(tokens));
+  const ModelLayout& m = store.layout();
+  const DType wire = DefaultWireDType(m, 0, m.num_layers);
+  const uint64_t bytes =
+      PayloadLayout::Make(store.block_layout(), 0, m.num_layers, tokens, wire).total_bytes;
+  std::vector<uint8_t> src = Pattern(bytes, static_cast<uint32_t>(tokens));
+  if (wire == DType::kBf16 && m.layer_dtypes[0] != wire) {
+    // Quantized on the way in: finite values only (random bits hold NaN and Inf patterns).
+    for (uint64_t i = 0; i + 1 < bytes; i += 2) src[i + 1] = (src[i + 1] & 0x80) | 0x3f;
+  }
   std::vector<uint8_t> dst(bytes, 1), src2(bytes, 2);
   std::vector<double> put, put_ref, get, get_ref, put_ratio, get_ratio;
   // Rep 0 is a warm-up and is not recorded.
@@ -136,7 +157,8 @@ Row RunCase(SequenceStore& store, uint64_t tokens, int reps) {
     t2 = Clock::now();
     reader.reset();
     Check(store.Free(seq.id), "Free");
-    if (r == 0 && std::memcmp(src.data(), src2.data(), bytes) != 0) {
+    if (r == 0 && store.layout().layer_dtypes[0] == store.layout().input_dtype &&
+        std::memcmp(src.data(), src2.data(), bytes) != 0) {
       std::fprintf(stderr, "pool_bench: %s %" PRIu64 " tokens: fetched bytes differ\n",
                    store.layout().name.c_str(), tokens);
       std::exit(1);
@@ -197,13 +219,16 @@ void RunFork(SequenceStore& store, uint64_t tokens, int reps) {
 int Main(int argc, char** argv) {
   bool quick = false;
   int reps = 0;
+  std::string device_flag = "host";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
       reps = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
+      device_flag = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: pool_bench [--quick] [--reps N]\n");
+      std::fprintf(stderr, "usage: pool_bench [--quick] [--reps N] [--device SPEC]\n");
       return 2;
     }
   }
@@ -212,15 +237,17 @@ int Main(int argc, char** argv) {
       quick ? std::vector<uint64_t>{16, 100} : std::vector<uint64_t>{16, 250, 2048};
   const uint64_t pool_bytes = quick ? (uint64_t{64} << 20) : (uint64_t{1} << 30);
 
-  std::printf("pool_bench: %s, %d reps (median), GB/s = 1e9 bytes/s\n\n", quick ? "quick" : "full",
-              reps);
+  const DeviceSpec device = Check(ResolveDevice(device_flag), "--device");
+  std::printf("pool_bench: %s, %d reps (median), pools on %s memory, GB/s = 1e9 bytes/s\n\n",
+              quick ? "quick" : "full", reps, device.Name().c_str());
   std::printf(
       "| layout | tokens | payload MiB | put GB/s | memcpy GB/s | put ratio | get GB/s | "
       "memcpy GB/s | get ratio |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  const ModelLayout layouts[] = {Preset("llama-3.1-8b"), Preset("deepseek-v3"), SmallHeadLayout()};
+  const ModelLayout layouts[] = {Preset("llama-3.1-8b"), Preset("deepseek-v3"), SmallHeadLayout(),
+                                 Int8Preset("llama-3.1-8b")};
   for (const ModelLayout& layout : layouts) {
-    auto store = MakeStore(layout, pool_bytes);
+    auto store = MakeStore(layout, pool_bytes, device);
     for (uint64_t t : tokens) {
       const Row r = RunCase(*store, t, reps);
       std::printf("| %s | %" PRIu64 " | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
@@ -236,7 +263,7 @@ int Main(int argc, char** argv) {
   {
     const ModelLayout llama = Preset("llama-3.1-8b");
     const uint64_t fork_tokens = quick ? 256 : 4096;
-    auto store = MakeStore(llama, quick ? (uint64_t{64} << 20) : (uint64_t{1} << 30));
+    auto store = MakeStore(llama, quick ? (uint64_t{64} << 20) : (uint64_t{1} << 30), device);
     RunFork(*store, fork_tokens, reps);
     RunFork(*store, fork_tokens + 5, reps);
   }

@@ -2,10 +2,10 @@
 // allocation and every move is a kernel on the memory's own stream.
 //
 // Each call holds the memory's mutex from start to end: it packs the host-side description
-// (layer views, offsets, block table, ids, ...) into one host block, sends it to a grow-only
-// device scratch buffer in one copy, copies the payload next to it, launches the kernels, and
-// synchronizes the stream before returning. One stream and one scratch buffer, so calls from
-// several threads take turns; the kernels are short next to the copies that feed them.
+// (layer views, offsets, block table, ids, ...) into a page-locked argument block, sends that to
+// a grow-only device scratch buffer in one copy, copies the payload next to it, launches the
+// kernels, and synchronizes the stream before returning. One stream and one scratch buffer, so
+// calls from several threads take turns; the kernels are short next to the copies that feed them.
 //
 // Staging buffers are page-locked (cudaHostAlloc) so the payload copies run at full speed. They
 // come from a small cache, since cudaHostAlloc costs milliseconds per call and cudaFreeHost
@@ -199,19 +199,10 @@ class ScratchPlan {
   uint64_t host_bytes_ = 0;
 };
 
-// The host block that mirrors a plan's Host() arrays.
-class HostBlock {
- public:
-  explicit HostBlock(const ScratchPlan& plan) : bytes_(plan.host_bytes()) {}
-  void Put(uint64_t at, const void* src, uint64_t bytes) {
-    if (bytes != 0) std::memcpy(bytes_.data() + at, src, bytes);
-  }
-  const uint8_t* data() const { return bytes_.data(); }
-  uint64_t size() const { return bytes_.size(); }
-
- private:
-  std::vector<uint8_t> bytes_;
-};
+// Writes one of a plan's Host() arrays into the host side of the arguments.
+void Put(uint8_t* args, uint64_t at, const void* src, uint64_t bytes) {
+  if (bytes != 0) std::memcpy(args + at, src, bytes);
+}
 
 template <typename T>
 T* At(uint8_t* scratch, uint64_t offset) {
@@ -232,6 +223,7 @@ class CudaMemory final : public PoolMemory {
     absl::MutexLock lock(&mu_);
     cudaStreamSynchronize(stream_);
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (args_ != nullptr) cudaFreeHost(args_);
     cudaStreamDestroy(stream_);
     cudaFree(base());
   }
@@ -314,10 +306,10 @@ class CudaMemory final : public PoolMemory {
     ScratchPlan plan;
     const uint64_t at_src = plan.Host(ids_bytes);
     const uint64_t at_dst = plan.Host(ids_bytes);
-    HostBlock host(plan);
-    host.Put(at_src, src.data(), ids_bytes);
-    host.Put(at_dst, dst.data(), ids_bytes);
-    absl::StatusOr<uint8_t*> s = Send(plan, host);
+    absl::StatusOr<uint8_t*> s = Send(plan, [&](uint8_t* args, uint8_t*) {
+      Put(args, at_src, src.data(), ids_bytes);
+      Put(args, at_dst, dst.data(), ids_bytes);
+    });
     if (!s.ok()) return s.status();
     KVBANK_CUDA_TRY(kernels::CopyBlocksCuda(base(), block_bytes, At<const int32_t>(*s, at_src),
                                             At<const int32_t>(*s, at_dst), src.size(), stream_),
@@ -336,10 +328,10 @@ class CudaMemory final : public PoolMemory {
     ScratchPlan plan;
     const uint64_t at_layers = plan.Host(layers_bytes);
     const uint64_t at_copies = plan.Host(copies_bytes);
-    HostBlock host(plan);
-    host.Put(at_layers, layout.layers.data(), layers_bytes);
-    host.Put(at_copies, copies.data(), copies_bytes);
-    absl::StatusOr<uint8_t*> s = Send(plan, host);
+    absl::StatusOr<uint8_t*> s = Send(plan, [&](uint8_t* args, uint8_t*) {
+      Put(args, at_layers, layout.layers.data(), layers_bytes);
+      Put(args, at_copies, copies.data(), copies_bytes);
+    });
     if (!s.ok()) return s.status();
     KVBANK_CUDA_TRY(
         kernels::CopyRowsCuda(base(), layout.block_bytes, At<const LayerView>(*s, at_layers),
@@ -383,24 +375,21 @@ class CudaMemory final : public PoolMemory {
     const size_t workspace_bytes = kernels::DecodeAttentionWorkspaceBytes(p, max_length);
     const uint64_t at_workspace = plan.Device(workspace_bytes);
 
-    absl::StatusOr<uint8_t*> scratch = Scratch(plan.total());
+    absl::StatusOr<uint8_t*> scratch = Send(plan, [&](uint8_t* args, uint8_t* s) {
+      Put(args, at_layers, kv.layers, batch * sizeof(LayerView));
+      Put(args, at_indptr, kv.indptr, (batch + 1) * sizeof(int32_t));
+      Put(args, at_indices, kv.indices, num_indices * sizeof(int32_t));
+      Put(args, at_lengths, kv.lengths, batch * sizeof(uint32_t));
+      Put(args, at_q, p.q, q_bytes);
+      if (p.token_probs) {
+        float** ptrs = At<float*>(args, at_probs_ptrs);
+        for (uint64_t i = 0; i < batch; ++i) {
+          ptrs[i] = p.token_probs[i] != nullptr ? At<float>(s, at_probs[i]) : nullptr;
+        }
+      }
+    });
     if (!scratch.ok()) return scratch.status();
     uint8_t* const s = *scratch;
-    HostBlock host(plan);
-    host.Put(at_layers, kv.layers, batch * sizeof(LayerView));
-    host.Put(at_indptr, kv.indptr, (batch + 1) * sizeof(int32_t));
-    host.Put(at_indices, kv.indices, num_indices * sizeof(int32_t));
-    host.Put(at_lengths, kv.lengths, batch * sizeof(uint32_t));
-    host.Put(at_q, p.q, q_bytes);
-    if (p.token_probs) {
-      std::vector<float*> ptrs(batch, nullptr);
-      for (uint64_t i = 0; i < batch; ++i) {
-        if (p.token_probs[i] != nullptr) ptrs[i] = At<float>(s, at_probs[i]);
-      }
-      host.Put(at_probs_ptrs, ptrs.data(), batch * sizeof(float*));
-    }
-    KVBANK_CUDA_TRY(cudaMemcpyAsync(s, host.data(), host.size(), cudaMemcpyHostToDevice, stream_),
-                    "copying the attention batch to the device");
 
     kernels::DecodeAttentionParams d = p;
     d.kv.pool = base();
@@ -490,12 +479,41 @@ class CudaMemory final : public PoolMemory {
     return scratch_;
   }
 
-  // Sizes the scratch for `plan` and sends `host` (the plan's Host() arrays) to its start.
-  absl::StatusOr<uint8_t*> Send(const ScratchPlan& plan, const HostBlock& host)
+  // The host side of a call's arguments (a plan's Host() arrays), at least `bytes` long:
+  // page-locked, so the copy is a true async DMA, and reused by every call (the previous call's
+  // copy is done: every call ends synchronized). Grow-only.
+  absl::StatusOr<uint8_t*> Args(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (bytes <= args_bytes_) return args_;
+    const uint64_t want = AlignUp(bytes, kPinnedGranule);
+    if (args_ != nullptr) cudaFreeHost(args_);  // NOTE: synchronizes the device
+    args_ = nullptr;
+    args_bytes_ = 0;
+    void* p = nullptr;
+    const cudaError_t e = cudaHostAlloc(&p, want, cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat(name(), ": no page-locked host buffer of ",
+                                                       want,
+                                                       " bytes for arguments: ", CudaErrorText(e)));
+    }
+    args_ = static_cast<uint8_t*>(p);
+    args_bytes_ = want;
+    return args_;
+  }
+
+  // Sizes the scratch and the arguments for `plan`, has fill(args, scratch) write the plan's
+  // Host() arrays at their offsets in `args` (`scratch`: where everything will be on the device,
+  // for arrays of device pointers), and sends them to the start of the scratch. Returns the
+  // scratch.
+  template <typename Fill>
+  absl::StatusOr<uint8_t*> Send(const ScratchPlan& plan, Fill fill)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     absl::StatusOr<uint8_t*> s = Scratch(plan.total());
     if (!s.ok()) return s.status();
-    KVBANK_CUDA_TRY(cudaMemcpyAsync(*s, host.data(), host.size(), cudaMemcpyHostToDevice, stream_),
+    absl::StatusOr<uint8_t*> args = Args(plan.host_bytes());
+    if (!args.ok()) return args.status();
+    fill(*args, *s);
+    KVBANK_CUDA_TRY(cudaMemcpyAsync(*s, *args, plan.host_bytes(), cudaMemcpyHostToDevice, stream_),
                     "copying a call's arguments to the device");
     return *s;
   }
@@ -516,12 +534,12 @@ class CudaMemory final : public PoolMemory {
     const uint64_t at_table = plan.Host(table_bytes);
     const uint64_t at_scales = m.scale_offset ? plan.Host(offsets_bytes) : 0;
     const uint64_t at_payload = plan.Device(m.total_bytes);
-    HostBlock host(plan);
-    host.Put(at_layers, m.layers, layers_bytes);
-    host.Put(at_offsets, m.layer_offset, offsets_bytes);
-    host.Put(at_table, m.block_table, table_bytes);
-    if (m.scale_offset) host.Put(at_scales, m.scale_offset, offsets_bytes);
-    absl::StatusOr<uint8_t*> s = Send(plan, host);
+    absl::StatusOr<uint8_t*> s = Send(plan, [&](uint8_t* args, uint8_t*) {
+      Put(args, at_layers, m.layers, layers_bytes);
+      Put(args, at_offsets, m.layer_offset, offsets_bytes);
+      Put(args, at_table, m.block_table, table_bytes);
+      if (m.scale_offset) Put(args, at_scales, m.scale_offset, offsets_bytes);
+    });
     if (!s.ok()) return s.status();
     kernels::PayloadMap d = m;
     d.pool = base();
@@ -538,8 +556,10 @@ class CudaMemory final : public PoolMemory {
   absl::Mutex mu_;
   // Every call's work runs on this stream, under mu_.
   cudaStream_t const stream_;
-  uint8_t* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint8_t* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;  // device
   uint64_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint8_t* args_ ABSL_GUARDED_BY(mu_) = nullptr;  // page-locked host
+  uint64_t args_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace

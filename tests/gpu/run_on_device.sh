@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Builds the kernels and the GPU tests and runs `ctest -L gpu` on a machine with an NVIDIA GPU,
-# nvcc, cmake and ninja, but no gRPC, Abseil or installed GoogleTest (without Abseil the top-level
-# CMakeLists builds the kernels and their tests only).
+# Builds the GPU tests and runs `ctest -L gpu` on a machine with an NVIDIA GPU, nvcc, cmake and
+# ninja, but no gRPC, Abseil or installed GoogleTest.
 #
-# Run from the repository root, with GoogleTest's source tree in ./.gtest (git-ignored; e.g.
-# `cp -r /usr/src/googletest .gtest`). Logs go to "$OUT" (default ./out). Extra arguments go to
-# cmake's configure step (e.g. -DCMAKE_CUDA_ARCHITECTURES=80).
+# Run from the repository root, with GoogleTest's source tree in ./.gtest and, to build the core
+# too, Abseil, OpenSSL and xxHash in ./.deps (both git-ignored; scripts/prepare-device-carry.sh
+# makes them; the device tool carries them with carry [".gtest", ".deps"]):
+#   with .deps   the kernels, the core and every test labelled gpu: the kernel tests,
+#                gpu_pool_memory_test and the store's tests on cuda:0 (KVBANK_TEST_MEMORY=cuda).
+#                Should configuring with .deps fail, or not use its Abseil, the kernels only.
+#   without      the kernels and their tests only (the top-level CMakeLists builds no core without
+#                Abseil).
+# Only the binaries the gpu tests run are built (ninja -k 0: what builds is tested, and a build
+# failure still makes the exit status non-zero). Logs go to "$OUT" (default ./out). Extra
+# arguments go to cmake's configure step (e.g. -DCMAKE_CUDA_ARCHITECTURES=80); KVBANK_CTEST_ARGS
+# to ctest (e.g. "-E prefix_model"); KVBANK_CTEST_JOBS tests run at once (default 4).
 #
 #   tests/gpu/run_on_device.sh [cmake args...]
 #
@@ -14,7 +22,8 @@
 # where present). Both are bounded by `timeout` (KVBANK_BENCH_TIMEOUT_S, default 180 s each; reps
 # KVBANK_BENCH_REPS, default 15; KVBANK_SKIP_BENCH=1 skips them); neither changes the exit status.
 #
-# Exit status: ctest's (0 when every gpu test passed or skipped), or non-zero when the build fails.
+# Exit status: ctest's (0 when every gpu test passed or skipped), or non-zero when the
+# configuration or the build fails.
 set -euo pipefail
 
 OUT="${OUT:-$PWD/out}"
@@ -27,7 +36,7 @@ if [[ ! -f CMakeLists.txt || ! -d kernels ]]; then
   exit 2
 fi
 if [[ ! -f .gtest/CMakeLists.txt ]]; then
-  echo "run_on_device.sh: no GoogleTest source in $PWD/.gtest (cp -r /usr/src/googletest .gtest)" >&2
+  echo "run_on_device.sh: no GoogleTest source in $PWD/.gtest (scripts/prepare-device-carry.sh)" >&2
   exit 2
 fi
 
@@ -37,42 +46,103 @@ fi
   nvcc --version | tail -n 2 || echo "nvcc not on PATH"
 } 2>&1 | tee "$OUT/nvidia-smi.log"
 
+attempt_log="$(mktemp)"  # one configure's output (configure.log gathers them all)
+trap 'rm -f "$attempt_log"' EXIT
 configure() {
   cmake -S . -B "$BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DKVBANK_BUILD_SERVICE=OFF -DKVBANK_BUILD_BENCH=OFF -DKVBANK_BUILD_TESTS=ON \
     -DKVBANK_ENABLE_CUDA=ON \
-    "$@" 2>&1 | tee -a "$OUT/configure.log"
+    "$@" 2>&1 | tee "$attempt_log"
+  local rc=${PIPESTATUS[0]}
+  cat "$attempt_log" >>"$OUT/configure.log"
+  return "$rc"
 }
 
-if ! configure -DKVBANK_GTEST_SOURCE_DIR="$PWD/.gtest" "$@"; then
-  # NOTE: GoogleTest >= 1.11 defines GTest::gtest itself, which clashes with the top-level
-  # CMakeLists' own alias of it. Until that is guarded, install .gtest into a prefix instead.
-  if ! grep -q 'ALIAS target "GTest::gtest"' "$OUT/configure.log"; then
-    echo "== configure failed; see $OUT/configure.log" >&2
-    exit 1
+# configure with GoogleTest built from .gtest (or, on the alias clash, installed from it).
+configure_with_gtest() {
+  if configure -DKVBANK_GTEST_SOURCE_DIR="$PWD/.gtest" "$@"; then
+    return 0
   fi
+  # NOTE: GoogleTest >= 1.11 defines GTest::gtest itself, which clashed with the top-level
+  # CMakeLists' own alias of it before that was guarded; then install .gtest into a prefix.
+  grep -q 'ALIAS target "GTest::gtest"' "$attempt_log" || return 1
   echo "== GTest:: alias clash: building GoogleTest from .gtest into a prefix" | tee -a "$OUT/configure.log"
   rm -rf "$BUILD"
-  prefix="$BUILD-gtest/prefix"
+  local prefix="$BUILD-gtest/prefix"
   cmake -S .gtest -B "$BUILD-gtest" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
     -DCMAKE_INSTALL_PREFIX="$prefix" 2>&1 | tee -a "$OUT/configure.log"
   cmake --build "$BUILD-gtest" --target install 2>&1 | tee -a "$OUT/configure.log"
+  local gtest_dir
   gtest_dir="$(dirname "$(find "$prefix" -name GTestConfig.cmake | head -n 1)")"
   configure "$@" -DCMAKE_DISABLE_FIND_PACKAGE_GTest=OFF -DGTest_DIR="$gtest_dir"
-fi
+}
 
-ninja -C "$BUILD" -j"$(nproc)" gpu_block_copy_test gpu_quant_test gpu_attention_test 2>&1 | tee "$OUT/build.log"
+deps="$PWD/.deps"
+arch=x86_64-linux-gnu
+mode=kernels
+if [[ -d "$deps/absl/usr" ]]; then
+  echo "== configuring with Abseil, OpenSSL and xxHash from $deps" | tee -a "$OUT/configure.log"
+  prefix="$deps/absl/usr;$deps/openssl/usr;$deps/xxhash/usr"
+  if configure_with_gtest -DCMAKE_PREFIX_PATH="$prefix" "$@" &&
+    grep -q "^absl_DIR:PATH=$deps/absl/" "$BUILD/CMakeCache.txt"; then
+    mode=core
+    # NOTE: the binaries' RUNPATH names the libraries they link directly, not what those need in
+    # turn (one libabsl_* another), and this machine has no Abseil of its own.
+    export LD_LIBRARY_PATH="$deps/absl/usr/lib/$arch${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  else
+    echo "== configuring with $deps failed or did not use its Abseil: configuring without it" \
+      "(the kernels only, unless this machine has an Abseil)" | tee -a "$OUT/configure.log"
+    rm -rf "$BUILD"
+  fi
+fi
+if [[ $mode == kernels ]] && ! configure_with_gtest -UCMAKE_PREFIX_PATH "$@"; then
+  echo "== configure failed; see $OUT/configure.log" >&2
+  exit 1
+fi
+if [[ $mode == kernels ]] && grep -q '^absl_DIR:PATH=/' "$BUILD/CMakeCache.txt"; then
+  mode="core (this machine's Abseil)"
+fi
+grep -E '^(absl_DIR|OPENSSL_CRYPTO_LIBRARY|KVBANK_XXHASH_LIBRARY|GTest_DIR):' "$BUILD/CMakeCache.txt" |
+  sed 's/^/== /' | tee -a "$OUT/configure.log" || true
+echo "== build: $mode" | tee -a "$OUT/configure.log"
+
+# The binaries of the tests labelled gpu, read from ctest's files (ctest itself names no command
+# before the binary exists). None found: ninja's default, everything.
+gpu_binaries() {
+  find "$BUILD" -name CTestTestfile.cmake -exec cat {} + | awk -v bin="$BUILD/bin/" '
+    function name() { match($0, /\[=\[[^]]*\]=\]/); return substr($0, RSTART + 3, RLENGTH - 6) }
+    /^add_test\(/ { n = name(); match($0, /"[^"]*"/); cmd[n] = substr($0, RSTART + 1, RLENGTH - 2) }
+    /^set_tests_properties\(/ && /LABELS "([^"]*;)?gpu(;[^"]*)?"/ { gpu[name()] = 1 }
+    END {
+      for (n in gpu) {
+        if ((n in cmd) && index(cmd[n], bin) == 1) print substr(cmd[n], length(bin) + 1)
+      }
+    }' | sort -u | tr '\n' ' '
+}
+targets=$(gpu_binaries)
+# The bench builds alongside (it runs after the tests).
+[[ "${KVBANK_SKIP_BENCH:-0}" == 1 ]] || targets+=" gpu_attention_bench"
+echo "== building: ${targets:-(no gpu test registered)}" | tee "$OUT/build.log"
+set +e
+# shellcheck disable=SC2086  # one target per word
+ninja -C "$BUILD" -k 0 -j"$(nproc)" $targets 2>&1 | tee -a "$OUT/build.log"
+build_rc=${PIPESTATUS[0]}
+set -e
+[[ $build_rc == 0 ]] || echo "== build failed (exit code $build_rc); testing what built" | tee -a "$OUT/build.log"
 
 set +e
-ctest --test-dir "$BUILD" -L gpu --output-on-failure -V 2>&1 | tee "$OUT/ctest.log"
+# shellcheck disable=SC2086  # KVBANK_CTEST_ARGS: several words
+ctest --test-dir "$BUILD" -L gpu --output-on-failure -V -j "${KVBANK_CTEST_JOBS:-4}" \
+  ${KVBANK_CTEST_ARGS:-} 2>&1 | tee "$OUT/ctest.log"
 rc=${PIPESTATUS[0]}
 set -e
 if grep -q "No tests were found" "$OUT/ctest.log"; then
   echo "== no gpu test was registered (KVBANK_ENABLE_CUDA off?)" | tee -a "$OUT/ctest.log"
   rc=1
 fi
-echo "== ctest -L gpu exit code $rc" | tee -a "$OUT/ctest.log"
+echo "== ctest -L gpu exit code $rc ($mode build)" | tee -a "$OUT/ctest.log"
+if [[ $build_rc != 0 && $rc == 0 ]]; then rc=$build_rc; fi
 
 # Bench: reported, never fatal (the exit status stays ctest's).
 if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
