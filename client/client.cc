@@ -49,6 +49,7 @@ absl::StatusOr<Client::ModelInfo> FromProto(const v1::ModelInfo& p) {
   m.num_blocks = p.num_blocks();
   m.pool_bytes = p.spec().pool_bytes();
   m.payload_bytes_per_token = p.payload_bytes_per_token();
+  m.device = p.device();
   m.max_sequences = p.spec().max_sequences();
   m.max_tokens_per_sequence = p.spec().max_tokens_per_sequence();
   return m;

@@ -10,6 +10,7 @@
 
 #include "kernels/payload_codec_cuda.h"
 #include "kernels/quant_math.h"
+#include "kernels/quant_warp.cuh"
 
 namespace kvbank::kernels {
 
@@ -124,9 +125,8 @@ __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload
   }
 }
 
-// Phase 2 of the encode: one warp per payload row. int8 rows get their min/max by shuffles
-// (exact, order-independent; +-0 ties do not change Int8ParamsFor) and then the parameters every
-// lane computes alike, as QuantizeInt8RowsCuda; fp8 rows use the scale stored in their block.
+// Phase 2 of the encode: one warp per payload row. int8 rows get their parameters from
+// WarpInt8Params, as QuantizeInt8RowsCuda does; fp8 rows use the scale stored in their block.
 __global__ void EncodeRowsKernel(PayloadMap m, DType wire, const uint8_t* payload) {
   const unsigned lane = threadIdx.x & 31u;
   const uint64_t first = blockIdx.x * uint64_t{kWarps} + threadIdx.x / 32;
@@ -140,19 +140,7 @@ __global__ void EncodeRowsKernel(PayloadMap m, DType wire, const uint8_t* payloa
       const uint8_t* src = payload + a.payload;
       uint8_t* dst = a.block + a.pool;
       if (v.dtype == DType::kInt8) {
-        float mn = INFINITY, mx = -INFINITY;
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          const float x = LoadAsFloat(src, wire, i);
-          mn = x < mn ? x : mn;
-          mx = x > mx ? x : mx;
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-          const float omn = __shfl_xor_sync(kFullMask, mn, off);
-          const float omx = __shfl_xor_sync(kFullMask, mx, off);
-          mn = omn < mn ? omn : mn;
-          mx = omx > mx ? omx : mx;
-        }
-        const Int8RowParams p = Int8ParamsFor(mn, mx);
+        const Int8RowParams p = WarpInt8Params(src, wire, a.dim, lane);
         if (lane == 0) {
           *reinterpret_cast<float*>(a.block + v.Int8Scale(a.kv, a.head, a.row)) = p.scale;
           a.block[v.Int8ZeroPoint(a.kv, a.head, a.row)] = p.zero_point;

@@ -4,6 +4,7 @@
 
 #include "kernels/quant_cuda.h"
 #include "kernels/quant_math.h"
+#include "kernels/quant_warp.cuh"
 
 namespace kvbank::kernels {
 
@@ -36,19 +37,8 @@ __global__ void QuantizeInt8RowsKernel(const void* src, DType sd, size_t rows, u
   const size_t warps = size_t{gridDim.x} * (blockDim.x / 32);
   for (size_t r = blockIdx.x * size_t{blockDim.x / 32} + threadIdx.x / 32; r < rows; r += warps) {
     const size_t base = r * dim;
-    float mn = INFINITY, mx = -INFINITY;
-    for (uint32_t i = lane; i < dim; i += 32) {
-      const float x = LoadAsFloat(src, sd, base + i);
-      mn = x < mn ? x : mn;
-      mx = x > mx ? x : mx;
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-      const float omn = __shfl_xor_sync(kFullMask, mn, off);
-      const float omx = __shfl_xor_sync(kFullMask, mx, off);
-      mn = omn < mn ? omn : mn;
-      mx = omx > mx ? omx : mx;
-    }
-    const Int8RowParams p = Int8ParamsFor(mn, mx);
+    const void* row = static_cast<const uint8_t*>(src) + base * DTypeBytes(sd);
+    const Int8RowParams p = WarpInt8Params(row, sd, dim, lane);
     if (lane == 0) {
       scales[r] = p.scale;
       zero_points[r] = p.zero_point;

@@ -136,10 +136,10 @@ int Main(int argc, char** argv) {
   const size_t num_models = std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_models),
                                                                     ',', absl::SkipWhitespace()))
                                 .size();
+  const double util = absl::GetFlag(FLAGS_gpu_memory_utilization);
+  if (!(util > 0 && util <= 1)) return Fail("--gpu-memory-utilization must be in (0, 1]");
   uint64_t max_pool = PhysicalMemory() / 10 * 8;
   if (on_gpu) {
-    const double util = absl::GetFlag(FLAGS_gpu_memory_utilization);
-    if (!(util > 0 && util <= 1)) return Fail("--gpu-memory-utilization must be in (0, 1]");
     uint64_t free_bytes = 0, total_bytes = 0;
     if (absl::Status s = CudaMemoryInfo(device->cuda_device, &free_bytes, &total_bytes); !s.ok()) {
       return Fail(absl::StrCat("--device ", device->Name(), ": ", s.message()));

@@ -60,11 +60,11 @@ int Models(Client& c) {
     const ModelLayout& l = m.layout;
     std::printf(
         "%-20s %s layers=%u q_heads=%u kv_heads=%u head_dim=%u/%u block_tokens=%u "
-        "storage=%s block=%llu B blocks=%llu bytes/token=%llu\n",
+        "storage=%s block=%llu B blocks=%llu bytes/token=%llu device=%s\n",
         l.name.c_str(), AttentionKindName(l.kind), l.num_layers, l.num_q_heads, l.num_kv_heads,
         l.head_dim, l.head_dim_v, l.block_tokens, DTypeName(l.layer_dtypes[0]),
         (unsigned long long)m.block_bytes, (unsigned long long)m.num_blocks,
-        (unsigned long long)m.payload_bytes_per_token);
+        (unsigned long long)m.payload_bytes_per_token, m.device.c_str());
   }
   return 0;
 }

@@ -138,6 +138,7 @@ void ToProto(const SequenceStore& model, v1::ModelInfo* out) {
   out->set_fingerprint(LayoutFingerprint(m));
   out->set_block_bytes(model.block_layout().block_bytes);
   out->set_num_blocks(model.pool().num_blocks());
+  out->set_device(model.pool().memory().name());
   // What one token of an append in the default dtype takes: the input dtype for quantized or
   // mixed layers (DefaultWireDType), not the storage width.
   const BlockLayout& b = model.block_layout();

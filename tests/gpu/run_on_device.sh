@@ -17,8 +17,9 @@
 #
 #   tests/gpu/run_on_device.sh [cmake args...]
 #
-# After the tests it builds and runs the CUDA decode-attention bench (gpu_attention_bench: log and
-# CSV in "$OUT") and then bench/torch_sdpa_compare.py on the CSV's shapes (python3 with torch,
+# After the tests it runs pool_bench on cuda:0 and on host memory (with .deps: the store's append /
+# fetch through the GPU data path; pool_bench.log), the CUDA decode-attention bench
+# (gpu_attention_bench: log and CSV in "$OUT") and then bench/torch_sdpa_compare.py on the CSV's shapes (python3 with torch,
 # where present). Both are bounded by `timeout` (KVBANK_BENCH_TIMEOUT_S, default 180 s each; reps
 # KVBANK_BENCH_REPS, default 15; KVBANK_SKIP_BENCH=1 skips them); neither changes the exit status.
 #
@@ -51,7 +52,7 @@ trap 'rm -f "$attempt_log"' EXIT
 configure() {
   cmake -S . -B "$BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DKVBANK_BUILD_SERVICE=OFF -DKVBANK_BUILD_BENCH=OFF -DKVBANK_BUILD_TESTS=ON \
+    -DKVBANK_BUILD_SERVICE=OFF -DKVBANK_BUILD_BENCH=ON -DKVBANK_BUILD_TESTS=ON \
     -DKVBANK_ENABLE_CUDA=ON \
     "$@" 2>&1 | tee "$attempt_log"
   local rc=${PIPESTATUS[0]}
@@ -122,7 +123,10 @@ gpu_binaries() {
 }
 targets=$(gpu_binaries)
 # The bench builds alongside (it runs after the tests).
-[[ "${KVBANK_SKIP_BENCH:-0}" == 1 ]] || targets+=" gpu_attention_bench"
+if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
+  targets+=" gpu_attention_bench"
+  [[ $mode == kernels ]] || targets+=" pool_bench"
+fi
 echo "== building: ${targets:-(no gpu test registered)}" | tee "$OUT/build.log"
 set +e
 # shellcheck disable=SC2086  # one target per word
@@ -145,6 +149,20 @@ echo "== ctest -L gpu exit code $rc ($mode build)" | tee -a "$OUT/ctest.log"
 if [[ $build_rc != 0 && $rc == 0 ]]; then rc=$build_rc; fi
 
 # Bench: reported, never fatal (the exit status stays ctest's).
+if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 && -x "$BUILD/bin/pool_bench" ]]; then
+  set +e
+  {
+    # The store's append / fetch through the cuda:0 data path (staging, H2D, scatter / quantize
+    # kernels) against a host memcpy, then the same on host memory for the ratio between them.
+    echo "== $(date -u +%FT%TZ) pool_bench --device cuda:0"
+    timeout "${KVBANK_BENCH_TIMEOUT_S:-180}" "$BUILD/bin/pool_bench" --device cuda:0 --reps 7 2>&1
+    echo "== pool_bench cuda:0 exit code $?"
+    echo "== $(date -u +%FT%TZ) pool_bench --device host"
+    timeout "${KVBANK_BENCH_TIMEOUT_S:-180}" "$BUILD/bin/pool_bench" --device host --reps 7 2>&1
+    echo "== pool_bench host exit code $?"
+  } | tee "$OUT/pool_bench.log"
+  set -e
+fi
 if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
   set +e
   bench_timeout="${KVBANK_BENCH_TIMEOUT_S:-180}"

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -354,6 +355,13 @@ TEST_F(ServerTest, RegistersTheDefaultPresetAtStart) {
   EXPECT_EQ((*models)[0].layout.name, "llama-3.1-8b");
   EXPECT_EQ((*models)[0].layout.num_layers, 32u);
   EXPECT_EQ((*models)[0].layout.num_kv_heads, 8u);
+  // --device auto: a GPU where there is one, else host memory; the suite's own device if set.
+  const std::string device = (*models)[0].device;
+  if (const char* want = std::getenv("KVBANK_TEST_DEVICE"); want != nullptr && *want) {
+    EXPECT_EQ(device, want);
+  } else {
+    EXPECT_TRUE(device == "host" || device.rfind("cuda:", 0) == 0) << device;
+  }
   // Usable right away.
   auto seq = client->CreateSequence("llama-3.1-8b");
   ASSERT_TRUE(seq.ok()) << seq.status();
@@ -369,6 +377,30 @@ TEST_F(ServerTest, EmptyModelsFlagRegistersNothing) {
   auto stats = client->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_TRUE(stats->empty());
+}
+
+// A --device that names nothing usable stops the server at start with a message saying why.
+TEST_F(ServerTest, UnusableDeviceIsRefusedAtStart) {
+  struct Case {
+    const char* flag;
+    const char* says;
+  };
+  const Case kCases[] = {
+      {"--device=tpu", "expected auto, host (or cpu), cuda, cuda:N or host-staged"},
+      {"--device=cuda:x", "bad CUDA device number"},
+      {"--device=cuda:4096", "cuda:4096"},  // no such device (or no CUDA in this build)
+  };
+  for (const Case& c : kCases) {
+    auto server = ServerProcess::Start({"--no-auth", c.flag}, absl::Seconds(10));
+    ASSERT_FALSE(server.ok()) << c.flag << " started a server";
+    EXPECT_TRUE(absl::StrContains(server.status().message(), c.says))
+        << c.flag << ": " << server.status();
+  }
+  // Checked whatever memory the pools would go to.
+  auto bad_util = ServerProcess::Start({"--no-auth", "--gpu-memory-utilization=1.5"});
+  ASSERT_FALSE(bad_util.ok()) << "--gpu-memory-utilization=1.5 started a server";
+  EXPECT_TRUE(absl::StrContains(bad_util.status().message(), "--gpu-memory-utilization must be"))
+      << bad_util.status();
 }
 
 class LeaseTest : public KvbankdTest {};

@@ -42,6 +42,7 @@ class Client {
     uint64_t num_blocks = 0;
     uint64_t pool_bytes = 0;
     uint64_t payload_bytes_per_token = 0;
+    std::string device;  // where the pool lives: "host" or "cuda:N"
     uint64_t max_sequences = 0;
     uint64_t max_tokens_per_sequence = 0;
     bool created = false;  // EnsureModel / EnsurePreset only
