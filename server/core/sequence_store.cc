@@ -351,6 +351,7 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
         "payload exceeds the ", payload_.total_bytes, " bytes that ", spec_.num_tokens,
         " tokens of layers [", payload_.layer_begin, ", ", payload_.layer_end, ") take"));
   }
+  if (data.empty()) return absl::OkStatus();
   if (!store_->pool_->memory().direct()) {
     if (staging_ == nullptr) {
       auto staged = store_->pool_->memory().Stage(payload_.total_bytes);
@@ -584,6 +585,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
 }
 
 void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
+  if (out.empty()) return;
   if (staged_ != nullptr) {
     std::memcpy(out.data(), staged_->data() + offset, out.size());
   } else if (codec_ != nullptr) {
