@@ -3,14 +3,18 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/payload_codec.h"
 #include "server/core/cuda_memory.h"
 
@@ -24,6 +28,61 @@ class HeapStaging final : public StagingBuffer {
   ~HeapStaging() override { std::free(data()); }
 };
 
+// Host staging buffers kept for reuse (the host-staged kind stages every transfer): a fresh
+// buffer of many MiB would page-fault on every transfer, which is not what staging costs.
+class StagingCache {
+ public:
+  static constexpr size_t kMaxBuffers = 4;
+  static constexpr uint64_t kMaxBytes = uint64_t{512} << 20;
+
+  ~StagingCache() {
+    for (auto& [p, n] : free_) std::free(p);
+  }
+  // A buffer of at least `bytes` (a kept one when one fits, at most twice as large).
+  std::pair<uint8_t*, uint64_t> Take(uint64_t bytes) {
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].second >= bytes && free_[i].second / 2 <= bytes) {
+          auto b = free_[i];
+          free_.erase(free_.begin() + i);
+          kept_ -= b.second;
+          return b;
+        }
+      }
+    }
+    const uint64_t n = std::max<uint64_t>(bytes, 1);
+    return {static_cast<uint8_t*>(std::malloc(n)), n};
+  }
+  void Give(std::pair<uint8_t*, uint64_t> b) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (free_.size() < kMaxBuffers && kept_ + b.second <= kMaxBytes) {
+        free_.push_back(b);
+        kept_ += b.second;
+        return;
+      }
+    }
+    std::free(b.first);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::pair<uint8_t*, uint64_t>> free_ ABSL_GUARDED_BY(mu_);
+  uint64_t kept_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class CachedStaging final : public StagingBuffer {
+ public:
+  CachedStaging(std::shared_ptr<StagingCache> cache, std::pair<uint8_t*, uint64_t> b, uint64_t size)
+      : StagingBuffer(b.first, size), cache_(std::move(cache)), buffer_(b) {}
+  ~CachedStaging() override { cache_->Give(buffer_); }
+
+ private:
+  const std::shared_ptr<StagingCache> cache_;
+  const std::pair<uint8_t*, uint64_t> buffer_;
+};
+
 // Host memory: mmap'd once, unmapped at the end. The host kind is read and written by the store
 // directly; the calls below are what both host kinds run (the staged kind for every move).
 class HostMemory final : public PoolMemory {
@@ -32,6 +91,15 @@ class HostMemory final : public PoolMemory {
       : PoolMemory(staged ? MemoryKind::kHostStaged : MemoryKind::kHost,
                    staged ? "host-staged" : "host", base, bytes) {}
   ~HostMemory() override { munmap(base(), bytes()); }
+
+  absl::StatusOr<std::unique_ptr<StagingBuffer>> Stage(uint64_t bytes) override {
+    auto b = staging_->Take(bytes);
+    if (b.first == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", bytes, " staging bytes"));
+    }
+    return std::unique_ptr<StagingBuffer>(new CachedStaging(staging_, b, bytes));
+  }
 
   absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) override {
     if (job.convert.has_value()) {
@@ -76,6 +144,10 @@ class HostMemory final : public PoolMemory {
     kernels::DecodeAttentionCpu(p, num_threads);
     return absl::OkStatus();
   }
+
+ private:
+  // Shared with the staging buffers handed out, which may outlive the memory.
+  const std::shared_ptr<StagingCache> staging_ = std::make_shared<StagingCache>();
 };
 
 }  // namespace
