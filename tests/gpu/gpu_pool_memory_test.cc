@@ -95,6 +95,9 @@ void SetPool(PoolMemory& m, const std::vector<uint8_t>& bytes) {
   ASSERT_EQ(bytes.size(), m.bytes());
   if (m.kind() == MemoryKind::kCuda) {
     CUDA_OK(cudaMemcpy(m.base(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+    // NOTE: from pageable memory cudaMemcpy may return before the DMA lands, and the memory's
+    // own stream is non-blocking (not ordered after the legacy default stream): wait for it.
+    CUDA_OK(cudaDeviceSynchronize());
   } else {
     std::memcpy(m.base(), bytes.data(), bytes.size());
   }
