@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "google/protobuf/text_format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -282,6 +283,10 @@ int Main(int argc, char** argv) {
   server->Wait();
   stop.Notify();
   reaper.join();
+  // A call is done once its last message and status are written to the socket, not read: exiting
+  // at once can reset a connection whose client is still reading them (it then sees UNAVAILABLE,
+  // "Broken pipe", for a call that succeeded). Give the clients a moment to read.
+  absl::SleepFor(absl::Milliseconds(200));
   std::cerr << "kvbankd: stopped" << std::endl;
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51
   // sometimes waits ~10 s for one of its internal threads.

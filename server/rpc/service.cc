@@ -239,7 +239,8 @@ grpc::ServerReadReactor<v1::AppendRequest>* KvBankService::Append(grpc::Callback
 
 // Server stream: header with the first chunk, then one chunk per write, one write in flight.
 // The FetchReader holds references on the blocks read, so the bytes stay as they were even if
-// the sequence is truncated, appended to or freed meanwhile.
+// the sequence is truncated, appended to or freed meanwhile. It goes as soon as the last chunk is
+// read, before the status is sent: a caller that saw the fetch end sees no block still held by it.
 class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
  public:
   // `reader` is what to send, or why not; `dtype` the storage dtype of its first layer.
@@ -258,13 +259,17 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
     h->set_layer_end(reader_->layer_end());
     h->set_dtype(ToProto(dtype));
     h->set_payload_bytes(reader_->payload_bytes());
+    total_ = reader_->payload_bytes();
     WriteNext();
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "fetch stream broke"));
+    if (!ok) {
+      reader_.reset();
+      return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "fetch stream broke"));
+    }
     resp_.clear_header();
-    if (offset_ == reader_->payload_bytes()) return Finish(grpc::Status::OK);
+    if (offset_ == total_) return Finish(grpc::Status::OK);
     WriteNext();
   }
 
@@ -277,11 +282,13 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
     data->resize(n);
     reader_->Read(offset_, absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), n));
     offset_ += n;
+    if (offset_ == total_) reader_.reset();  // every byte is in resp_: the blocks can go
     StartWrite(&resp_);
   }
 
   const uint64_t chunk_bytes_;
   std::unique_ptr<FetchReader> reader_;
+  uint64_t total_ = 0;  // payload bytes
   v1::FetchResponse resp_;
   uint64_t offset_ = 0;
 };
