@@ -48,12 +48,6 @@ void ScaleCopyCpu(const PayloadMap& map, CopyDirection dir, uint64_t offset, uin
 void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
                    const int32_t* dst_ids, size_t n);
 
-// Copies, for every layer, the first rows[l] token rows (all heads, K and V) of block `src` to
-// block `dst`; bytes past those rows are not touched (another writer may own them).
-// `layers` has num_layers entries, `rows` too.
-void CopyTokenRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
-                      const uint32_t* rows, uint32_t num_layers, int32_t src, int32_t dst);
-
 // One token row of one layer moved between blocks: its K and V rows of every kv head, its int8
 // scales and zero points, and for fp8 layers the (K/V, head) scales of the source block (which
 // then hold for every row of the destination block: only copy fp8 rows whose blocks share them).

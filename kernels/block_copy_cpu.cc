@@ -127,33 +127,6 @@ void CopyBlocksCpu(uint8_t* pool, uint64_t block_bytes, const int32_t* src_ids,
   }
 }
 
-void CopyTokenRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
-                      const uint32_t* rows, uint32_t num_layers, int32_t src, int32_t dst) {
-  const uint8_t* s = pool + uint64_t(src) * block_bytes;
-  uint8_t* d = pool + uint64_t(dst) * block_bytes;
-  for (uint32_t l = 0; l < num_layers; ++l) {
-    const LayerView& v = layers[l];
-    const uint32_t n = std::min(rows[l], v.block_tokens);
-    if (n == 0) continue;
-    for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
-      std::memcpy(d + v.KRow(h, 0), s + v.KRow(h, 0), n * v.KRowBytes());
-      if (v.has_v) std::memcpy(d + v.VRow(h, 0), s + v.VRow(h, 0), n * v.VRowBytes());
-    }
-    if (v.dtype == DType::kInt8) {
-      // Per-token scales [kv][heads][block_tokens] f32, then zero points of the same shape (u8).
-      for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
-        for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
-          std::memcpy(d + v.Int8Scale(kv, h, 0), s + v.Int8Scale(kv, h, 0), n * 4);
-          std::memcpy(d + v.Int8ZeroPoint(kv, h, 0), s + v.Int8ZeroPoint(kv, h, 0), n);
-        }
-      }
-    } else if (v.scale_bytes) {
-      // NOTE: fp8 scales are per block; a partial fp8 block's scales are copied whole.
-      std::memcpy(d + v.scale_offset, s + v.scale_offset, v.scale_bytes);
-    }
-  }
-}
-
 void CopyRowsCpu(uint8_t* pool, uint64_t block_bytes, const LayerView* layers,
                  const RowCopy* copies, size_t n) {
   for (size_t i = 0; i < n; ++i) {

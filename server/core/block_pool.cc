@@ -49,8 +49,6 @@ BlockPool::BlockPool(BlockLayout layout, std::unique_ptr<PoolMemory> memory, uin
                      PoolOptions options)
     : layout_(std::move(layout)),
       memory_(std::move(memory)),
-      base_(memory_->base()),
-      mapped_bytes_(memory_->bytes()),
       num_blocks_(num_blocks),
       options_(std::move(options)) {
   records_.resize(num_blocks);

@@ -154,13 +154,13 @@ class BlockPool {
 
   // Start of block `id`'s bytes (a device pointer when the memory is not direct()). Stable for
   // the pool's lifetime.
-  uint8_t* BlockData(int32_t id) const { return base_ + uint64_t(id) * layout_.block_bytes; }
-  uint8_t* base() const { return base_; }
+  uint8_t* BlockData(int32_t id) const { return base() + uint64_t(id) * layout_.block_bytes; }
+  uint8_t* base() const { return memory_->base(); }
   // Where the blocks live and how bytes move in and out of them.
   PoolMemory& memory() const { return *memory_; }
   const BlockLayout& layout() const { return layout_; }
   uint64_t num_blocks() const { return num_blocks_; }
-  uint64_t pool_bytes() const { return mapped_bytes_; }
+  uint64_t pool_bytes() const { return memory_->bytes(); }
   bool prefix_caching() const { return options_.enable_prefix_caching; }
   PoolStats Stats() const;
 
@@ -196,8 +196,6 @@ class BlockPool {
 
   const BlockLayout layout_;
   const std::unique_ptr<PoolMemory> memory_;
-  uint8_t* const base_;
-  const uint64_t mapped_bytes_;
   const uint64_t num_blocks_;
   const PoolOptions options_;
 

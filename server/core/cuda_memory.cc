@@ -235,61 +235,11 @@ class CudaMemory final : public PoolMemory {
   }
 
   absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) override {
-    if (absl::Status s = CheckJob(job); !s.ok()) return s;
-    const kernels::PayloadMap& m = job.map;
-    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
-    DeviceGuard guard(device_);
-    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    absl::MutexLock lock(&mu_);
-    uint8_t* dev_payload = nullptr;
-    absl::StatusOr<kernels::PayloadMap> d = SendMap(m, &dev_payload);
-    if (!d.ok()) return d.status();
-    KVBANK_CUDA_TRY(
-        cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, stream_),
-        "copying the payload to the device");
-    if (job.convert) {
-      KVBANK_CUDA_TRY(kernels::EncodePayloadCuda(*d, *job.convert, dev_payload, stream_),
-                      absl::StrCat("encoding a ", DTypeName(*job.convert), " payload"));
-    } else {
-      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, kernels::CopyDirection::kPayloadToPool, 0,
-                                               dev_payload, m.total_bytes, stream_),
-                      "scattering the payload");
-      if (d->scale_offset != nullptr) {
-        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, kernels::CopyDirection::kPayloadToPool, 0,
-                                               dev_payload, m.total_bytes, stream_),
-                        "scattering the payload's scales");
-      }
-    }
-    return Finish("writing a payload");
+    return MovePayload(job, kernels::CopyDirection::kPayloadToPool, const_cast<uint8_t*>(payload));
   }
 
   absl::Status ReadPayload(const PayloadJob& job, uint8_t* payload) override {
-    if (absl::Status s = CheckJob(job); !s.ok()) return s;
-    const kernels::PayloadMap& m = job.map;
-    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
-    DeviceGuard guard(device_);
-    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    absl::MutexLock lock(&mu_);
-    uint8_t* dev_payload = nullptr;
-    absl::StatusOr<kernels::PayloadMap> d = SendMap(m, &dev_payload);
-    if (!d.ok()) return d.status();
-    if (job.convert) {
-      KVBANK_CUDA_TRY(kernels::DecodePayloadCuda(*d, *job.convert, dev_payload, stream_),
-                      absl::StrCat("decoding a ", DTypeName(*job.convert), " payload"));
-    } else {
-      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, kernels::CopyDirection::kPoolToPayload, 0,
-                                               dev_payload, m.total_bytes, stream_),
-                      "gathering the payload");
-      if (d->scale_offset != nullptr) {
-        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, kernels::CopyDirection::kPoolToPayload, 0,
-                                               dev_payload, m.total_bytes, stream_),
-                        "gathering the payload's scales");
-      }
-    }
-    KVBANK_CUDA_TRY(
-        cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, stream_),
-        "copying the payload to the host");
-    return Finish("reading a payload");
+    return MovePayload(job, kernels::CopyDirection::kPoolToPayload, payload);
   }
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
@@ -422,6 +372,45 @@ class CudaMemory final : public PoolMemory {
   }
 
  private:
+  // The payload (host; read for kPayloadToPool, written for kPoolToPayload) to or from the blocks:
+  // it travels through the device scratch, next to the map's arrays.
+  absl::Status MovePayload(const PayloadJob& job, kernels::CopyDirection dir, uint8_t* payload) {
+    if (absl::Status s = CheckJob(job); !s.ok()) return s;
+    const kernels::PayloadMap& m = job.map;
+    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    absl::MutexLock lock(&mu_);
+    uint8_t* dev_payload = nullptr;
+    absl::StatusOr<kernels::PayloadMap> d = SendMap(m, &dev_payload);
+    if (!d.ok()) return d.status();
+    const bool in = dir == kernels::CopyDirection::kPayloadToPool;
+    if (in) {
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, stream_),
+          "copying the payload to the device");
+    }
+    if (job.convert) {
+      KVBANK_CUDA_TRY(
+          in ? kernels::EncodePayloadCuda(*d, *job.convert, dev_payload, stream_)
+             : kernels::DecodePayloadCuda(*d, *job.convert, dev_payload, stream_),
+          absl::StrCat(in ? "encoding a " : "decoding a ", DTypeName(*job.convert), " payload"));
+    } else {
+      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, dir, 0, dev_payload, m.total_bytes, stream_),
+                      in ? "scattering the payload" : "gathering the payload");
+      if (d->scale_offset != nullptr) {
+        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, dir, 0, dev_payload, m.total_bytes, stream_),
+                        in ? "scattering the payload's scales" : "gathering the payload's scales");
+      }
+    }
+    if (!in) {
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, stream_),
+          "copying the payload to the host");
+    }
+    return Finish(in ? "writing a payload" : "reading a payload");
+  }
+
   absl::Status CheckJob(const PayloadJob& job) const {
     if (job.map.pool != base()) {
       return absl::InvalidArgumentError(absl::StrCat(name(), ": payload map over another pool"));

@@ -22,12 +22,6 @@ namespace kvbank {
 
 namespace {
 
-class HeapStaging final : public StagingBuffer {
- public:
-  HeapStaging(uint8_t* data, uint64_t size) : StagingBuffer(data, size) {}
-  ~HeapStaging() override { std::free(data()); }
-};
-
 // Host staging buffers kept for reuse (the host-staged kind stages every transfer): a fresh
 // buffer of many MiB would page-fault on every transfer, which is not what staging costs.
 class StagingCache {
@@ -151,14 +145,6 @@ class HostMemory final : public PoolMemory {
 };
 
 }  // namespace
-
-absl::StatusOr<std::unique_ptr<StagingBuffer>> PoolMemory::Stage(uint64_t bytes) {
-  void* p = std::malloc(bytes == 0 ? 1 : bytes);
-  if (p == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " staging bytes"));
-  }
-  return std::unique_ptr<StagingBuffer>(new HeapStaging(static_cast<uint8_t*>(p), bytes));
-}
 
 absl::StatusOr<std::unique_ptr<PoolMemory>> CreateHostMemory(uint64_t bytes, bool prefault,
                                                              bool staged) {

@@ -79,7 +79,7 @@ class PoolMemory {
   bool direct() const { return kind_ == MemoryKind::kHost; }
 
   // A staging buffer of `bytes` (RESOURCE_EXHAUSTED when none can be had).
-  virtual absl::StatusOr<std::unique_ptr<StagingBuffer>> Stage(uint64_t bytes);
+  virtual absl::StatusOr<std::unique_ptr<StagingBuffer>> Stage(uint64_t bytes) = 0;
   // payload (host, job.map.total_bytes) -> blocks.
   virtual absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) = 0;
   // blocks -> payload (host, job.map.total_bytes).

@@ -221,7 +221,7 @@ TEST(BlockCopyTest, CopyBlocksCopiesWholeBlocksOnly) {
   }
 }
 
-// Expected destination block after CopyTokenRowsCpu, built one element at a time from the layout
+// Expected destination block after a fork's row copies, built one element at a time from the layout
 // description: rows t < rows[l] of K and V (all heads), their int8 scales and zero points, and
 // for fp8 the whole per-block scale region; every other byte keeps the sentinel.
 std::vector<uint8_t> ExpectedRows(const BlockLayout& b, const std::vector<uint32_t>& rows,
@@ -254,7 +254,9 @@ std::vector<uint8_t> ExpectedRows(const BlockLayout& b, const std::vector<uint32
   return want;
 }
 
-TEST(BlockCopyTest, CopyTokenRowsCopiesExactlyTheFirstRows) {
+// A prefix fork copies the first rows[l] rows of every layer of its partial block (CopyRowsCpu
+// with one RowCopy per row, as SequenceStore::Fork does): exactly those bytes, nothing else.
+TEST(BlockCopyTest, ForkRowCopiesCopyExactlyTheFirstRows) {
   std::printf("seed=%llu\n", static_cast<unsigned long long>(kSeed + 3));
   std::mt19937_64 rng(kSeed + 3);
   const std::vector<DType> mixed = {DType::kFp16, DType::kInt8, DType::kFp8E5M2, DType::kFp32,
@@ -276,8 +278,12 @@ TEST(BlockCopyTest, CopyTokenRowsCopiesExactlyTheFirstRows) {
           std::vector<uint8_t> pool = RandomBytes(rng, 4 * b.block_bytes);
           std::fill(pool.begin() + 2 * b.block_bytes, pool.begin() + 3 * b.block_bytes, sentinel);
           const std::vector<uint8_t> before = pool;
-          CopyTokenRowsCpu(pool.data(), b.block_bytes, b.layers.data(), rows.data(), b.num_layers(),
-                           /*src=*/1, /*dst=*/2);
+          std::vector<RowCopy> copies;
+          for (uint32_t l = 0; l < b.num_layers(); ++l) {
+            for (uint32_t t = 0; t < rows[l]; ++t)
+              copies.push_back({/*src=*/1, /*dst=*/2, t, t, l});
+          }
+          CopyRowsCpu(pool.data(), b.block_bytes, b.layers.data(), copies.data(), copies.size());
           const std::vector<uint8_t> want =
               ExpectedRows(b, rows, before.data() + b.block_bytes, sentinel);
           ASSERT_TRUE(std::equal(want.begin(), want.end(), pool.begin() + 2 * b.block_bytes))

@@ -2,8 +2,9 @@
 // RowCodec given the whole payload in one call: the same pool bytes after every transfer, the same
 // payload bytes back. Sweeps int8, fp8 e4m3 / e5m2, the element conversions and a mixed layout;
 // GQA, MQA and MLA; payloads at 0, on a block boundary and mid-block (after an earlier transfer
-// set the block's scales). Also the fp8 scale rule spelled out, and the row copies (CopyRowsCpu)
-// against CopyTokenRowsCpu and a byte-by-byte expectation.
+// set the block's scales). Also the fp8 scale rule spelled out, and row copies (CopyRowsCpu) that
+// move rows between blocks against a byte-by-byte expectation (the fork's list:
+// block_copy_test).
 #include "kernels/payload_codec.h"
 
 #include <cmath>
@@ -234,34 +235,6 @@ std::vector<ModelLayout> CopyShapes(uint32_t bt) {
     out.push_back(CodecShape(AttentionKind::kMla, 1, hd + 2, bt, kAllDTypes));
   }
   return out;
-}
-
-// A prefix fork's partial-block copy, row by row, equals CopyTokenRowsCpu's.
-TEST(PayloadCodecTest, CopyRowsForkMatchesCopyTokenRows) {
-  std::printf("seed=%llu\n", static_cast<unsigned long long>(kSeed + 3));
-  std::mt19937_64 rng(kSeed + 3);
-  int checked = 0;
-  for (uint32_t bt : {1u, 3u, 7u, 17u}) {
-    for (const ModelLayout& m : CopyShapes(bt)) {
-      ASSERT_EQ(ValidateLayout(m), "");
-      const BlockLayout b = ComputeBlockLayout(m);
-      for (int trial = 0; trial < 4; ++trial) {
-        std::vector<uint32_t> rows(b.num_layers());
-        for (uint32_t& r : rows) r = static_cast<uint32_t>(rng() % (bt + 1));
-        if (trial == 1) std::fill(rows.begin(), rows.end(), bt);
-        SCOPED_TRACE(LayoutFingerprint(m) + " trial " + std::to_string(trial));
-        const std::vector<uint8_t> before = RandomBytes(rng, 4 * b.block_bytes);
-        std::vector<uint8_t> want = before, got = before;
-        CopyTokenRowsCpu(want.data(), b.block_bytes, b.layers.data(), rows.data(), b.num_layers(),
-                         1, 2);
-        const std::vector<RowCopy> copies = testing::ForkCopies(b, rows, 1, 2);
-        CopyRowsCpu(got.data(), b.block_bytes, b.layers.data(), copies.data(), copies.size());
-        ASSERT_EQ(FirstDiff(b, want, got), "");
-        ++checked;
-      }
-    }
-  }
-  EXPECT_EQ(checked, 4 * 9 * 4);
 }
 
 // Rows moved to other rows of other blocks, in shuffled order, against an expectation built one

@@ -207,7 +207,7 @@ inline std::vector<uint8_t> CodecPayload(const BlockLayout& b, const PayloadLayo
 // RowCopy lists over a pool of `blocks` blocks (every block_tokens of `b`).
 //
 // Fork: the first rows[l] rows of every layer from block `src` to block `dst`, as a prefix fork
-// copies a partial block (what CopyTokenRowsCpu does in one call).
+// copies a partial block (SequenceStore::Fork's list).
 inline std::vector<RowCopy> ForkCopies(const BlockLayout& b, const std::vector<uint32_t>& rows,
                                        int32_t src, int32_t dst) {
   std::vector<RowCopy> out;
