@@ -2,8 +2,9 @@
 //
 //   kvbankd --listen 127.0.0.1:50051 --models llama-3.1-8b --pool-bytes 1GiB
 //
-// Serves kvbank.v1.KvBank, grpc.health.v1.Health and server reflection. SIGTERM / SIGINT stop
-// accepting calls, let the calls in flight finish (up to --drain-timeout) and exit 0.
+// Serves kvbank.v1.KvBank, grpc.health.v1.Health and server reflection. SIGTERM / SIGINT drain:
+// new calls fail UNAVAILABLE, Watch streams end, health turns NOT_SERVING, the calls in flight
+// finish and their answers reach the clients (up to --drain-timeout-ms); then it exits 0.
 #include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
@@ -30,6 +31,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/core/pool_memory.h"
+#include "server/rpc/drain.h"
 #include "server/rpc/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
@@ -57,7 +59,8 @@ ABSL_FLAG(int64_t, default_lease_ms, 300000, "lease of a sequence created withou
 ABSL_FLAG(int64_t, max_lease_ms, 86400000, "longest lease a caller may ask for");
 ABSL_FLAG(int64_t, lease_check_ms, 200, "how often expired leases are reaped");
 ABSL_FLAG(std::string, chunk_bytes, "1MiB", "payload bytes per streamed fetch message");
-ABSL_FLAG(int64_t, drain_timeout_ms, 10000, "how long calls in flight may finish at shutdown");
+ABSL_FLAG(int64_t, drain_timeout_ms, 10000,
+          "how long calls in flight may finish (and their answers reach the clients) at shutdown");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer tokens: one '<token> <tenant> [admin] [max_blocks_fraction=F]' a line");
 ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
@@ -250,6 +253,11 @@ int Main(int argc, char** argv) {
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
+  auto counter = std::make_unique<rpc::CallCounter>();
+  const rpc::CallCounter& calls = *counter;
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::move(counter));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(rpc::kMaxMessageBytes);
   builder.SetMaxSendMessageSize(rpc::kMaxMessageBytes);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -278,15 +286,33 @@ int Main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   std::cerr << "kvbankd: signal " << sig << ": draining calls in flight" << std::endl;
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms)));
+  // Drain before gRPC's Shutdown, which closes connections whose clients may still be reading
+  // (see server/rpc/drain.h): refuse new calls, report NOT_SERVING, let the calls in flight
+  // finish and wait until the clients have acknowledged every byte sent.
+  const absl::Time deadline =
+      absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
+  service.BeginDrain();
+  if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
+    health->Shutdown();
+  }
+  uint64_t in_flight = 0, unacked = 0;
+  for (;;) {
+    in_flight = calls.in_flight();
+    unacked = in_flight > 0 ? 0 : rpc::UnackedBytesOnPort(port);
+    if ((in_flight == 0 && unacked == 0) || absl::Now() >= deadline) break;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  if (in_flight > 0 || unacked > 0) {
+    std::cerr << "kvbankd: drain timed out with " << in_flight << " call(s) in flight and "
+              << unacked << " byte(s) not acknowledged; cancelling" << std::endl;
+  }
+  // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
+  // is left and close the connections now. A graceful GOAWAY would wait for idle clients to
+  // answer its ping, up to 20 s.
+  server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
   stop.Notify();
   reaper.join();
-  // A call is done once its last message and status are written to the socket, not read: exiting
-  // at once can reset a connection whose client is still reading them (it then sees UNAVAILABLE,
-  // "Broken pipe", for a call that succeeded). Give the clients a moment to read.
-  absl::SleepFor(absl::Milliseconds(200));
   std::cerr << "kvbankd: stopped" << std::endl;
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51
   // sometimes waits ~10 s for one of its internal threads.

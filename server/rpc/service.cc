@@ -46,10 +46,17 @@ KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOpt
 
 KvBankService::~KvBankService() = default;
 
+absl::StatusOr<Caller> KvBankService::Admit(const grpc::ServerContextBase& ctx) const {
+  if (draining_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("kvbankd is draining (shutting down): retry on another replica");
+  }
+  return auth_.Authenticate(ctx);
+}
+
 template <typename Op>
 grpc::ServerUnaryReactor* KvBankService::OnSequence(grpc::CallbackServerContext* ctx,
                                                     const std::string& model, uint64_t id, Op op) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   if (absl::Status s = CheckSequenceId(id); !s.ok()) return Done(ctx, s);
   auto store = FindModel(*registry_, model);
@@ -60,7 +67,7 @@ grpc::ServerUnaryReactor* KvBankService::OnSequence(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext* ctx,
                                                      const v1::EnsureModelRequest* req,
                                                      v1::EnsureModelResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto config = ToModelConfig(req->spec(), options_.defaults);
   if (!config.ok()) return Done(ctx, config.status());
@@ -75,7 +82,7 @@ grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* KvBankService::ListModels(grpc::CallbackServerContext* ctx,
                                                     const v1::ListModelsRequest* req,
                                                     v1::ListModelsResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   for (const auto& m : registry_->List()) ToProto(*m, resp->add_models());
   return Done(ctx, absl::OkStatus());
@@ -84,7 +91,7 @@ grpc::ServerUnaryReactor* KvBankService::ListModels(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* KvBankService::GetStats(grpc::CallbackServerContext* ctx,
                                                   const v1::GetStatsRequest* req,
                                                   v1::GetStatsResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   std::vector<std::shared_ptr<SequenceStore>> models;
   if (req->model().empty()) {
@@ -111,7 +118,7 @@ grpc::ServerUnaryReactor* KvBankService::GetStats(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerContext* ctx,
                                                         const v1::CreateSequenceRequest* req,
                                                         v1::SequenceInfo* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
@@ -154,7 +161,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
   AppendReactor(const KvBankService* service, grpc::CallbackServerContext* ctx,
                 v1::AppendResponse* resp)
       : service_(service), ctx_(ctx), resp_(resp) {
-    auto caller = service->auth_.Authenticate(*ctx);
+    auto caller = service->Admit(*ctx);
     if (!caller.ok()) {
       Finish(ToGrpcStatus(caller.status()));
       return;
@@ -297,7 +304,7 @@ grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::Fetch(grpc::Callback
                                                                   const v1::FetchRequest* req) {
   DType dtype = DType::kFp16;
   auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
-    auto caller = auth_.Authenticate(*ctx);
+    auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return s;
     auto model = FindModel(*registry_, req->model());
@@ -324,7 +331,7 @@ grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::FetchBlocks(
     grpc::CallbackServerContext* ctx, const v1::FetchBlocksRequest* req) {
   DType dtype = DType::kFp16;
   auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
-    auto caller = auth_.Authenticate(*ctx);
+    auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     auto model = FindModel(*registry_, req->model());
     if (!model.ok()) return model.status();
@@ -345,7 +352,7 @@ grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::FetchBlocks(
 grpc::ServerUnaryReactor* KvBankService::Match(grpc::CallbackServerContext* ctx,
                                                const v1::MatchRequest* req,
                                                v1::MatchResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
@@ -372,7 +379,7 @@ grpc::ServerUnaryReactor* KvBankService::Match(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* KvBankService::Pin(grpc::CallbackServerContext* ctx,
                                              const v1::PinRequest* req, v1::PinResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
@@ -397,7 +404,7 @@ grpc::ServerUnaryReactor* KvBankService::Pin(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(grpc::CallbackServerContext* ctx,
                                                        const v1::GetPrefixRootRequest* req,
                                                        v1::GetPrefixRootResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());
@@ -466,10 +473,19 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
  public:
   static constexpr size_t kMaxBatch = 256;
 
-  WatchReactor(std::shared_ptr<SequenceStore> model, Caller caller, uint64_t after)
-      : model_(std::move(model)), caller_(std::move(caller)), cursor_(after) {
+  WatchReactor(KvBankService* service, std::shared_ptr<SequenceStore> model, Caller caller,
+               uint64_t after)
+      : service_(service), model_(std::move(model)), caller_(std::move(caller)), cursor_(after) {
     model_->events()->Subscribe(this);
+    service_->AddWatch(this);
     Pump();
+  }
+
+  // The server is draining: the stream ends; the client resumes from its last sequence elsewhere.
+  void EndForDrain() {
+    absl::MutexLock lock(&mu_);
+    FinishLocked(ToGrpcStatus(
+        absl::UnavailableError("kvbankd is draining (shutting down): watch again elsewhere")));
   }
 
   void Notify() override { Pump(); }
@@ -493,6 +509,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
 
   void OnDone() override {
     model_->events()->Unsubscribe(this);  // after this, no Notify runs
+    service_->RemoveWatch(this);          // nor EndForDrain
     delete this;
   }
 
@@ -523,6 +540,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
     Finish(s);
   }
 
+  KvBankService* const service_;
   const std::shared_ptr<SequenceStore> model_;
   const Caller caller_;
   absl::Mutex mu_;
@@ -544,7 +562,7 @@ class FailedWatch final : public grpc::ServerWriteReactor<v1::KvEventBatch> {
 
 grpc::ServerWriteReactor<v1::KvEventBatch>* KvBankService::Watch(grpc::CallbackServerContext* ctx,
                                                                  const v1::WatchRequest* req) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return new FailedWatch(caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return new FailedWatch(model.status());
@@ -553,13 +571,30 @@ grpc::ServerWriteReactor<v1::KvEventBatch>* KvBankService::Watch(grpc::CallbackS
   }
   const uint64_t after =
       req->from_now() ? (*model)->events()->last_sequence() : req->after_sequence();
-  return new WatchReactor(*std::move(model), *std::move(caller), after);
+  return new WatchReactor(this, *std::move(model), *std::move(caller), after);
+}
+
+void KvBankService::AddWatch(WatchReactor* w) {
+  absl::MutexLock lock(&watches_mu_);
+  watches_.insert(w);
+  if (draining_.load(std::memory_order_relaxed)) w->EndForDrain();  // admitted just before
+}
+
+void KvBankService::RemoveWatch(WatchReactor* w) {
+  absl::MutexLock lock(&watches_mu_);
+  watches_.erase(w);
+}
+
+void KvBankService::BeginDrain() {
+  absl::MutexLock lock(&watches_mu_);
+  draining_.store(true, std::memory_order_release);
+  for (WatchReactor* w : watches_) w->EndForDrain();
 }
 
 grpc::ServerUnaryReactor* KvBankService::Attend(grpc::CallbackServerContext* ctx,
                                                 const v1::AttendRequest* req,
                                                 v1::AttendResponse* resp) {
-  auto caller = auth_.Authenticate(*ctx);
+  auto caller = Admit(*ctx);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto model = FindModel(*registry_, req->model());
   if (!model.ok()) return Done(ctx, model.status());

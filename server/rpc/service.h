@@ -2,8 +2,11 @@
 #ifndef KVBANK_SERVER_RPC_SERVICE_H_
 #define KVBANK_SERVER_RPC_SERVICE_H_
 
+#include <atomic>
 #include <memory>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
 #include "server/rpc/auth.h"
@@ -76,7 +79,15 @@ class KvBankService final : public v1::KvBank::CallbackService {
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
                                    v1::AttendResponse* resp) override;
 
+  // Drain mode, the first step of a graceful stop (see drain.h): every call from now on fails
+  // UNAVAILABLE naming the drain, and every Watch stream ends with that status. Calls already
+  // admitted run to completion. There is no way back.
+  void BeginDrain();
+
  private:
+  // Every call starts here: refused while draining, else authenticated.
+  absl::StatusOr<Caller> Admit(const grpc::ServerContextBase& ctx) const;
+
   // A unary call on one sequence: authenticates, checks the id, finds the model, then finishes
   // with op(model, tenant)'s status.
   template <typename Op>
@@ -86,10 +97,15 @@ class KvBankService final : public v1::KvBank::CallbackService {
   class AppendReactor;
   class FetchReactor;
   class WatchReactor;
+  void AddWatch(WatchReactor* w);
+  void RemoveWatch(WatchReactor* w);
 
   const std::shared_ptr<ModelRegistry> registry_;
   const ServiceOptions options_;
   const Authenticator auth_;
+  std::atomic<bool> draining_{false};  // set under watches_mu_
+  absl::Mutex watches_mu_;             // before any WatchReactor's own lock
+  absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
   std::unique_ptr<WorkQueue> attend_work_;  // last: joined (finishing its calls) first
 };
 

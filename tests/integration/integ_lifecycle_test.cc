@@ -12,8 +12,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvbank/client.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
 #include "tests/integration/kv_reference.h"
 #include "tests/integration/server_fixture.h"
 
@@ -556,6 +558,89 @@ TEST_F(DrainTest, SigtermLetsCallsInFlightFinishThenExitsZero) {
   }
   auto seq = writer->GetSequence("drain", g->id);
   EXPECT_EQ(seq.status().code(), absl::StatusCode::kUnavailable) << seq.status();
+}
+
+// While a call is in flight, a stopping server refuses every new call with UNAVAILABLE naming the
+// drain and ends Watch streams at once; the call in flight still completes and is kept. The
+// append here is held open by the test, so each step happens at a known point of the drain.
+TEST_F(DrainTest, NewCallsAreRefusedAndWatchesEndWhileAnAppendIsInFlight) {
+  ASSERT_NO_FATAL_FAILURE(StartServer(
+      {"--models=", "--pool-bytes=64MiB", "--max-pool-bytes=1GiB", "--drain-timeout-ms=60000"}));
+  const ModelLayout layout = SmallGqa("drain", DType::kFp16);
+  auto setup = NewClient();
+  auto model = setup->EnsureModel(layout);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto seq = setup->CreateSequence("drain", absl::ZeroDuration());
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const Client::ModelStats before = StatsOf(*setup, "drain");
+
+  // A Watch stream, live once its first batch is in.
+  std::atomic<bool> watching{false};
+  absl::Status watch_status = absl::UnknownError("not run");
+  auto watcher = NewClient();
+  std::thread watch_thread([&] {
+    watch_status = watcher->Watch("drain", 0, false, absl::Seconds(60),
+                                  [&](const std::vector<Client::Event>&, uint64_t) {
+                                    watching = true;
+                                    return true;
+                                  });
+  });
+
+  // An append of 40 tokens, through the raw stub: header and half the payload, then held.
+  const uint64_t tokens = 40, bytes = tokens * model->payload_bytes_per_token;
+  grpc::ChannelArguments channel_args;
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto stub = v1::KvBank::NewStub(grpc::CreateCustomChannel(
+      server_->target(), grpc::InsecureChannelCredentials(), channel_args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::AppendResponse resp;
+  auto writer = stub->Append(&ctx, &resp);
+  v1::AppendRequest first;
+  first.mutable_header()->set_model("drain");
+  first.mutable_header()->set_sequence_id(seq->id);
+  first.mutable_header()->set_num_tokens(tokens);
+  first.mutable_header()->set_payload_bytes(bytes);
+  first.set_data(std::string(bytes / 2, '\0'));
+  ASSERT_TRUE(writer->Write(first));
+
+  // Both in flight: the watch has its first batch, the append has taken its blocks.
+  absl::Time t = absl::Now();
+  while (absl::Now() - t < absl::Seconds(30) &&
+         !(watching && StatsOf(*setup, "drain").blocks_used > before.blocks_used)) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(watching);
+  ASSERT_GT(StatsOf(*setup, "drain").blocks_used, before.blocks_used);
+
+  server_->SendSignal(SIGTERM);
+  t = absl::Now();
+  watch_thread.join();
+  std::cerr << "[drain] the watch ended " << absl::ToInt64Milliseconds(absl::Now() - t)
+            << " ms after SIGTERM\n";
+  EXPECT_EQ(watch_status.code(), absl::StatusCode::kUnavailable) << watch_status;
+  EXPECT_TRUE(absl::StrContains(watch_status.message(), "draining")) << watch_status;
+
+  // The server is still up (the append holds it): a new call, on an old or a new connection,
+  // is refused by name.
+  auto fresh = NewClient();
+  for (Client* c : {setup.get(), fresh.get()}) {
+    auto st = c->GetStats("drain");
+    EXPECT_EQ(st.status().code(), absl::StatusCode::kUnavailable) << st.status();
+    EXPECT_TRUE(absl::StrContains(st.status().message(), "draining")) << st.status();
+  }
+
+  // The rest of the payload: the append commits, and the server exits 0 once it is answered.
+  v1::AppendRequest rest;
+  rest.set_data(std::string(bytes - bytes / 2, '\0'));
+  ASSERT_TRUE(writer->Write(rest));
+  writer->WritesDone();
+  grpc::Status appended = writer->Finish();
+  ASSERT_TRUE(appended.ok()) << appended.error_message();
+  EXPECT_EQ(resp.sequence().sequence_id(), seq->id);
+  EXPECT_EQ(resp.sequence().length(), tokens);
+  absl::Status exit = server_->WaitForExit(absl::Seconds(30));
+  EXPECT_TRUE(exit.ok()) << exit;
 }
 
 }  // namespace

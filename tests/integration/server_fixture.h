@@ -67,8 +67,7 @@ class ServerProcess {
 // A gtest fixture owning at most one server at a time. StartServer fails the test (fatally) when
 // the server does not come up or does not report SERVING; TearDown stops the server, expects exit
 // status 0 and prints the server's log when the test failed (always, with
-// KVBANK_INTEG_SERVER_LOG=1). Close the test's clients before TearDown: gRPC's Server::Shutdown
-// waits for open connections.
+// KVBANK_INTEG_SERVER_LOG=1). Clients may outlive the server: its drain closes their connections.
 class KvbankdTest : public ::testing::Test {
  protected:
   void StartServer(const std::vector<std::string>& flags);
