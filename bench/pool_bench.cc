@@ -58,6 +58,12 @@ T Check(absl::StatusOr<T> v, const char* what) {
   }
   return *std::move(v);
 }
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "pool_bench: %s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
 
 // A small-head layout: head_dim 64 makes 128-byte rows, so the block-table scatter moves runs of
 // only block_tokens * 128 = 2 KiB.
@@ -153,7 +159,7 @@ Row RunCase(SequenceStore& store, uint64_t tokens, int reps) {
     FetchSpec f;
     f.sequence_id = seq.id;
     auto reader = Check(store.BeginFetch(f), "BeginFetch");
-    reader->Read(0, absl::MakeSpan(src2));
+    Check(reader->Read(0, absl::MakeSpan(src2)), "Read");
     t2 = Clock::now();
     reader.reset();
     Check(store.Free(seq.id), "Free");

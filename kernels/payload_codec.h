@@ -1,8 +1,9 @@
 // Whole-payload conversion between a dense payload in a wire dtype (fp32 / fp16 / bf16) and
 // blocks whose layers store another dtype: converting, quantizing to int8 / fp8 on the way in,
-// dequantizing on the way out. What a pool the CPU cannot address (the CUDA backend) runs once a
-// transfer's payload is staged whole; the host backend streams chunks through the server's
-// RowCodec instead, which writes the same bytes when it is given the whole payload in one call.
+// dequantizing on the way out. What a pool the CPU cannot address (the CUDA backend) runs on
+// each staged piece of a transfer (whole layers, each a payload of its own); the host backend
+// streams chunks through the server's RowCodec instead, which writes the same bytes when it is
+// given the whole payload in one call.
 //
 // Rows: one row = head_dim (K) or head_dim_v (V) values of one (layer, K/V part, kv head, token);
 // the payload is laid out as PayloadLayout::Make(blocks, l0, l1, n, wire) says:

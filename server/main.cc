@@ -59,6 +59,9 @@ ABSL_FLAG(int64_t, default_lease_ms, 300000, "lease of a sequence created withou
 ABSL_FLAG(int64_t, max_lease_ms, 86400000, "longest lease a caller may ask for");
 ABSL_FLAG(int64_t, lease_check_ms, 200, "how often expired leases are reaped");
 ABSL_FLAG(std::string, chunk_bytes, "1MiB", "payload bytes per streamed fetch message");
+ABSL_FLAG(std::string, staging_bytes, "64MiB",
+          "pools on a GPU: host (pinned) bytes one append or fetch stages at a time; payloads move "
+          "in pieces of whole layers, a larger layer alone");
 ABSL_FLAG(int64_t, drain_timeout_ms, 10000,
           "how long calls in flight may finish (and their answers reach the clients) at shutdown");
 ABSL_FLAG(std::string, auth_tokens_file, "",
@@ -184,6 +187,9 @@ int Main(int argc, char** argv) {
     return Fail(absl::StrCat("--chunk-bytes must be in (0, ", rpc::kMaxMessageBytes / 2, "]"));
   }
   options.chunk_bytes = *chunk;
+  auto staging = ParseBytes(absl::GetFlag(FLAGS_staging_bytes));
+  if (!staging.ok() || *staging == 0) return Fail("--staging-bytes must be a byte size above 0");
+  options.defaults.staging_bytes = *staging;
   StoreOptions& store = options.defaults.store;
   store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   store.max_tokens_per_sequence = absl::GetFlag(FLAGS_max_tokens_per_sequence);

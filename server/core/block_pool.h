@@ -77,6 +77,10 @@ struct PoolOptions {
   // Touch every page at creation: the pool is a reservation, and first-touch faults would
   // otherwise land on the append path (about 2 GB/s here instead of memcpy speed).
   bool prefault = true;
+  // Memory that is not direct (a GPU): the most payload bytes one transfer holds in its staging
+  // buffer at a time. Payloads move in pieces of whole layers; a layer larger than this is a
+  // piece of its own.
+  uint64_t staging_bytes = uint64_t{64} << 20;
 };
 
 // What publishing a block records (and its BlockStored event carries).
@@ -162,6 +166,7 @@ class BlockPool {
   uint64_t num_blocks() const { return num_blocks_; }
   uint64_t pool_bytes() const { return memory_->bytes(); }
   bool prefix_caching() const { return options_.enable_prefix_caching; }
+  uint64_t staging_bytes() const { return options_.staging_bytes; }
   PoolStats Stats() const;
 
   // For tests: free + cached + used == total, every state consistent with the records, the index

@@ -61,6 +61,7 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   pool_options.enable_prefix_caching = config.enable_prefix_caching;
   pool_options.events = events.get();
   pool_options.clock = config.store.clock;
+  pool_options.staging_bytes = config.staging_bytes;
   auto pool = BlockPool::Create(ComputeBlockLayout(config.layout), config.pool_bytes, config.device,
                                 pool_options);
   if (!pool.ok()) {

@@ -19,7 +19,8 @@ namespace kvbank {
 struct ModelConfig {
   ModelLayout layout;  // layout.name is the model's name
   uint64_t pool_bytes = 0;
-  DeviceSpec device;  // where the pool's blocks live
+  DeviceSpec device;                                     // where the pool's blocks live
+  uint64_t staging_bytes = PoolOptions().staging_bytes;  // see PoolOptions
   StoreOptions store;
   bool enable_prefix_caching = true;
   size_t event_capacity = 65536;  // KV events kept for watchers to resume from

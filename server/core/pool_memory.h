@@ -4,8 +4,9 @@
 //   host         host memory (mmap'd, prefaulted) that the store reads and writes itself:
 //                appends and fetches stream chunk by chunk straight between the payload and the
 //                blocks (the default, and the only kind on a machine without a GPU).
-//   cuda:N       device memory (cudaMalloc) on GPU N. A transfer's payload is staged whole in a
-//                page-locked host buffer, copied asynchronously on the memory's stream, and
+//   cuda:N       device memory (cudaMalloc) on GPU N. A transfer's payload is staged in a
+//                page-locked host buffer, a piece of whole layers at a time (the store cuts
+//                it: PoolOptions::staging_bytes), copied asynchronously on the memory's stream, and
 //                scattered / gathered / quantized / dequantized by kernels on the device;
 //                attention runs there too.
 //   host-staged  host memory driven exactly like cuda:N (staged payloads, every move through
@@ -75,7 +76,7 @@ class PoolMemory {
   uint8_t* base() const { return base_; }
   uint64_t bytes() const { return bytes_; }
   // True for host: the store may read and write the bytes itself, streaming. False: every move
-  // goes through the calls below, with payloads staged whole.
+  // goes through the calls below, with payloads staged (in pieces of whole layers).
   bool direct() const { return kind_ == MemoryKind::kHost; }
 
   // A staging buffer of `bytes` (RESOURCE_EXHAUSTED when none can be had).

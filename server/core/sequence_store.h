@@ -135,6 +135,26 @@ struct Sequence;
 // blocks no reader can see; Commit makes them visible at once. Destroying an uncommitted
 // transaction (error, cancel) releases everything it took: the sequence is exactly as before.
 // One transaction per sequence at a time. Not thread-safe: one caller drives it.
+// A run of whole layers of a payload that moves through a staging buffer in one piece, on memory
+// that is not direct (PoolOptions::staging_bytes bounds it unless one layer is larger). Each
+// piece is a payload of its own over the same tokens: its job's arrays start at its first layer.
+// Not copyable: job.map points into the piece's own vectors.
+struct StagedPiece {
+  StagedPiece() = default;
+  StagedPiece(StagedPiece&&) = default;
+  StagedPiece& operator=(StagedPiece&&) = default;
+  StagedPiece(const StagedPiece&) = delete;
+  StagedPiece& operator=(const StagedPiece&) = delete;
+
+  uint64_t begin = 0;  // payload bytes [begin, end)
+  uint64_t end = 0;
+  uint32_t layer_begin = 0;  // model layers [layer_begin, layer_end)
+  uint32_t layer_end = 0;
+  PayloadJob job;
+  std::vector<uint64_t> layer_offset;  // job.map.layer_offset, from the piece's first byte
+  std::vector<uint64_t> scale_offset;  // job.map.scale_offset (storage format)
+};
+
 class AppendTxn {
  public:
   ~AppendTxn();
@@ -145,7 +165,8 @@ class AppendTxn {
   uint64_t bytes_written() const { return written_; }
   DType dtype() const { return dtype_; }  // of the payload
   // Copies (or converts, or quantizes) the next `data.size()` payload bytes into the pool; on
-  // memory that is not direct (a GPU) they are staged and move at Commit.
+  // memory that is not direct (a GPU) they are staged, and each piece of whole layers moves
+  // once its last byte is in (StagedPiece).
   // INVALID_ARGUMENT when they would run past payload_bytes(), or hold NaN / Inf on the way to a
   // converted layer; the transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
@@ -159,11 +180,14 @@ class AppendTxn {
   AppendTxn() = default;
   // Ends the transaction without publishing: drops its blocks, clears the in-flight mark.
   void Abort();
-  // Storage-format appends: the scales are finite (and positive for fp8) and no fp8 code is NaN
-  // or Inf. INVALID_ARGUMENT naming the first bad one.
-  absl::Status ValidateStorageFormat() const;
-  // Staged memory: the storage-format checks, then the move into the blocks.
-  absl::Status FlushStaged();
+  // Storage-format appends: the scales of layers [l0, l1) are finite (and positive for fp8) and
+  // no fp8 code is NaN or Inf. INVALID_ARGUMENT naming the first bad one. Reads the blocks, or
+  // when `staged` is set the staged payload bytes that start at payload byte `staged_begin`.
+  absl::Status ValidateStorageFormat(uint32_t l0, uint32_t l1, const uint8_t* staged,
+                                     uint64_t staged_begin) const;
+  // Staged memory: the storage-format checks of a piece whose bytes are all staged, then its
+  // move into the blocks.
+  absl::Status FlushPiece(const StagedPiece& piece);
 
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;
@@ -174,7 +198,9 @@ class AppendTxn {
   DType dtype_ = DType::kFp16;
   PayloadJob job_;                   // the payload over the blocks (job_.convert: conversions)
   std::unique_ptr<RowCodec> codec_;  // conversions on direct (host) memory, streamed
-  std::unique_ptr<StagingBuffer> staging_;  // memory that is not direct: the whole payload
+  std::vector<StagedPiece> pieces_;  // memory that is not direct: the payload's pieces,
+  size_t piece_ = 0;                 // the one being staged,
+  std::unique_ptr<StagingBuffer> staging_;  // and its bytes (sized for the largest piece)
   uint64_t checked_ = 0;              // staged conversions: payload elements found finite so far
   bool storage_format_ = false;       // elements and scales arrive as stored
   std::vector<int32_t> write_table_;  // block table the payload is written through
@@ -194,9 +220,11 @@ class FetchReader {
   uint32_t layer_begin() const { return payload_.layer_begin; }
   uint32_t layer_end() const { return payload_.layer_end; }
   DType dtype() const { return dtype_; }  // of the payload
-  // Copies (or dequantizes) payload bytes [offset, offset + out.size()) into `out`.
+  // Copies (or dequantizes) payload bytes [offset, offset + out.size()) into `out`. Any order;
+  // in order is cheapest on memory that is not direct (each piece of whole layers is read from
+  // the device once). INTERNAL when the device fails; never fails on host memory.
   // REQUIRES: offset + out.size() <= payload_bytes().
-  void Read(uint64_t offset, absl::Span<uint8_t> out) const;
+  absl::Status Read(uint64_t offset, absl::Span<uint8_t> out);
 
  private:
   friend class SequenceStore;
@@ -206,7 +234,10 @@ class FetchReader {
   DType dtype_ = DType::kFp16;
   PayloadJob job_;
   std::unique_ptr<RowCodec> codec_;  // direct memory, some layer stores another dtype than dtype_
-  std::unique_ptr<StagingBuffer> staged_;  // memory that is not direct: the payload, read whole
+  PoolMemory* memory_ = nullptr;     // memory that is not direct: where pieces come from,
+  std::vector<StagedPiece> pieces_;  // the payload's pieces,
+  std::unique_ptr<StagingBuffer> staged_;  // the bytes of one (sized for the largest)
+  size_t loaded_ = SIZE_MAX;               // which piece staged_ holds
   std::vector<BlockRef> refs_;  // blocks covering the range (first block of the range first)
   std::vector<int32_t> table_;  // their ids, indexed from the sequence's block 0
 };
@@ -344,8 +375,12 @@ class SequenceStore {
   void Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin, uint64_t n,
                  const int32_t* table, PayloadLayout* payload, PayloadJob* job,
                  std::unique_ptr<RowCodec>* codec) const;
-  // Memory that is not direct: reads the reader's whole payload into a staging buffer.
+  // Memory that is not direct: cuts the reader's payload into pieces and reads the first into a
+  // staging buffer the size of the largest (FetchReader::Read reads the others as it goes).
   absl::Status StageFetch(FetchReader& r);
+  // Memory that is not direct: `payload` (moved as `job`) cut into pieces of whole layers.
+  std::vector<StagedPiece> SplitForStaging(const PayloadLayout& payload,
+                                           const PayloadJob& job) const;
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it

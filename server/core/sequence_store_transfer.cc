@@ -161,6 +161,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   txn->storage_format_ = wire->mode == Mode::kStorage;
   Configure(*wire, l0, l1, pos, spec.num_tokens, txn->write_table_.data(), &txn->payload_,
             &txn->job_, &txn->codec_);
+  if (!pool_->memory().direct()) txn->pieces_ = SplitForStaging(txn->payload_, txn->job_);
   return txn;
 }
 
@@ -178,25 +179,39 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
   if (data.empty()) return absl::OkStatus();
   if (!store_->pool_->memory().direct()) {
     if (staging_ == nullptr) {
-      auto staged = store_->pool_->memory().Stage(payload_.total_bytes);
+      uint64_t largest = 0;
+      for (const StagedPiece& p : pieces_) largest = std::max(largest, p.end - p.begin);
+      auto staged = store_->pool_->memory().Stage(largest);
       if (!staged.ok()) return staged.status();
       staging_ = *std::move(staged);
     }
-    std::memcpy(staging_->data() + written_, data.data(), data.size());
-    if (job_.convert.has_value()) {
-      // The elements this chunk completes must be finite, as RowCodec checks on direct memory.
-      const uint32_t width = DTypeBytes(*job_.convert);
-      const uint64_t end = (written_ + data.size()) / width;
-      const int64_t bad = kernels::FindNonFinite(staging_->data() + checked_ * width, *job_.convert,
-                                                 end - checked_);
-      if (bad >= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "payload holds NaN or Inf (",
-            DescribePayloadByte(store_->block_layout(), payload_, (checked_ + bad) * width),
-            "); refused, nothing stored"));
+    for (uint64_t at = 0; at < data.size();) {
+      const StagedPiece& piece = pieces_[piece_];
+      const uint64_t n = std::min<uint64_t>(data.size() - at, piece.end - written_);
+      std::memcpy(staging_->data() + (written_ - piece.begin), data.data() + at, n);
+      if (job_.convert.has_value()) {
+        // The elements this chunk completes must be finite, as RowCodec checks on direct memory.
+        // (Pieces are whole layers, so they start on an element.)
+        const uint32_t width = DTypeBytes(*job_.convert);
+        const uint64_t end = (written_ + n) / width;
+        const int64_t bad = kernels::FindNonFinite(
+            staging_->data() + (checked_ * width - piece.begin), *job_.convert, end - checked_);
+        if (bad >= 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "payload holds NaN or Inf (",
+              DescribePayloadByte(store_->block_layout(), payload_, (checked_ + bad) * width),
+              "); refused, nothing stored"));
+        }
+        checked_ = end;
       }
-      checked_ = end;
+      written_ += n;
+      at += n;
+      if (written_ == piece.end) {
+        if (absl::Status f = FlushPiece(piece); !f.ok()) return f;
+        ++piece_;
+      }
     }
+    return absl::OkStatus();
   } else if (codec_ != nullptr) {
     if (absl::Status s = codec_->Write(written_, data); !s.ok()) return s;
   } else {
@@ -218,13 +233,10 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
         "payload has ", written_, " bytes; ", spec_.num_tokens, " tokens of layers [",
         payload_.layer_begin, ", ", payload_.layer_end, ") take ", payload_.total_bytes));
   }
-  if (!store_->pool_->memory().direct()) {
-    if (absl::Status f = FlushStaged(); !f.ok()) {
-      Abort();
-      return f;
-    }
-  } else if (storage_format_) {
-    if (absl::Status v = ValidateStorageFormat(); !v.ok()) {
+  // Memory that is not direct: every piece moved (and was checked) in Write.
+  if (storage_format_ && store_->pool_->memory().direct()) {
+    if (absl::Status v = ValidateStorageFormat(payload_.layer_begin, layer_end_, nullptr, 0);
+        !v.ok()) {
       Abort();
       return v;
     }
@@ -260,21 +272,24 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   return st.Info(s);
 }
 
-absl::Status AppendTxn::FlushStaged() {
-  const uint8_t* payload = staging_ != nullptr ? staging_->data() : nullptr;
+absl::Status AppendTxn::FlushPiece(const StagedPiece& piece) {
   if (storage_format_) {
-    if (absl::Status v = ValidateStorageFormat(); !v.ok()) return v;
+    if (absl::Status v = ValidateStorageFormat(piece.layer_begin, piece.layer_end, staging_->data(),
+                                               piece.begin);
+        !v.ok()) {
+      return v;
+    }
   }
-  if (payload_.total_bytes == 0) return absl::OkStatus();
-  return store_->pool_->memory().WritePayload(job_, payload);
+  if (piece.end == piece.begin) return absl::OkStatus();
+  return store_->pool_->memory().WritePayload(piece.job, staging_->data());
 }
 
-absl::Status AppendTxn::ValidateStorageFormat() const {
+absl::Status AppendTxn::ValidateStorageFormat(uint32_t l0, uint32_t l1, const uint8_t* staged,
+                                              uint64_t staged_begin) const {
   const BlockLayout& b = store_->block_layout();
   const uint64_t bt = b.block_tokens;
   // Where the scales and rows are: in the blocks (direct memory: written already), or in the
-  // staged payload (PayloadLayout::MakeStorage's order).
-  const uint8_t* staged = staging_ != nullptr ? staging_->data() : nullptr;
+  // staged payload (PayloadLayout::MakeStorage's order) from payload byte staged_begin on.
   auto scale_at = [&](const LayerView& v, uint32_t l, uint32_t kv, uint32_t h, uint64_t t) {
     float scale;
     if (staged != nullptr) {
@@ -287,7 +302,7 @@ absl::Status AppendTxn::ValidateStorageFormat() const {
               : section + ((uint64_t{kv} * v.num_kv_heads + h) * payload_.num_blocks +
                            (t / bt - payload_.first_block)) *
                               4;
-      std::memcpy(&scale, staged + at, 4);
+      std::memcpy(&scale, staged + (at - staged_begin), 4);
     } else {
       const uint8_t* block = job_.map.pool + uint64_t(write_table_[t / bt]) * b.block_bytes;
       const uint32_t row = static_cast<uint32_t>(t % bt);
@@ -302,13 +317,14 @@ absl::Status AppendTxn::ValidateStorageFormat() const {
       const uint64_t part = payload_.layer_offset[l - payload_.layer_begin] +
                             (kv == 0 ? 0 : payload_.KPartBytes(b, l));
       const uint64_t row_bytes = kv == 0 ? v.KRowBytes() : v.VRowBytes();
-      return staged + part + (uint64_t{h} * payload_.num_tokens + (t - position_)) * row_bytes;
+      return staged + (part - staged_begin) +
+             (uint64_t{h} * payload_.num_tokens + (t - position_)) * row_bytes;
     }
     const uint8_t* block = job_.map.pool + uint64_t(write_table_[t / bt]) * b.block_bytes;
     const uint32_t row = static_cast<uint32_t>(t % bt);
     return block + (kv == 0 ? v.KRow(h, row) : v.VRow(h, row));
   };
-  for (uint32_t l = payload_.layer_begin; l < layer_end_; ++l) {
+  for (uint32_t l = l0; l < l1; ++l) {
     const LayerView& v = b.layers[l];
     for (uint32_t kv = 0; kv < v.KvParts(); ++kv) {
       for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
@@ -408,10 +424,28 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
   return r;
 }
 
-void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
-  if (out.empty()) return;
-  if (staged_ != nullptr) {
-    std::memcpy(out.data(), staged_->data() + offset, out.size());
+absl::Status FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) {
+  if (out.empty()) return absl::OkStatus();
+  if (memory_ != nullptr) {
+    // The pieces that hold [offset, offset + out.size()), each read from the device once while
+    // the reads go forward.
+    size_t i = loaded_ < pieces_.size() && pieces_[loaded_].begin <= offset ? loaded_ : 0;
+    for (uint64_t at = 0; at < out.size(); ++i) {
+      if (i >= pieces_.size()) {
+        return absl::OutOfRangeError(
+            absl::StrCat("read past the payload's ", payload_.total_bytes, " bytes"));
+      }
+      const StagedPiece& piece = pieces_[i];
+      if (offset + at >= piece.end) continue;
+      if (loaded_ != i) {
+        loaded_ = SIZE_MAX;  // until the read succeeds
+        if (absl::Status s = memory_->ReadPayload(piece.job, staged_->data()); !s.ok()) return s;
+        loaded_ = i;
+      }
+      const uint64_t n = std::min<uint64_t>(out.size() - at, piece.end - (offset + at));
+      std::memcpy(out.data() + at, staged_->data() + (offset + at - piece.begin), n);
+      at += n;
+    }
   } else if (codec_ != nullptr) {
     codec_->Read(offset, out);
   } else {
@@ -420,20 +454,58 @@ void FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) const {
     kernels::ScaleCopyCpu(job_.map, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
                           out.size());
   }
+  return absl::OkStatus();
 }
 
 absl::Status SequenceStore::StageFetch(FetchReader& r) {
   PoolMemory& memory = pool_->memory();
   if (memory.direct()) return absl::OkStatus();
-  // NOTE: the whole payload at once: the device gathers (and dequantizes) it in one pass and
-  // one copy brings it over; the reader's blocks stay referenced until it is destroyed.
-  auto staged = memory.Stage(r.payload_.total_bytes);
+  // Pieces of whole layers, the first read now: a device that fails, fails the fetch before a
+  // byte goes out. The reader's blocks stay referenced until it is destroyed, so later pieces
+  // read what the sequence held when the fetch began.
+  r.pieces_ = SplitForStaging(r.payload_, r.job_);
+  uint64_t largest = 0;
+  for (const StagedPiece& p : r.pieces_) largest = std::max(largest, p.end - p.begin);
+  auto staged = memory.Stage(largest);
   if (!staged.ok()) return staged.status();
-  if (r.payload_.total_bytes > 0) {
-    if (absl::Status s = memory.ReadPayload(r.job_, (*staged)->data()); !s.ok()) return s;
-  }
   r.staged_ = *std::move(staged);
+  r.memory_ = &memory;
+  if (largest == 0) return absl::OkStatus();
+  if (absl::Status s = memory.ReadPayload(r.pieces_[0].job, r.staged_->data()); !s.ok()) return s;
+  r.loaded_ = 0;
   return absl::OkStatus();
+}
+
+std::vector<StagedPiece> SequenceStore::SplitForStaging(const PayloadLayout& payload,
+                                                        const PayloadJob& job) const {
+  const uint32_t layers = payload.layer_end - payload.layer_begin;
+  auto layer_end = [&](uint32_t i) {
+    return i + 1 < layers ? payload.layer_offset[i + 1] : payload.total_bytes;
+  };
+  const uint64_t budget = pool_->staging_bytes();
+  std::vector<StagedPiece> pieces;
+  for (uint32_t i = 0; i < layers;) {
+    StagedPiece p;
+    p.begin = payload.layer_offset[i];
+    uint32_t j = i + 1;  // whole layers while they fit; at least one
+    while (j < layers && layer_end(j) - p.begin <= budget) ++j;
+    p.end = layer_end(j - 1);
+    p.layer_begin = payload.layer_begin + i;
+    p.layer_end = payload.layer_begin + j;
+    for (uint32_t k = i; k < j; ++k) {
+      p.layer_offset.push_back(payload.layer_offset[k] - p.begin);
+      if (payload.storage_format()) p.scale_offset.push_back(payload.scale_offset[k] - p.begin);
+    }
+    p.job = job;
+    p.job.map.layers = job.map.layers + i;
+    p.job.map.num_layers = j - i;
+    p.job.map.total_bytes = p.end - p.begin;
+    p.job.map.layer_offset = p.layer_offset.data();
+    p.job.map.scale_offset = payload.storage_format() ? p.scale_offset.data() : nullptr;
+    pieces.push_back(std::move(p));  // moving the vectors keeps their buffers: the map stays valid
+    i = j;
+  }
+  return pieces;
 }
 
 void SequenceStore::Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin,

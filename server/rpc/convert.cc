@@ -114,6 +114,7 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
   }
   c.pool_bytes = spec.pool_bytes() ? spec.pool_bytes() : defaults.pool_bytes;
   c.device = defaults.device;
+  c.staging_bytes = defaults.staging_bytes;
   c.enable_prefix_caching = spec.has_enable_prefix_caching() ? spec.enable_prefix_caching()
                                                              : defaults.enable_prefix_caching;
   c.store = defaults.store;

@@ -16,6 +16,7 @@ namespace kvbank::rpc {
 struct ModelDefaults {
   uint64_t pool_bytes = uint64_t{1} << 30;
   DeviceSpec device;  // where every model's pool goes
+  uint64_t staging_bytes = PoolOptions().staging_bytes;
   bool enable_prefix_caching = true;
   StoreOptions store;
 };

@@ -287,7 +287,12 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
     const uint64_t n = std::min(chunk_bytes_, reader_->payload_bytes() - offset_);
     std::string* data = resp_.mutable_data();
     data->resize(n);
-    reader_->Read(offset_, absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), n));
+    if (absl::Status s =
+            reader_->Read(offset_, absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), n));
+        !s.ok()) {
+      reader_.reset();
+      return Finish(ToGrpcStatus(s));  // the client sees the error, never a wrong payload
+    }
     offset_ += n;
     if (offset_ == total_) reader_.reset();  // every byte is in resp_: the blocks can go
     StartWrite(&resp_);

@@ -391,6 +391,8 @@ TEST_F(ServerTest, UnusableDeviceIsRefusedAtStart) {
       {"--device=tpu", "expected auto, host (or cpu), cuda, cuda:N or host-staged"},
       {"--device=cuda:x", "bad CUDA device number"},
       {"--device=cuda:4096", "cuda:4096"},  // no such device (or no CUDA in this build)
+      {"--staging-bytes=0", "--staging-bytes must be"},
+      {"--staging-bytes=lots", "--staging-bytes must be"},
   };
   for (const Case& c : kCases) {
     auto server = ServerProcess::Start({"--no-auth", c.flag}, absl::Seconds(10));

@@ -69,6 +69,9 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   // host-staged, the device data path on host memory); a test's own --device wins.
   if (const char* device = std::getenv("KVBANK_TEST_DEVICE"); device != nullptr && *device) {
     args.push_back(std::string("--device=") + device);
+    // Small staging pieces: payloads of a few layers move in several (and a fetch's messages
+    // straddle them).
+    args.push_back("--staging-bytes=64KiB");
   }
   args.insert(args.end(), flags.begin(), flags.end());
   // Tests that exercise tenancy pass --auth-tokens-file; every other test runs without auth.

@@ -124,7 +124,7 @@ class ModelTest : public ::testing::Test {
     *st = r.status();
     if (!r.ok()) return {};
     std::vector<uint8_t> out((*r)->payload_bytes());
-    (*r)->Read(0, absl::MakeSpan(out));
+    EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(out)).ok());
     return out;
   }
 

@@ -73,9 +73,9 @@ std::vector<uint8_t> BuildPayload(const BlockLayout& bl, uint32_t l0, uint32_t l
   return out;
 }
 
-std::vector<uint8_t> ReadAll(const FetchReader& r) {
+std::vector<uint8_t> ReadAll(FetchReader& r) {
   std::vector<uint8_t> out(r.payload_bytes());
-  r.Read(0, absl::MakeSpan(out));
+  EXPECT_TRUE(r.Read(0, absl::MakeSpan(out)).ok());
   return out;
 }
 

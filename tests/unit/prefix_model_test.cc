@@ -378,7 +378,7 @@ class PrefixModel {
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ((*r)->num_tokens(), got[0]);
     std::vector<uint8_t> bytes((*r)->payload_bytes());
-    (*r)->Read(0, absl::MakeSpan(bytes));
+    EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(bytes)).ok());
     for (uint64_t t = 0; t < got[0]; ++t) probe.seeds.push_back(probe.DigestAt(t));
     ASSERT_EQ(bytes, BuildPayload(Bl(), 0, kLayers, 0, got[0], probe.seeds));
     ++counts_["match_hit"];
@@ -419,7 +419,7 @@ class PrefixModel {
     if (!readers_.empty() && (readers_.size() >= 3 || P(0.5))) {
       const size_t i = R(readers_.size());
       std::vector<uint8_t> bytes(readers_[i].first->payload_bytes());
-      readers_[i].first->Read(0, absl::MakeSpan(bytes));
+      EXPECT_TRUE(readers_[i].first->Read(0, absl::MakeSpan(bytes)).ok());
       ASSERT_EQ(bytes, readers_[i].second) << "a block under a reader changed";
       readers_.erase(readers_.begin() + i);
       return;
@@ -447,7 +447,7 @@ class PrefixModel {
       auto r = store_->BeginFetch(f);
       ASSERT_TRUE(r.ok()) << r.status();
       std::vector<uint8_t> bytes((*r)->payload_bytes());
-      (*r)->Read(0, absl::MakeSpan(bytes));
+      EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(bytes)).ok());
       ASSERT_EQ(bytes, BuildPayload(Bl(), l, l + 1, 0, s.len[l], s.seeds))
           << "sequence content differs in layer " << l;
     }
@@ -514,7 +514,7 @@ class PrefixModel {
           continue;
         }
         std::vector<uint8_t> bytes((*r)->payload_bytes());
-        (*r)->Read(0, absl::MakeSpan(bytes));
+        EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(bytes)).ok());
         std::vector<uint64_t> seeds(s.seeds.begin(), s.seeds.begin() + (i + 1) * kBt);
         ASSERT_EQ(bytes, BuildPayload(Bl(), 0, kLayers, i * kBt, kBt, seeds))
             << "published block " << i << " holds other content";

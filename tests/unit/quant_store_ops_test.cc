@@ -285,7 +285,7 @@ TEST(QuantStoreTest, PrefixSharingAndRoots) {
     ASSERT_TRUE(blocks.ok()) << blocks.status();
     EXPECT_EQ((*blocks)->num_tokens(), 21u);
     std::vector<uint8_t> by_hash((*blocks)->payload_bytes());
-    (*blocks)->Read(0, absl::MakeSpan(by_hash));
+    EXPECT_TRUE((*blocks)->Read(0, absl::MakeSpan(by_hash)).ok());
     auto prefix = store->BeginFetch([&] {
       FetchSpec f = MakeFetch(a, DType::kFp32);
       f.token_end = 21;
@@ -293,7 +293,7 @@ TEST(QuantStoreTest, PrefixSharingAndRoots) {
     }());
     ASSERT_TRUE(prefix.ok()) << prefix.status();
     std::vector<uint8_t> by_seq((*prefix)->payload_bytes());
-    (*prefix)->Read(0, absl::MakeSpan(by_seq));
+    EXPECT_TRUE((*prefix)->Read(0, absl::MakeSpan(by_seq)).ok());
     EXPECT_TRUE(by_hash == by_seq);
 
     // Same shape stored as bf16: another fingerprint, another root, no shared hash.

@@ -89,8 +89,9 @@ class RetentionTest : public testing::Test {
     EXPECT_TRUE(r.ok()) << r.status();
     std::vector<float> out(kDim);
     if (r.ok()) {
-      (*r)->Read(uint64_t{h} * kDim * 4,
-                 absl::MakeSpan(reinterpret_cast<uint8_t*>(out.data()), kDim * 4));
+      EXPECT_TRUE((*r)->Read(uint64_t{h} * kDim * 4,
+                             absl::MakeSpan(reinterpret_cast<uint8_t*>(out.data()), kDim * 4))
+                      .ok());
     }
     return out;
   }

@@ -45,6 +45,9 @@ DeviceSpec TestDevice() {
 
 absl::StatusOr<std::unique_ptr<BlockPool>> CreateTestPool(BlockLayout layout, uint64_t pool_bytes,
                                                           PoolOptions options) {
+  // Staged memory with test-sized payloads: a staging budget of 4 KiB makes transfers move in
+  // several pieces, some of one layer (larger than the budget) and some of several.
+  if (options.staging_bytes == PoolOptions().staging_bytes) options.staging_bytes = 4096;
   return BlockPool::Create(std::move(layout), pool_bytes, TestDevice(), std::move(options));
 }
 

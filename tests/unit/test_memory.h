@@ -19,7 +19,7 @@ namespace kvbank::testenv {
 
 DeviceSpec TestDevice();
 
-// BlockPool::Create on TestDevice().
+// BlockPool::Create on TestDevice(); a default staging budget becomes 4 KiB (see the .cc).
 absl::StatusOr<std::unique_ptr<BlockPool>> CreateTestPool(BlockLayout layout, uint64_t pool_bytes,
                                                           PoolOptions options = {});
 
