@@ -47,7 +47,7 @@ ABSL_FLAG(std::string, models, "llama-3.1-8b",
 ABSL_FLAG(std::string, config, "", "ServerConfig in protobuf text format (models to register)");
 ABSL_FLAG(std::string, pool_bytes, "",
           "default pool size of a model (e.g. 512MiB, 4GiB); default: 1GiB in host memory, on a "
-          "GPU the budget shared by the --models");
+          "GPU the budget shared by the models registered at start (--models and --config)");
 ABSL_FLAG(double, pool_memory_fraction, 0,
           "if > 0: default pool size of a model as this fraction of physical memory");
 ABSL_FLAG(std::string, max_pool_bytes, "",
@@ -125,6 +125,31 @@ std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::st
   return out;
 }
 
+// The models registered at start: the --models presets, then the --config file's.
+absl::StatusOr<std::vector<v1::ModelSpec>> StartupModels() {
+  std::vector<v1::ModelSpec> specs;
+  for (absl::string_view preset :
+       absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipWhitespace())) {
+    v1::ModelSpec s;
+    s.set_name(std::string(preset));
+    s.set_preset(std::string(preset));
+    specs.push_back(s);
+  }
+  if (std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
+    std::ifstream in(path);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("--config: cannot read ", path));
+    std::stringstream text;
+    text << in.rdbuf();
+    v1::ServerConfig config;
+    if (!google::protobuf::TextFormat::ParseFromString(text.str(), &config)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--config: ", path, " is not a valid ServerConfig text proto"));
+    }
+    for (const auto& s : config.models()) specs.push_back(s);
+  }
+  return specs;
+}
+
 int Main(int argc, char** argv) {
   // Payload messages are ~1 MiB: keep glibc from mapping and unmapping each one (page faults on
   // every message cost more than the copy itself).
@@ -140,9 +165,9 @@ int Main(int argc, char** argv) {
   if (!device.ok()) return Fail(absl::StrCat("--device: ", device.status().message()));
   options.defaults.device = *device;
   const bool on_gpu = device->kind == MemoryKind::kCuda;
-  const size_t num_models = std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_models),
-                                                                    ',', absl::SkipWhitespace()))
-                                .size();
+  auto specs = StartupModels();
+  if (!specs.ok()) return Fail(std::string(specs.status().message()));
+  const size_t num_models = specs->size();
   const double util = absl::GetFlag(FLAGS_gpu_memory_utilization);
   if (!(util > 0 && util <= 1)) return Fail("--gpu-memory-utilization must be in (0, 1]");
   uint64_t max_pool = PhysicalMemory() / 10 * 8;
@@ -214,26 +239,7 @@ int Main(int argc, char** argv) {
   }
 
   auto registry = std::make_shared<ModelRegistry>(max_pool);
-  std::vector<v1::ModelSpec> specs;
-  for (absl::string_view preset :
-       absl::StrSplit(absl::GetFlag(FLAGS_models), ',', absl::SkipWhitespace())) {
-    v1::ModelSpec s;
-    s.set_name(std::string(preset));
-    s.set_preset(std::string(preset));
-    specs.push_back(s);
-  }
-  if (std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
-    std::ifstream in(path);
-    if (!in) return Fail(absl::StrCat("--config: cannot read ", path));
-    std::stringstream text;
-    text << in.rdbuf();
-    v1::ServerConfig config;
-    if (!google::protobuf::TextFormat::ParseFromString(text.str(), &config)) {
-      return Fail(absl::StrCat("--config: ", path, " is not a valid ServerConfig text proto"));
-    }
-    for (const auto& s : config.models()) specs.push_back(s);
-  }
-  for (const auto& s : specs) {
+  for (const auto& s : *specs) {
     auto c = rpc::ToModelConfig(s, options.defaults);
     if (!c.ok()) return Fail(absl::StrCat("model '", s.name(), "': ", c.status().message()));
     auto r = registry->Ensure(*std::move(c));

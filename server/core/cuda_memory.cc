@@ -445,8 +445,9 @@ class CudaMemory final : public PoolMemory {
   }
 
   // The scratch, at least `bytes` long. The stream is idle (every call ends synchronized), so a
-  // smaller scratch can be freed. NOTE: grow-only: the device keeps the largest call's payload's
-  // worth of scratch next to the pool.
+  // smaller scratch can be freed. Grow-only: the device keeps the largest call's worth of scratch
+  // next to the pool, which the store's staging pieces bound (PoolOptions::staging_bytes, or one
+  // layer of the longest transfer).
   absl::StatusOr<uint8_t*> Scratch(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (bytes <= scratch_bytes_) return scratch_;
     const uint64_t want = AlignUp(bytes, uint64_t{1} << 20);
