@@ -2,10 +2,13 @@
 // decode on separate connections, bit-exact round trips for every unquantized storage dtype and
 // MLA, fork / truncate / free accounting, leases, and draining on SIGTERM.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -379,6 +382,48 @@ TEST_F(ServerTest, EmptyModelsFlagRegistersNothing) {
   auto stats = client->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_TRUE(stats->empty());
+}
+
+// --config registers its models after the --models presets, each with its own settings; a file
+// that is missing or not a ServerConfig stops the server at start, naming the file.
+TEST_F(ServerTest, ConfigFileRegistersItsModelsAtStart) {
+  char path[] = "/tmp/kvbank-config-XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  std::ofstream(path) << "models { name: \"small\" num_layers: 2 num_q_heads: 4 num_kv_heads: 2\n"
+                      << "         head_dim: 32 storage_dtype: DTYPE_INT8 input_dtype: DTYPE_FP16\n"
+                      << "         pool_bytes: 8388608 }\n"
+                      << "models { name: \"eight-b\" preset: \"llama-3.1-8b\" }\n";
+  ASSERT_NO_FATAL_FAILURE(
+      StartServer({"--models=qwen2.5-7b", "--pool-bytes=64MiB", "--config=" + std::string(path)}));
+  auto client = NewClient();
+  auto models = client->ListModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  std::vector<std::string> names;
+  for (const auto& m : *models) names.push_back(m.layout.name);
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"eight-b", "qwen2.5-7b", "small"}));
+  for (const auto& m : *models) {
+    if (m.layout.name != "small") continue;
+    EXPECT_EQ(m.pool_bytes, m.num_blocks * m.block_bytes);  // 8 MiB in whole blocks
+    EXPECT_LE(m.pool_bytes, 8u * kMiB);
+    EXPECT_GT(m.pool_bytes + m.block_bytes, 8u * kMiB);
+    EXPECT_EQ(m.layout.head_dim, 32u);
+    EXPECT_EQ(m.layout.layer_dtypes, std::vector<DType>(2, DType::kInt8));
+  }
+  std::remove(path);
+
+  auto missing = ServerProcess::Start({"--no-auth", "--config=" + std::string(path)});
+  ASSERT_FALSE(missing.ok()) << "a missing --config file started a server";
+  EXPECT_TRUE(absl::StrContains(missing.status().message(), "--config: cannot read"))
+      << missing.status();
+  std::ofstream(path) << "models { no_such_field: 1 }\n";
+  auto garbled = ServerProcess::Start({"--no-auth", "--config=" + std::string(path)});
+  ASSERT_FALSE(garbled.ok()) << "a garbled --config file started a server";
+  EXPECT_TRUE(absl::StrContains(garbled.status().message(), "not a valid ServerConfig"))
+      << garbled.status();
+  std::remove(path);
 }
 
 // A --device that names nothing usable stops the server at start with a message saying why.
