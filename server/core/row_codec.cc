@@ -26,27 +26,33 @@ RowCodec::RowCodec(const BlockLayout& blocks, const PayloadLayout& payload, DTyp
       block_table_(block_table),
       token_begin_(token_begin) {}
 
-RowCodec::Row RowCodec::RowAt(uint64_t offset) const {
+PayloadRow LocatePayloadRow(const BlockLayout& b, const PayloadLayout& p, uint64_t offset) {
   size_t i = 0;
-  while (i + 1 < payload_.layer_offset.size() && payload_.layer_offset[i + 1] <= offset) ++i;
-  Row r;
-  r.layer = payload_.layer_begin + static_cast<uint32_t>(i);
-  const LayerView& v = blocks_.layers[r.layer];
-  uint64_t rel = offset - payload_.layer_offset[i];
-  const uint64_t k_part = payload_.KPartBytes(blocks_, r.layer);
+  while (i + 1 < p.layer_offset.size() && p.layer_offset[i + 1] <= offset) ++i;
+  PayloadRow r;
+  r.layer = p.layer_begin + static_cast<uint32_t>(i);
+  const LayerView& v = b.layers[r.layer];
+  uint64_t rel = offset - p.layer_offset[i];
+  const uint64_t k_part = p.KPartBytes(b, r.layer);
   r.kv = rel < k_part ? 0 : 1;
-  uint64_t part_begin = payload_.layer_offset[i];
+  uint64_t part_begin = p.layer_offset[i];
   if (r.kv == 1) {
     rel -= k_part;
     part_begin += k_part;
   }
   r.dim = r.kv == 0 ? v.head_dim : v.head_dim_v;
-  const uint64_t row_bytes = uint64_t{r.dim} * wire_bytes_;
+  const uint64_t row_bytes = uint64_t{r.dim} * p.ElemBytes(b, r.layer);
   const uint64_t index = rel / row_bytes;
-  r.head = static_cast<uint32_t>(index / payload_.num_tokens);
-  r.token = index % payload_.num_tokens;
+  r.head = static_cast<uint32_t>(index / p.num_tokens);
+  r.token = index % p.num_tokens;
   r.begin = part_begin + index * row_bytes;
   return r;
+}
+
+absl::Status NonFiniteError(const PayloadRow& r, uint64_t element) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "payload holds NaN or Inf (layer ", r.layer, ", ", r.kv ? "V" : "K", ", head ", r.head,
+      ", token ", r.token, ", element ", element, "); refused, nothing stored"));
 }
 
 RowCodec::Row RowCodec::Next(const Row& r) const {
@@ -133,10 +139,7 @@ void RowCodec::DecodeRow(const Row& r, uint8_t* dst) const {
 absl::Status RowCodec::Write(uint64_t offset, absl::Span<const uint8_t> data) {
   auto check = [&](const Row& r, const uint8_t* src) -> absl::Status {
     const int64_t bad = kernels::FindNonFinite(src, wire_, r.dim);
-    if (bad < 0) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrCat("payload holds NaN or Inf (layer ", r.layer, ", ", r.kv ? "V" : "K", ", head ",
-                     r.head, ", token ", r.token, ", element ", bad, "); refused, nothing stored"));
+    return bad < 0 ? absl::OkStatus() : NonFiniteError(r, bad);
   };
   uint64_t at = offset;
   if (!carry_.empty()) {  // finish the row begun by the last call

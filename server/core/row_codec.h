@@ -15,6 +15,20 @@
 
 namespace kvbank {
 
+// One row of a converted payload (one wire dtype for every layer, PayloadLayout::Make(..., wire)).
+struct PayloadRow {
+  uint32_t layer = 0;  // absolute layer index
+  uint32_t kv = 0;     // 0 = K, 1 = V
+  uint32_t head = 0;
+  uint64_t token = 0;  // payload token index
+  uint64_t begin = 0;  // payload offset of the row
+  uint32_t dim = 0;
+};
+// The row holding payload byte `offset`. REQUIRES: offset < p.total_bytes, p not storage format.
+PayloadRow LocatePayloadRow(const BlockLayout& b, const PayloadLayout& p, uint64_t offset);
+// INVALID_ARGUMENT: the payload holds NaN or Inf at `element` of row `r`, so nothing is stored.
+absl::Status NonFiniteError(const PayloadRow& r, uint64_t element);
+
 // Not thread-safe; one per transfer. The block table and pool memory must outlive it.
 class RowCodec {
  public:
@@ -31,16 +45,8 @@ class RowCodec {
   void Read(uint64_t offset, absl::Span<uint8_t> out) const;
 
  private:
-  struct Row {
-    uint32_t layer;  // absolute layer index
-    uint32_t kv;     // 0 = K, 1 = V
-    uint32_t head;
-    uint64_t token;  // payload token index
-    uint64_t begin;  // payload offset of the row
-    uint32_t dim;
-  };
-  // The row holding payload byte `offset`. REQUIRES: offset < payload total.
-  Row RowAt(uint64_t offset) const;
+  using Row = PayloadRow;
+  Row RowAt(uint64_t offset) const { return LocatePayloadRow(blocks_, payload_, offset); }
   Row Next(const Row& r) const;
   uint8_t* BlockOf(const Row& r, uint32_t* block_row) const;
   // `src` holds the row in the wire dtype; `lookahead` more rows of the same head follow it

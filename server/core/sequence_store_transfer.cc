@@ -14,28 +14,6 @@
 
 namespace kvbank {
 
-namespace {
-
-// "layer L, K|V, head H, token T, element E" for byte `offset` of a converted (uniform wire
-// dtype) payload, for error messages.
-std::string DescribePayloadByte(const BlockLayout& b, const PayloadLayout& p, uint64_t offset) {
-  uint32_t i = 0;
-  while (i + 1 < p.layer_offset.size() && p.layer_offset[i + 1] <= offset) ++i;
-  const uint32_t l = p.layer_begin + i;
-  const LayerView& v = b.layers[l];
-  uint64_t rel = offset - p.layer_offset[i];
-  const uint64_t k_part = p.KPartBytes(b, l);
-  const uint32_t kv = rel < k_part ? 0 : 1;
-  if (kv == 1) rel -= k_part;
-  const uint64_t dim = kv == 0 ? v.head_dim : v.head_dim_v;
-  const uint64_t elem = rel / p.ElemBytes(b, l);
-  const uint64_t row = elem / dim;
-  return absl::StrCat("layer ", l, ", ", kv ? "V" : "K", ", head ", row / p.num_tokens, ", token ",
-                      row % p.num_tokens, ", element ", elem % dim);
-}
-
-}  // namespace
-
 kernels::PayloadMap SequenceStore::MakeMap(const PayloadLayout& p) const {
   kernels::PayloadMap m;
   m.pool = pool_->base();
@@ -197,10 +175,9 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
         const int64_t bad = kernels::FindNonFinite(
             staging_->data() + (checked_ * width - piece.begin), *job_.convert, end - checked_);
         if (bad >= 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "payload holds NaN or Inf (",
-              DescribePayloadByte(store_->block_layout(), payload_, (checked_ + bad) * width),
-              "); refused, nothing stored"));
+          const uint64_t byte = (checked_ + bad) * width;
+          const PayloadRow row = LocatePayloadRow(store_->block_layout(), payload_, byte);
+          return NonFiniteError(row, (byte - row.begin) / width);
         }
         checked_ = end;
       }
