@@ -690,5 +690,53 @@ TEST_F(DrainTest, NewCallsAreRefusedAndWatchesEndWhileAnAppendIsInFlight) {
   EXPECT_TRUE(exit.ok()) << exit;
 }
 
+// A client that stops reading cannot hold a stopping server: at --drain-timeout-ms the server
+// cancels what is left, says so, and exits 0.
+TEST_F(DrainTest, AStalledReaderIsCutOffAtTheDrainTimeout) {
+  ASSERT_NO_FATAL_FAILURE(StartServer(
+      {"--models=", "--pool-bytes=256MiB", "--max-pool-bytes=1GiB", "--drain-timeout-ms=1000"}));
+  const ModelLayout layout = SmallGqa("drain", DType::kFp16);
+  auto setup = NewClient();
+  auto model = setup->EnsureModel(layout);
+  ASSERT_TRUE(model.ok()) << model.status();
+  // 64 MiB: far more than the socket buffers and flow-control windows hold.
+  const uint64_t n = 64 * kMiB / model->payload_bytes_per_token;
+  auto seq = setup->CreateSequence("drain", absl::ZeroDuration());
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  Client::AppendArgs args;
+  args.num_tokens = n;
+  ASSERT_TRUE(
+      setup->Append("drain", seq->id, args, Random(3101).Bytes(n * model->payload_bytes_per_token))
+          .ok());
+
+  // A fetch whose client reads the first message and then nothing.
+  grpc::ChannelArguments channel_args;
+  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  channel_args.SetMaxReceiveMessageSize(64 << 20);
+  auto stub = v1::KvBank::NewStub(grpc::CreateCustomChannel(
+      server_->target(), grpc::InsecureChannelCredentials(), channel_args));
+  grpc::ClientContext ctx;
+  v1::FetchRequest req;
+  req.set_model("drain");
+  req.set_sequence_id(seq->id);
+  auto reader = stub->Fetch(&ctx, req);
+  v1::FetchResponse first;
+  ASSERT_TRUE(reader->Read(&first));
+  ASSERT_TRUE(first.has_header());
+  ASSERT_EQ(first.header().num_tokens(), n);
+
+  server_->SendSignal(SIGTERM);
+  const absl::Time signalled = absl::Now();
+  absl::Status exit = server_->WaitForExit(absl::Seconds(30));
+  const absl::Duration took = absl::Now() - signalled;
+  std::cerr << "[drain] a stalled reader: exited " << absl::ToInt64Milliseconds(took)
+            << " ms after SIGTERM\n";
+  EXPECT_TRUE(exit.ok()) << exit;
+  EXPECT_GE(took, absl::Milliseconds(900)) << "did not wait for the fetch in flight";
+  EXPECT_LT(took, absl::Seconds(20));
+  EXPECT_TRUE(absl::StrContains(server_->Log(), "drain timed out")) << server_->Log();
+  ctx.TryCancel();
+}
+
 }  // namespace
 }  // namespace kvbank::integ
