@@ -248,7 +248,12 @@ grpc::ServerReadReactor<v1::AppendRequest>* KvBankService::Append(grpc::Callback
 // The FetchReader holds references on the blocks read, so the bytes stay as they were even if
 // the sequence is truncated, appended to or freed meanwhile. It goes as soon as the last chunk is
 // read, before the status is sent: a caller that saw the fetch end sees no block still held by it.
-class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::FetchResponse> {
+//
+// The messages are FetchResponse, encoded here rather than by protobuf (the methods are raw): a
+// chunk is read from the pool into a buffer that gRPC then sends as it is, as the `data` field's
+// slice, so the payload is copied once on this side (protobuf would copy it again into the
+// message's serialized slices).
+class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // `reader` is what to send, or why not; `dtype` the storage dtype of its first layer.
   FetchReactor(uint64_t chunk_bytes, absl::StatusOr<std::unique_ptr<FetchReader>> reader,
@@ -259,13 +264,12 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
       return;
     }
     reader_ = *std::move(reader);
-    v1::FetchHeader* h = resp_.mutable_header();
-    h->set_token_begin(reader_->token_begin());
-    h->set_num_tokens(reader_->num_tokens());
-    h->set_layer_begin(reader_->layer_begin());
-    h->set_layer_end(reader_->layer_end());
-    h->set_dtype(ToProto(dtype));
-    h->set_payload_bytes(reader_->payload_bytes());
+    header_.set_token_begin(reader_->token_begin());
+    header_.set_num_tokens(reader_->num_tokens());
+    header_.set_layer_begin(reader_->layer_begin());
+    header_.set_layer_end(reader_->layer_end());
+    header_.set_dtype(ToProto(dtype));
+    header_.set_payload_bytes(reader_->payload_bytes());
     total_ = reader_->payload_bytes();
     WriteNext();
   }
@@ -275,7 +279,6 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
       reader_.reset();
       return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "fetch stream broke"));
     }
-    resp_.clear_header();
     if (offset_ == total_) return Finish(grpc::Status::OK);
     WriteNext();
   }
@@ -283,34 +286,73 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<v1::Fe
   void OnDone() override { delete this; }
 
  private:
+  // Protobuf's wire encoding of what FetchResponse needs: a length-delimited field's key and
+  // length (fields 1, header, and 2, data, are both length-delimited).
+  static void AppendLengthDelimited(uint32_t field, uint64_t length, std::string* out) {
+    out->push_back(static_cast<char>(field << 3 | 2));
+    do {
+      const uint8_t low = length & 0x7f;
+      length >>= 7;
+      out->push_back(static_cast<char>(length != 0 ? low | 0x80 : low));
+    } while (length != 0);
+  }
+
   void WriteNext() {
-    const uint64_t n = std::min(chunk_bytes_, reader_->payload_bytes() - offset_);
-    std::string* data = resp_.mutable_data();
-    data->resize(n);
-    if (absl::Status s =
-            reader_->Read(offset_, absl::MakeSpan(reinterpret_cast<uint8_t*>(data->data()), n));
-        !s.ok()) {
+    const uint64_t n = std::min(chunk_bytes_, total_ - offset_);
+    // Freed by gRPC once the bytes are sent (a slice's lifetime may outlast OnWriteDone).
+    uint8_t* data = static_cast<uint8_t*>(std::malloc(std::max<uint64_t>(n, 1)));
+    if (data == nullptr) {
+      reader_.reset();
+      return Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "no memory for a chunk"));
+    }
+    if (absl::Status s = reader_->Read(offset_, absl::MakeSpan(data, n)); !s.ok()) {
+      std::free(data);
       reader_.reset();
       return Finish(ToGrpcStatus(s));  // the client sees the error, never a wrong payload
     }
+    std::string prefix;
+    if (offset_ == 0) {  // the header goes with the first chunk
+      const std::string header = header_.SerializeAsString();
+      AppendLengthDelimited(1, header.size(), &prefix);
+      prefix += header;
+    }
+    AppendLengthDelimited(2, n, &prefix);
+    const grpc::Slice slices[2] = {grpc::Slice(prefix), grpc::Slice(data, n, std::free)};
+    message_ = grpc::ByteBuffer(slices, 2);
     offset_ += n;
-    if (offset_ == total_) reader_.reset();  // every byte is in resp_: the blocks can go
-    StartWrite(&resp_);
+    if (offset_ == total_) reader_.reset();  // every byte is in the message: the blocks can go
+    StartWrite(&message_);
   }
 
   const uint64_t chunk_bytes_;
   std::unique_ptr<FetchReader> reader_;
+  v1::FetchHeader header_;
   uint64_t total_ = 0;  // payload bytes
-  v1::FetchResponse resp_;
   uint64_t offset_ = 0;
+  grpc::ByteBuffer message_;
 };
 
-grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::Fetch(grpc::CallbackServerContext* ctx,
-                                                                  const v1::FetchRequest* req) {
+namespace {
+// A raw method's request, parsed; INVALID_ARGUMENT when it is not a `Request`.
+template <typename Request>
+absl::Status ParseRequest(const grpc::ByteBuffer* raw, Request* req) {
+  grpc::ByteBuffer copy(*raw);  // Deserialize consumes its buffer; the slices are shared
+  grpc::Status s = grpc::SerializationTraits<Request>::Deserialize(&copy, req);
+  if (s.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("request is not a ", Request::descriptor()->full_name()));
+}
+}  // namespace
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(grpc::CallbackServerContext* ctx,
+                                                                 const grpc::ByteBuffer* raw) {
   DType dtype = DType::kFp16;
   auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
+    v1::FetchRequest parsed;
+    if (absl::Status s = ParseRequest(raw, &parsed); !s.ok()) return s;
+    const v1::FetchRequest* req = &parsed;
     if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return s;
     auto model = FindModel(*registry_, req->model());
     if (!model.ok()) return model.status();
@@ -332,12 +374,15 @@ grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::Fetch(grpc::Callback
   return new FetchReactor(options_.chunk_bytes, std::move(reader), dtype);
 }
 
-grpc::ServerWriteReactor<v1::FetchResponse>* KvBankService::FetchBlocks(
-    grpc::CallbackServerContext* ctx, const v1::FetchBlocksRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
   DType dtype = DType::kFp16;
   auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
+    v1::FetchBlocksRequest parsed;
+    if (absl::Status s = ParseRequest(raw, &parsed); !s.ok()) return s;
+    const v1::FetchBlocksRequest* req = &parsed;
     auto model = FindModel(*registry_, req->model());
     if (!model.ok()) return model.status();
     auto hashes = HashesFromProto(req->block_hashes(), "block_hashes");

@@ -30,7 +30,11 @@ inline constexpr int kMaxMessageBytes = 4 << 20;
 
 // Thread-safe; reactions never block on anything but short metadata locks. Payload copies
 // (at most one chunk each) run inside the reactions.
-class KvBankService final : public v1::KvBank::CallbackService {
+// Fetch and FetchBlocks are raw methods: their reactor encodes FetchResponse itself, so a
+// payload chunk goes out without a protobuf copy (see FetchReactor in service.cc).
+class KvBankService final
+    : public v1::KvBank::WithRawCallbackMethod_Fetch<
+          v1::KvBank::WithRawCallbackMethod_FetchBlocks<v1::KvBank::CallbackService>> {
  public:
   KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
                 Authenticator auth = Authenticator::Disabled());
@@ -50,8 +54,9 @@ class KvBankService final : public v1::KvBank::CallbackService {
                                            v1::SequenceInfo* resp) override;
   grpc::ServerReadReactor<v1::AppendRequest>* Append(grpc::CallbackServerContext* ctx,
                                                      v1::AppendResponse* resp) override;
-  grpc::ServerWriteReactor<v1::FetchResponse>* Fetch(grpc::CallbackServerContext* ctx,
-                                                     const v1::FetchRequest* req) override;
+  // Raw: the request is a serialized FetchRequest; the responses are FetchResponse.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* raw) override;
   grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
                                  v1::SequenceInfo* resp) override;
   grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* ctx,
@@ -67,8 +72,9 @@ class KvBankService final : public v1::KvBank::CallbackService {
                                         v1::SequenceInfo* resp) override;
   grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const v1::MatchRequest* req,
                                   v1::MatchResponse* resp) override;
-  grpc::ServerWriteReactor<v1::FetchResponse>* FetchBlocks(
-      grpc::CallbackServerContext* ctx, const v1::FetchBlocksRequest* req) override;
+  // Raw: FetchBlocksRequest in, FetchResponse out.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchBlocks(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* raw) override;
   grpc::ServerUnaryReactor* Pin(grpc::CallbackServerContext* ctx, const v1::PinRequest* req,
                                 v1::PinResponse* resp) override;
   grpc::ServerUnaryReactor* GetPrefixRoot(grpc::CallbackServerContext* ctx,

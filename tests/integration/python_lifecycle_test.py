@@ -332,6 +332,16 @@ def lifecycle(grpc, pb, pbg, channel):
     bad = pb.AppendHeader(model="py", sequence_id=sid, num_tokens=0)
     expect_code(grpc, lambda: stub.Append(iter([pb.AppendRequest(header=bad)]), timeout=timeout),
                 grpc.StatusCode.INVALID_ARGUMENT, "num_tokens", "empty Append")
+    # Fetch and FetchBlocks parse their own requests (raw methods on the server): bytes that are
+    # not a request get INVALID_ARGUMENT naming the type. (0x0a 0xff: a field whose length runs
+    # past the end.)
+    for method, kind in (("Fetch", "FetchRequest"), ("FetchBlocks", "FetchBlocksRequest")):
+        raw = channel.unary_stream("/kvbank.v1.KvBank/" + method,
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        expect_code(grpc, lambda: list(raw(b"\x0a\xff", timeout=timeout)),
+                    grpc.StatusCode.INVALID_ARGUMENT, "kvbank.v1." + kind,
+                    "%s of bytes that are not a %s" % (method, kind))
 
 
 def main():
