@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "client/fetch_decoder.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
@@ -361,45 +362,30 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendTensors(const std::string& mo
 }
 
 namespace {
-// Reads a FetchResponse stream (header with the first chunk, then chunks) into a FetchResult.
-absl::StatusOr<Client::FetchResult> ReadFetchStream(grpc::ClientContext& ctx,
-                                                    grpc::ClientReader<v1::FetchResponse>& reader) {
-  Client::FetchResult out;
-  v1::FetchResponse msg;
-  bool have_header = false;
-  uint64_t expected = 0;
-  while (reader.Read(&msg)) {
-    if (msg.has_header()) {
-      const v1::FetchHeader& h = msg.header();
-      std::optional<DType> d;
-      if (have_header || !proto::DTypeFromProto(h.dtype(), &d) || !d.has_value()) {
-        ctx.TryCancel();
-        return absl::InternalError("fetch stream has a bad or repeated header");
-      }
-      have_header = true;
-      out.token_begin = h.token_begin();
-      out.num_tokens = h.num_tokens();
-      out.layer_begin = h.layer_begin();
-      out.layer_end = h.layer_end();
-      out.dtype = *d;
-      expected = h.payload_bytes();
-      out.payload.reserve(expected);
-    }
-    if (!have_header || out.payload.size() + msg.data().size() > expected) {
-      ctx.TryCancel();
-      return absl::InternalError("fetch stream sent data beyond its header's payload_bytes");
-    }
-    out.payload.insert(out.payload.end(), msg.data().begin(), msg.data().end());
-  }
-  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
-  if (!have_header || out.payload.size() != expected) {
-    return absl::InternalError(absl::StrCat("fetch stream ended after ", out.payload.size(), " of ",
-                                            expected, " payload bytes"));
-  }
-  return out;
-}
-}  // namespace
 
+// A server-streaming call to `method` whose responses are read raw (FetchDecoder decodes them).
+template <typename Request>
+absl::StatusOr<Client::FetchResult> RawFetch(grpc::Channel* channel, const char* method,
+                                             grpc::ClientContext* ctx, const Request& req) {
+  // The generated stub's own factory, for grpc::ByteBuffer responses.
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+          channel, grpc::internal::RpcMethod(method, grpc::internal::RpcMethod::SERVER_STREAMING),
+          ctx, req));
+  FetchDecoder decoder;
+  grpc::ByteBuffer message;
+  while (reader->Read(&message)) {
+    if (absl::Status s = decoder.Add(message); !s.ok()) {
+      ctx->TryCancel();
+      reader->Finish();
+      return s;
+    }
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  return std::move(decoder).Finish();
+}
+
+}  // namespace
 absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
                                                   const FetchArgs& args) {
   v1::FetchRequest req;
@@ -412,8 +398,7 @@ absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint
   if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
-  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader(impl_->stub->Fetch(&ctx, req));
-  return ReadFetchStream(ctx, *reader);
+  return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/Fetch", &ctx, req);
 }
 
 absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model,
@@ -427,9 +412,7 @@ absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model
   if (layer_end.has_value()) req.set_layer_end(*layer_end);
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
-  std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> reader(
-      impl_->stub->FetchBlocks(&ctx, req));
-  return ReadFetchStream(ctx, *reader);
+  return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/FetchBlocks", &ctx, req);
 }
 
 absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
