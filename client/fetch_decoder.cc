@@ -36,6 +36,19 @@ class SliceCursor {
     }
     return false;
   }
+  // Appends the next n bytes to *out (no zero-filling first, as resize would); false when
+  // fewer are left.
+  bool Append(std::vector<uint8_t>* out, uint64_t n) {
+    while (n > 0) {
+      if (done()) return false;
+      const uint64_t take = std::min<uint64_t>(n, slices_[i_].size() - off_);
+      const uint8_t* p = slices_[i_].begin() + off_;
+      out->insert(out->end(), p, p + take);
+      off_ += take;
+      n -= take;
+    }
+    return true;
+  }
   // Copies the next n bytes to dst (skips them when dst is null); false when fewer are left.
   bool Copy(uint8_t* dst, uint64_t n) {
     while (n > 0) {
@@ -94,9 +107,7 @@ absl::Status FetchDecoder::Add(const grpc::ByteBuffer& message) {
       if (!have_header_ || n > expected_ - out_.payload.size()) {
         return absl::InternalError("fetch stream sent data beyond its header's payload_bytes");
       }
-      const size_t at = out_.payload.size();
-      out_.payload.resize(at + n);
-      if (!in.Copy(out_.payload.data() + at, n)) return bad;
+      if (!in.Append(&out_.payload, n)) return bad;
     } else if (!in.Copy(nullptr, n)) {
       return bad;
     }
