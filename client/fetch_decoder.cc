@@ -1,5 +1,7 @@
 #include "client/fetch_decoder.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstring>
 #include <optional>
@@ -70,6 +72,19 @@ class SliceCursor {
   size_t off_ = 0;
 };
 
+// A large payload lands on fresh pages, whose first-touch faults (one per 4 KiB page) bound how
+// fast it can be written. Where transparent huge pages are on request (madvise mode), ask for
+// them: one fault per 2 MiB. A hint; nothing depends on it.
+void AskForHugePages(uint8_t* data, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
 }  // namespace
 
 absl::Status FetchDecoder::Add(const grpc::ByteBuffer& message) {
@@ -130,6 +145,7 @@ absl::Status FetchDecoder::TakeHeader(const std::string& serialized) {
   out_.dtype = *d;
   expected_ = h.payload_bytes();
   out_.payload.reserve(expected_);
+  AskForHugePages(out_.payload.data(), out_.payload.capacity());
   return absl::OkStatus();
 }
 
