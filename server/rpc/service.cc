@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "proto/wire.h"
 
 namespace kvbank::rpc {
 
@@ -156,10 +157,14 @@ grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerCont
 // Client stream: header (+ data), data, ..., half-close. Payload bytes go straight from each
 // message into the pool through the core's AppendTxn; half-close commits; an error, a cancel or
 // a client that goes away destroys the uncommitted transaction, which undoes everything.
-class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::AppendRequest> {
+//
+// The messages are AppendRequest, decoded here rather than by protobuf (the method is raw): the
+// data field's bytes are written to the pool from gRPC's slices, without protobuf's copy into a
+// std::string first.
+class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   AppendReactor(const KvBankService* service, grpc::CallbackServerContext* ctx,
-                v1::AppendResponse* resp)
+                grpc::ByteBuffer* resp)
       : service_(service), ctx_(ctx), resp_(resp) {
     auto caller = service->Admit(*ctx);
     if (!caller.ok()) {
@@ -167,7 +172,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       return;
     }
     tenant_ = caller->tenant;
-    StartRead(&req_);
+    StartRead(&message_);
   }
 
   void OnReadDone(bool ok) override {
@@ -178,51 +183,88 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
       auto info = txn_->Commit();
       txn_.reset();
       if (!info.ok()) return Fail(info.status());
-      ToProto(*info, model_name_, resp_->mutable_sequence());
-      return Finish(grpc::Status::OK);
+      v1::AppendResponse resp;
+      ToProto(*info, model_name_, resp.mutable_sequence());
+      bool own = false;
+      grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(resp, resp_, &own);
+      return Finish(s);
     }
     if (absl::Status s = Handle(); !s.ok()) return Fail(s);
-    req_.Clear();
-    StartRead(&req_);
+    message_.Clear();
+    StartRead(&message_);
   }
 
   void OnDone() override { delete this; }
 
  private:
+  // One AppendRequest: its header (field 1) is taken before its data (field 2) whatever their
+  // order, as protobuf's parse would; fields this server does not know are skipped.
   absl::Status Handle() {
+    const absl::Status bad =
+        absl::InvalidArgumentError("append message is not a kvbank.v1.AppendRequest");
+    proto::SliceReader in(message_);
+    std::optional<v1::AppendHeader> header;
+    std::vector<absl::Span<const uint8_t>> data;  // into message_'s slices
+    bool had_data = false;
+    while (!in.done()) {
+      uint32_t field = 0, wire_type = 0;
+      uint64_t n = 0;
+      if (!in.Field(&field, &wire_type, &n)) return bad;
+      if (wire_type != 2) continue;
+      if (field == 1) {
+        if (header.has_value() || n > kMaxMessageBytes) return bad;
+        std::string serialized(n, '\0');
+        header.emplace();
+        if (!in.Copy(reinterpret_cast<uint8_t*>(serialized.data()), n) ||
+            !header->ParseFromString(serialized)) {
+          return bad;
+        }
+      } else if (field == 2) {
+        if (had_data) return bad;
+        had_data = true;
+        if (!in.Spans(n, &data)) return bad;
+      } else if (!in.Copy(nullptr, n)) {
+        return bad;
+      }
+    }
     if (txn_ == nullptr) {
-      if (!req_.has_header()) {
+      if (!header.has_value()) {
         return absl::InvalidArgumentError("the first append message must carry header");
       }
-      const v1::AppendHeader& h = req_.header();
-      if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
-      auto model = FindModel(*service_->registry_, h.model());
-      if (!model.ok()) return model.status();
-      auto dtype = FromProto(h.dtype(), "header.dtype");
-      if (!dtype.ok()) return dtype.status();
-      AppendSpec spec;
-      spec.tenant = tenant_;
-      spec.sequence_id = h.sequence_id();
-      spec.layer_begin = h.layer_begin();
-      if (h.has_layer_end()) spec.layer_end = h.layer_end();
-      spec.num_tokens = h.num_tokens();
-      spec.dtype = *dtype;
-      spec.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
-      auto txn = (*model)->BeginAppend(spec);
-      if (!txn.ok()) return txn.status();
-      if (h.payload_bytes() != 0 && h.payload_bytes() != (*txn)->payload_bytes()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "header.payload_bytes ", h.payload_bytes(), " does not match the ",
-            (*txn)->payload_bytes(), " bytes the layout takes for ", h.num_tokens(), " tokens"));
-      }
-      txn_ = *std::move(txn);
-      model_name_ = h.model();
-    } else if (req_.has_header()) {
+      if (absl::Status s = Begin(*header); !s.ok()) return s;
+    } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
     }
-    const std::string& data = req_.data();
-    return txn_->Write(
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(data.data()), data.size()));
+    for (absl::Span<const uint8_t> piece : data) {
+      if (absl::Status s = txn_->Write(piece); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Begin(const v1::AppendHeader& h) {
+    if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
+    auto model = FindModel(*service_->registry_, h.model());
+    if (!model.ok()) return model.status();
+    auto dtype = FromProto(h.dtype(), "header.dtype");
+    if (!dtype.ok()) return dtype.status();
+    AppendSpec spec;
+    spec.tenant = tenant_;
+    spec.sequence_id = h.sequence_id();
+    spec.layer_begin = h.layer_begin();
+    if (h.has_layer_end()) spec.layer_end = h.layer_end();
+    spec.num_tokens = h.num_tokens();
+    spec.dtype = *dtype;
+    spec.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
+    auto txn = (*model)->BeginAppend(spec);
+    if (!txn.ok()) return txn.status();
+    if (h.payload_bytes() != 0 && h.payload_bytes() != (*txn)->payload_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.payload_bytes ", h.payload_bytes(), " does not match the ",
+          (*txn)->payload_bytes(), " bytes the layout takes for ", h.num_tokens(), " tokens"));
+    }
+    txn_ = *std::move(txn);
+    model_name_ = h.model();
+    return absl::OkStatus();
   }
 
   void Fail(const absl::Status& s) {
@@ -232,15 +274,15 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<v1::Ap
 
   const KvBankService* const service_;
   grpc::CallbackServerContext* const ctx_;
-  v1::AppendResponse* const resp_;
-  v1::AppendRequest req_;
+  grpc::ByteBuffer* const resp_;
+  grpc::ByteBuffer message_;
   std::unique_ptr<AppendTxn> txn_;
   std::string model_name_;
   std::string tenant_;
 };
 
-grpc::ServerReadReactor<v1::AppendRequest>* KvBankService::Append(grpc::CallbackServerContext* ctx,
-                                                                  v1::AppendResponse* resp) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(grpc::CallbackServerContext* ctx,
+                                                                 grpc::ByteBuffer* resp) {
   return new AppendReactor(this, ctx, resp);
 }
 
@@ -286,17 +328,6 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   void OnDone() override { delete this; }
 
  private:
-  // Protobuf's wire encoding of what FetchResponse needs: a length-delimited field's key and
-  // length (fields 1, header, and 2, data, are both length-delimited).
-  static void AppendLengthDelimited(uint32_t field, uint64_t length, std::string* out) {
-    out->push_back(static_cast<char>(field << 3 | 2));
-    do {
-      const uint8_t low = length & 0x7f;
-      length >>= 7;
-      out->push_back(static_cast<char>(length != 0 ? low | 0x80 : low));
-    } while (length != 0);
-  }
-
   void WriteNext() {
     const uint64_t n = std::min(chunk_bytes_, total_ - offset_);
     // Freed by gRPC once the bytes are sent (a slice's lifetime may outlast OnWriteDone).
@@ -313,10 +344,10 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
     std::string prefix;
     if (offset_ == 0) {  // the header goes with the first chunk
       const std::string header = header_.SerializeAsString();
-      AppendLengthDelimited(1, header.size(), &prefix);
+      proto::AppendLengthDelimitedKey(1, header.size(), &prefix);
       prefix += header;
     }
-    AppendLengthDelimited(2, n, &prefix);
+    proto::AppendLengthDelimitedKey(2, n, &prefix);
     const grpc::Slice slices[2] = {grpc::Slice(prefix), grpc::Slice(data, n, std::free)};
     message_ = grpc::ByteBuffer(slices, 2);
     offset_ += n;

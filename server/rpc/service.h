@@ -30,11 +30,11 @@ inline constexpr int kMaxMessageBytes = 4 << 20;
 
 // Thread-safe; reactions never block on anything but short metadata locks. Payload copies
 // (at most one chunk each) run inside the reactions.
-// Fetch and FetchBlocks are raw methods: their reactor encodes FetchResponse itself, so a
-// payload chunk goes out without a protobuf copy (see FetchReactor in service.cc).
+// Append, Fetch and FetchBlocks are raw methods: their reactors decode AppendRequest and encode
+// FetchResponse themselves, so payload bytes move without protobuf's copies (see service.cc).
 class KvBankService final
-    : public v1::KvBank::WithRawCallbackMethod_Fetch<
-          v1::KvBank::WithRawCallbackMethod_FetchBlocks<v1::KvBank::CallbackService>> {
+    : public v1::KvBank::WithRawCallbackMethod_Append<v1::KvBank::WithRawCallbackMethod_Fetch<
+          v1::KvBank::WithRawCallbackMethod_FetchBlocks<v1::KvBank::CallbackService>>> {
  public:
   KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
                 Authenticator auth = Authenticator::Disabled());
@@ -52,8 +52,9 @@ class KvBankService final
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
                                            const v1::CreateSequenceRequest* req,
                                            v1::SequenceInfo* resp) override;
-  grpc::ServerReadReactor<v1::AppendRequest>* Append(grpc::CallbackServerContext* ctx,
-                                                     v1::AppendResponse* resp) override;
+  // Raw: AppendRequest messages in, an AppendResponse out.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
+                                                    grpc::ByteBuffer* resp) override;
   // Raw: the request is a serialized FetchRequest; the responses are FetchResponse.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* ctx,
                                                     const grpc::ByteBuffer* raw) override;

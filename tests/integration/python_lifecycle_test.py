@@ -231,9 +231,18 @@ def lifecycle(grpc, pb, pbg, channel):
     second = rng.randbytes(n2 * bpt)
     header = pb.AppendHeader(model="py", sequence_id=sid, num_tokens=n2,
                              token_ids=list(range(n1, n1 + n2)))
-    resp = stub.Append(append_messages(header, second), timeout=timeout)
+    # Sent raw, as one message whose data field comes before its header and which carries a
+    # field the server does not know (15, a varint): protobuf's parse accepts that, and so must
+    # the server's own decoder.
+    raw_append = channel.stream_unary("/kvbank.v1.KvBank/Append",
+                                      request_serializer=lambda b: b,
+                                      response_deserializer=pb.AppendResponse.FromString)
+    message = (pb.AppendRequest(data=second).SerializeToString() + b"\x78\x05" +
+               pb.AppendRequest(header=header).SerializeToString())
+    resp = raw_append(iter([message]), timeout=timeout)
     total = n1 + n2
-    check(resp.sequence.length == total, "second Append (with token ids) brings it to %d" % total)
+    check(resp.sequence.length == total,
+          "second Append (token ids; data before header, an unknown field) brings it to %d" % total)
 
     def fetch(req):
         head, data = None, bytearray()
@@ -332,6 +341,9 @@ def lifecycle(grpc, pb, pbg, channel):
     bad = pb.AppendHeader(model="py", sequence_id=sid, num_tokens=0)
     expect_code(grpc, lambda: stub.Append(iter([pb.AppendRequest(header=bad)]), timeout=timeout),
                 grpc.StatusCode.INVALID_ARGUMENT, "num_tokens", "empty Append")
+    expect_code(grpc, lambda: raw_append(iter([b"\x0a\xff"]), timeout=timeout),
+                grpc.StatusCode.INVALID_ARGUMENT, "not a kvbank.v1.AppendRequest",
+                "Append of bytes that are not an AppendRequest")
     # Fetch and FetchBlocks parse their own requests (raw methods on the server): bytes that are
     # not a request get INVALID_ARGUMENT naming the type. (0x0a 0xff: a field whose length runs
     # past the end.)
