@@ -13,6 +13,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "proto/convert.h"
+#include "proto/wire.h"
 
 namespace kvbank {
 
@@ -273,30 +274,51 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::StreamAppend(
     const v1::AppendHeader& header, absl::Span<const absl::Span<const uint8_t>> pieces) {
   grpc::ClientContext ctx;
   Deadline(&ctx, true);
-  v1::AppendResponse resp;
-  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer(stub->Append(&ctx, &resp));
-  v1::AppendRequest msg;
-  *msg.mutable_header() = header;
-  std::string* data = msg.mutable_data();
-  data->reserve(options.chunk_bytes);
+  // Raw messages (AppendRequest, encoded here): each chunk's data field is slices of the
+  // caller's own memory, sent without a copy. The memory outlives every use: this call returns
+  // only after the server has answered, so after it has received every byte.
+  grpc::ByteBuffer raw_resp;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel.get(),
+          grpc::internal::RpcMethod("/kvbank.v1.KvBank/Append",
+                                    grpc::internal::RpcMethod::CLIENT_STREAMING),
+          &ctx, &raw_resp));
+  std::string prefix;
+  const std::string serialized_header = header.SerializeAsString();
+  std::vector<grpc::Slice> slices;  // [prefix, data pieces...]
+  uint64_t chunk = 0;               // data bytes in `slices`
   bool first = true, broken = false;
   auto flush = [&]() {
-    if (!writer->Write(msg)) broken = true;  // the server ended the call: Finish tells why
-    msg.clear_header();
-    data->clear();
+    prefix.clear();
+    if (first) {
+      proto::AppendLengthDelimitedKey(1, serialized_header.size(), &prefix);
+      prefix += serialized_header;
+    }
+    proto::AppendLengthDelimitedKey(2, chunk, &prefix);
+    slices.insert(slices.begin(), grpc::Slice(prefix));
+    grpc::ByteBuffer message(slices.data(), slices.size());
+    if (!writer->Write(message)) broken = true;  // the server ended the call: Finish tells why
+    slices.clear();
+    chunk = 0;
     first = false;
   };
   for (absl::Span<const uint8_t> piece : pieces) {
     while (!piece.empty() && !broken) {
-      const size_t n = std::min<size_t>(piece.size(), options.chunk_bytes - data->size());
-      data->append(reinterpret_cast<const char*>(piece.data()), n);
+      const size_t n = std::min<size_t>(piece.size(), options.chunk_bytes - chunk);
+      slices.emplace_back(piece.data(), n, grpc::Slice::STATIC_SLICE);
+      chunk += n;
       piece.remove_prefix(n);
-      if (data->size() == options.chunk_bytes) flush();
+      if (chunk == options.chunk_bytes) flush();
     }
   }
-  if (!broken && (first || !data->empty())) flush();
+  if (!broken && (first || chunk > 0)) flush();
   writer->WritesDone();
   if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  v1::AppendResponse resp;
+  if (!grpc::SerializationTraits<v1::AppendResponse>::Deserialize(&raw_resp, &resp).ok()) {
+    return absl::InternalError("append answered with something that is not an AppendResponse");
+  }
   return FromProto(resp.sequence());
 }
 
