@@ -10,6 +10,8 @@
 //
 //   grpc append: Client::Append of the whole payload (sequence create and free are not timed).
 //   grpc fetch:  Client::Fetch of the whole sequence (returns a freshly allocated vector).
+//   grpc fetch into: Client::FetchInto a buffer reused across repetitions (the tcp fetch's
+//                terms; "into ratio" is against the same pair's tcp fetch).
 //   tcp append:  the client write()s the payload on a plain TCP connection; a server thread read()s
 //                it in chunk-sized pieces and memcpy's each into a store buffer, then acks.
 //   tcp fetch:   a server thread memcpy's each chunk out of the store buffer and write()s it; the
@@ -252,14 +254,16 @@ struct Row {
   // Median page faults per MiB of payload during the gRPC calls: 256 means every payload byte
   // landed once on a fresh 4 KiB page somewhere (a buffer malloc'd and released per call).
   double append_faults_per_mib = 0, fetch_faults_per_mib = 0;
+  // Client::FetchInto a buffer reused across repetitions (as a worker's pinned staging buffer).
+  double grpc_fetch_into = 0, fetch_into_ratio = 0;
 };
 
 Row RunSize(Client& client, TcpPump& pump, const std::string& model, uint64_t bytes_per_token,
             uint64_t tokens, int reps) {
   const uint64_t bytes = tokens * bytes_per_token;
   const std::vector<uint8_t> src = Pattern(bytes, static_cast<uint32_t>(tokens));
-  std::vector<uint8_t> dst(bytes, 1);
-  std::vector<double> ga, gf, ta, tf, fa, ff, ra, rf;
+  std::vector<uint8_t> dst(bytes, 1), into(bytes, 1);
+  std::vector<double> ga, gf, ta, tf, fa, ff, ra, rf, gi, ri;
   // Rep 0 is a warm-up (pool pages, socket buffers, HTTP/2 windows) and is not recorded.
   for (int r = 0; r <= reps; ++r) {
     auto t0 = Clock::now();
@@ -283,6 +287,10 @@ Row RunSize(Client& client, TcpPump& pump, const std::string& model, uint64_t by
     const uint64_t f2 = MinorFaults();
     if (r == 0 && fetched.payload != src) Die("fetched payload differs from the appended one");
     fetched = {};
+    const auto t3 = Clock::now();
+    Check(client.FetchInto(model, seq.id, {}, absl::MakeSpan(into)), "FetchInto");
+    const auto t4 = Clock::now();
+    if (r == 0 && into != src) Die("FetchInto's bytes differ from the appended ones");
     Check(client.Free(model, seq.id), "Free");
     if (r == 0) continue;
     ta.push_back(tcp_put);
@@ -291,6 +299,8 @@ Row RunSize(Client& client, TcpPump& pump, const std::string& model, uint64_t by
     gf.push_back(Seconds(t1, t2));
     ra.push_back(tcp_put / Seconds(t0, t1));
     rf.push_back(tcp_get / Seconds(t1, t2));
+    gi.push_back(Seconds(t3, t4));
+    ri.push_back(tcp_get / Seconds(t3, t4));
     const double mib = double(bytes) / (1 << 20);
     fa.push_back(double(f1 - f0) / mib);
     ff.push_back(double(f2 - f1) / mib);
@@ -306,6 +316,8 @@ Row RunSize(Client& client, TcpPump& pump, const std::string& model, uint64_t by
   row.fetch_ratio = Median(rf);
   row.append_faults_per_mib = Median(fa);
   row.fetch_faults_per_mib = Median(ff);
+  row.grpc_fetch_into = gb / Median(gi);
+  row.fetch_into_ratio = Median(ri);
   return row;
 }
 
@@ -415,16 +427,17 @@ int Main(int argc, char** argv) {
               FirstTouchGbs(uint64_t{32} << 20, quick ? 3 : 9));
   std::printf(
       "| payload | tokens | reps | grpc append | tcp | append ratio | grpc fetch | tcp | "
-      "fetch ratio | append faults/MiB | fetch faults/MiB |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "fetch ratio | append faults/MiB | fetch faults/MiB | grpc fetch into | into ratio |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (uint64_t t : tokens) {
     const uint64_t bytes = t * per_token;
     const int n = reps > 0 ? reps : quick ? 3 : bytes >= (uint64_t{64} << 20) ? 9 : 15;
     const Row r = RunSize(*client, pump, model, per_token, t, n);
-    std::printf(
-        "| %.3g MiB | %" PRIu64 " | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f |\n",
-        double(bytes) / (1 << 20), t, n, r.grpc_append, r.tcp_append, r.append_ratio, r.grpc_fetch,
-        r.tcp_fetch, r.fetch_ratio, r.append_faults_per_mib, r.fetch_faults_per_mib);
+    std::printf("| %.3g MiB | %" PRIu64
+                " | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.0f | %.2f | %.2f |\n",
+                double(bytes) / (1 << 20), t, n, r.grpc_append, r.tcp_append, r.append_ratio,
+                r.grpc_fetch, r.tcp_fetch, r.fetch_ratio, r.append_faults_per_mib,
+                r.fetch_faults_per_mib, r.grpc_fetch_into, r.fetch_into_ratio);
     std::fflush(stdout);
   }
   return 0;

@@ -388,13 +388,13 @@ namespace {
 // A server-streaming call to `method` whose responses are read raw (FetchDecoder decodes them).
 template <typename Request>
 absl::StatusOr<Client::FetchResult> RawFetch(grpc::Channel* channel, const char* method,
-                                             grpc::ClientContext* ctx, const Request& req) {
+                                             grpc::ClientContext* ctx, const Request& req,
+                                             FetchDecoder decoder = FetchDecoder()) {
   // The generated stub's own factory, for grpc::ByteBuffer responses.
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
       grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
           channel, grpc::internal::RpcMethod(method, grpc::internal::RpcMethod::SERVER_STREAMING),
           ctx, req));
-  FetchDecoder decoder;
   grpc::ByteBuffer message;
   while (reader->Read(&message)) {
     if (absl::Status s = decoder.Add(message); !s.ok()) {
@@ -407,9 +407,8 @@ absl::StatusOr<Client::FetchResult> RawFetch(grpc::Channel* channel, const char*
   return std::move(decoder).Finish();
 }
 
-}  // namespace
-absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
-                                                  const FetchArgs& args) {
+v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
+                                  const Client::FetchArgs& args) {
   v1::FetchRequest req;
   req.set_model(model);
   req.set_sequence_id(id);
@@ -418,9 +417,25 @@ absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint
   req.set_layer_begin(args.layer_begin);
   if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
   if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  return req;
+}
+}  // namespace
+
+absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
+                                                  const FetchArgs& args) {
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
-  return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/Fetch", &ctx, req);
+  return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/Fetch", &ctx,
+                  MakeFetchRequest(model, id, args));
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchInto(const std::string& model, uint64_t id,
+                                                      const FetchArgs& args,
+                                                      absl::Span<uint8_t> out) {
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/Fetch", &ctx,
+                  MakeFetchRequest(model, id, args), FetchDecoder(out));
 }
 
 absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model,

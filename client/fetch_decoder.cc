@@ -48,14 +48,18 @@ absl::Status FetchDecoder::Add(const grpc::ByteBuffer& message) {
     } else if (field == 2) {
       if (had_data) return bad;  // one chunk a message
       had_data = true;
-      if (!have_header_ || n > expected_ - out_.payload.size()) {
+      if (!have_header_ || n > expected_ - written_) {
         return absl::InternalError("fetch stream sent data beyond its header's payload_bytes");
       }
-      // Appended piece by piece: no zero-filling first, as resize would.
       std::vector<absl::Span<const uint8_t>> spans;
       if (!in.Spans(n, &spans)) return bad;
       for (absl::Span<const uint8_t> s : spans) {
-        out_.payload.insert(out_.payload.end(), s.begin(), s.end());
+        if (into_buffer_) {
+          std::memcpy(into_.data() + written_, s.data(), s.size());
+        } else {  // appended piece by piece: no zero-filling first, as resize would
+          out_.payload.insert(out_.payload.end(), s.begin(), s.end());
+        }
+        written_ += s.size();
       }
     } else if (!in.Copy(nullptr, n)) {
       return bad;
@@ -78,15 +82,23 @@ absl::Status FetchDecoder::TakeHeader(const std::string& serialized) {
   out_.layer_end = h.layer_end();
   out_.dtype = *d;
   expected_ = h.payload_bytes();
+  out_.payload_bytes = expected_;
+  if (into_buffer_) {
+    if (expected_ > into_.size()) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "the payload's ", expected_, " bytes do not fit the ", into_.size(), "-byte buffer"));
+    }
+    return absl::OkStatus();
+  }
   out_.payload.reserve(expected_);
   AskForHugePages(out_.payload.data(), out_.payload.capacity());
   return absl::OkStatus();
 }
 
 absl::StatusOr<Client::FetchResult> FetchDecoder::Finish() && {
-  if (!have_header_ || out_.payload.size() != expected_) {
-    return absl::InternalError(absl::StrCat("fetch stream ended after ", out_.payload.size(),
-                                            " of ", expected_, " payload bytes"));
+  if (!have_header_ || written_ != expected_) {
+    return absl::InternalError(
+        absl::StrCat("fetch stream ended after ", written_, " of ", expected_, " payload bytes"));
   }
   return std::move(out_);
 }

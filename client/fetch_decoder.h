@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "kvbank/client.h"
 
@@ -16,6 +17,11 @@ namespace kvbank {
 // chunk of the payload (bytes, field 2). Fields it does not know are skipped, as protobuf would.
 class FetchDecoder {
  public:
+  // Into a vector of its own (FetchResult::payload).
+  FetchDecoder() = default;
+  // Into `into`: the payload must fit (OUT_OF_RANGE from Add when the header says it does not).
+  explicit FetchDecoder(absl::Span<uint8_t> into) : into_(into), into_buffer_(true) {}
+
   // One message. INTERNAL when it is not a FetchResponse, repeats the header, comes before the
   // header, or carries data past the header's payload_bytes; the stream is then to be dropped.
   absl::Status Add(const grpc::ByteBuffer& message);
@@ -26,6 +32,9 @@ class FetchDecoder {
   absl::Status TakeHeader(const std::string& serialized);
 
   Client::FetchResult out_;
+  absl::Span<uint8_t> into_;
+  bool into_buffer_ = false;
+  uint64_t written_ = 0;
   bool have_header_ = false;
   uint64_t expected_ = 0;
 };

@@ -270,6 +270,25 @@ TEST_P(LifecycleTest, PrefillThenDecodeRoundTripsBitExact) {
     ASSERT_TRUE(whole.ok()) << whole.status();
     EXPECT_EQ(whole->num_tokens, len);
     EXPECT_TRUE(BytesEqual(whole->payload, ref.Payload(0, L, 0, len)));
+    EXPECT_EQ(whole->payload_bytes, whole->payload.size());
+
+    // Into the caller's buffer: a larger one (sentinel bytes after the payload stay), then one
+    // a byte too small.
+    const uint64_t bytes = whole->payload.size();
+    std::vector<uint8_t> buffer(bytes + 64, 0xa5);
+    auto into = decode->FetchInto(c.name, id, {}, absl::MakeSpan(buffer));
+    ASSERT_TRUE(into.ok()) << into.status();
+    EXPECT_EQ(into->num_tokens, len);
+    EXPECT_EQ(into->payload_bytes, bytes);
+    EXPECT_TRUE(into->payload.empty());
+    EXPECT_TRUE(
+        BytesEqual(std::vector<uint8_t>(buffer.begin(), buffer.begin() + bytes), whole->payload));
+    EXPECT_EQ(std::count(buffer.begin() + bytes, buffer.end(), 0xa5), 64);
+    auto small = decode->FetchInto(c.name, id, {}, absl::MakeSpan(buffer.data(), bytes - 1));
+    EXPECT_EQ(small.status().code(), absl::StatusCode::kOutOfRange) << small.status();
+    EXPECT_TRUE(absl::StrContains(small.status().message(),
+                                  absl::StrCat(bytes, " bytes do not fit the ", bytes - 1)))
+        << small.status();
   }
   const uint32_t mid = std::max<uint32_t>(1, L / 2);
   ExpectFetch(*decode, c.name, id, ref, 0, L, 0, 1);

@@ -4,6 +4,7 @@
 // streams are refused with INTERNAL.
 #include "client/fetch_decoder.h"
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -126,6 +127,29 @@ TEST(FetchDecoder, DecodesWhatProtobufEncodesWhereverTheSlicesSplit) {
   FetchDecoder d;
   ASSERT_TRUE(d.Add(Sliced(m, every)).ok());
   EXPECT_TRUE(std::move(d).Finish().ok());
+}
+
+TEST(FetchDecoder, DecodesIntoTheCallersBuffer) {
+  std::mt19937 rng(11);
+  const Stream s = MakeStream(10000, 4096, true, rng);
+  std::vector<uint8_t> buffer(10000 + 16, 0xa5);
+  FetchDecoder d(absl::MakeSpan(buffer));
+  for (const std::string& m : s.messages) {
+    ASSERT_TRUE(d.Add(Sliced(m, RandomCuts(m.size(), rng))).ok());
+  }
+  auto r = std::move(d).Finish();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->payload.empty());
+  EXPECT_EQ(r->payload_bytes, 10000u);
+  EXPECT_EQ(std::string(buffer.begin(), buffer.begin() + 10000), s.payload);
+  EXPECT_EQ(std::count(buffer.begin() + 10000, buffer.end(), 0xa5), 16);
+
+  // A byte too small: refused at the header, before any byte is written.
+  std::vector<uint8_t> small(9999, 0x5a);
+  FetchDecoder too_small(absl::MakeSpan(small));
+  const absl::Status st = too_small.Add(Sliced(s.messages[0], {}));
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_EQ(std::count(small.begin(), small.end(), 0x5a), 9999);
 }
 
 TEST(FetchDecoder, RefusesBrokenStreams) {

@@ -130,7 +130,8 @@ class Client {
     uint32_t layer_begin = 0;
     uint32_t layer_end = 0;
     DType dtype = DType::kFp16;
-    std::vector<uint8_t> payload;  // layout of kvbank/layout.h (PayloadLayout)
+    std::vector<uint8_t> payload;  // layout of kvbank/layout.h (PayloadLayout); empty for FetchInto
+    uint64_t payload_bytes = 0;    // its size (FetchInto: the bytes written at the buffer's start)
   };
 
   // Connects lazily: the first call opens the channel. `target` is a gRPC target
@@ -168,6 +169,12 @@ class Client {
                                              const AppendArgs& args, absl::Span<const uint8_t> k,
                                              absl::Span<const uint8_t> v);
   absl::StatusOr<FetchResult> Fetch(const std::string& model, uint64_t id, const FetchArgs& args);
+  // Fetch into the caller's buffer (pinned or otherwise reused memory: no fresh pages to fault
+  // in); the result's payload stays empty and payload_bytes says how much of `out` was written.
+  // OUT_OF_RANGE naming both sizes when the payload does not fit (the call is cancelled, and
+  // what `out` then holds is meaningless).
+  absl::StatusOr<FetchResult> FetchInto(const std::string& model, uint64_t id,
+                                        const FetchArgs& args, absl::Span<uint8_t> out);
   // Typed helper: fills k [layers][kv_heads][tokens][head_dim] and v (same, head_dim_v; empty for
   // MLA). REQUIRES: the spans are exactly the size of the range fetched; else INVALID_ARGUMENT.
   absl::Status FetchTensors(const std::string& model, uint64_t id, const FetchArgs& args,
