@@ -267,26 +267,48 @@ KVBANK_HD inline float DequantizeInt8(uint8_t q, uint8_t zero_point, float scale
 // ---- element access ---------------------------------------------------------------------------
 
 // REQUIRES: d is fp32, fp16 or bf16.
+// Element i of a payload. On the host a payload may sit at any address (the server writes
+// appended bytes straight from gRPC's slices), so it is read with memcpy: one plain unaligned
+// load on x86. Device buffers are aligned.
+template <typename T>
+KVBANK_HD inline T LoadElement(const void* p, size_t i) {
+#ifdef __CUDA_ARCH__
+  return static_cast<const T*>(p)[i];
+#else
+  T v;
+  std::memcpy(&v, static_cast<const unsigned char*>(p) + i * sizeof(T), sizeof(T));
+  return v;
+#endif
+}
+template <typename T>
+KVBANK_HD inline void StoreElement(void* p, size_t i, T v) {
+#ifdef __CUDA_ARCH__
+  static_cast<T*>(p)[i] = v;
+#else
+  std::memcpy(static_cast<unsigned char*>(p) + i * sizeof(T), &v, sizeof(T));
+#endif
+}
+
 KVBANK_HD inline float LoadAsFloat(const void* p, DType d, size_t i) {
-  if (d == DType::kFp32) return static_cast<const float*>(p)[i];
-  const uint16_t b = static_cast<const uint16_t*>(p)[i];
+  if (d == DType::kFp32) return LoadElement<float>(p, i);
+  const uint16_t b = LoadElement<uint16_t>(p, i);
   return d == DType::kFp16 ? HalfToFloat(b) : Bf16ToFloat(b);
 }
 
 // Stores with saturation: finite values never become Inf. REQUIRES: d is fp32, fp16 or bf16.
 KVBANK_HD inline void StoreFromFloat(void* p, DType d, size_t i, float v) {
   if (d == DType::kFp32) {
-    static_cast<float*>(p)[i] = v;
+    StoreElement<float>(p, i, v);
   } else {
-    static_cast<uint16_t*>(p)[i] = d == DType::kFp16 ? FloatToHalf(v, true) : FloatToBf16(v, true);
+    StoreElement<uint16_t>(p, i, d == DType::kFp16 ? FloatToHalf(v, true) : FloatToBf16(v, true));
   }
 }
 
 KVBANK_HD inline bool IsNonFinite(const void* p, DType d, size_t i) {
   if (d == DType::kFp32) {
-    return (FloatBits(static_cast<const float*>(p)[i]) & 0x7f800000u) == 0x7f800000u;
+    return (FloatBits(LoadElement<float>(p, i)) & 0x7f800000u) == 0x7f800000u;
   }
-  const uint16_t b = static_cast<const uint16_t*>(p)[i];
+  const uint16_t b = LoadElement<uint16_t>(p, i);
   const uint16_t e = d == DType::kFp16 ? 0x7c00u : 0x7f80u;
   return (b & e) == e;
 }

@@ -128,6 +128,49 @@ TEST(QuantStoreTest, NonFiniteInputIsRefusedAndChangesNothing) {
 
 // One block's bytes, from the layout rules (kvbank/layout.h), worked out by hand for GQA 4 layers
 // x 3 heads x 72 dims x 7 tokens and MLA 4 layers x 40 dims x 7 tokens.
+// Appended bytes may sit at any address (the server writes them straight from gRPC's slices):
+// a payload written from an odd address is stored exactly as the same payload written, in the
+// same chunks, from an aligned one, for every storage dtype and input dtype, whole or in chunks
+// that split rows. (The sanitizer build also checks that no element is loaded through a
+// misaligned pointer.) Chunking itself may change fp8 scales on host memory, so each chunking is
+// compared with itself.
+TEST(QuantStoreTest, PayloadsAtAnyAddressStoreTheSame) {
+  const uint32_t seed = 91;
+  std::printf("seed %u\n", seed);
+  for (Storage st : {Storage::kInt8, Storage::kFp8E4M3, Storage::kMixed}) {
+    for (DType in : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+      const ModelLayout m = Layout(st, in, /*mla=*/false);
+      SCOPED_TRACE(m.name);
+      QuantStore store(m);
+      Ref ref(m);
+      const std::vector<uint8_t> payload = ref.Add(21, Uniform(seed), Ref::Arrival::kWhole);
+      for (size_t chunk : {size_t{0}, size_t{333}}) {
+        std::vector<uint8_t> want;
+        for (size_t shift : {0, 1, 2, 3}) {
+          std::vector<uint8_t> buffer(payload.size() + shift);
+          std::memcpy(buffer.data() + shift, payload.data(), payload.size());
+          const uint64_t id = store.NewSeq();
+          auto txn = store->BeginAppend(MakeAppend(id, 21));
+          ASSERT_TRUE(txn.ok()) << txn.status();
+          const size_t step = chunk == 0 ? payload.size() : chunk;
+          for (size_t off = 0; off < payload.size(); off += step) {
+            const size_t len = std::min(step, payload.size() - off);
+            ASSERT_TRUE((*txn)->Write(absl::MakeConstSpan(buffer.data() + shift + off, len)).ok());
+          }
+          ASSERT_TRUE((*txn)->Commit().ok());
+          const std::vector<uint8_t> got = store.Fetch(id, DType::kFp32);
+          if (shift == 0) {
+            want = got;
+          } else {
+            EXPECT_TRUE(got == want) << "shift " << shift << ", chunk " << chunk;
+          }
+          ASSERT_TRUE(store->Free(id).ok());
+        }
+      }
+    }
+  }
+}
+
 TEST(QuantStoreTest, BytesPerToken) {
   struct Want {
     Storage storage;
