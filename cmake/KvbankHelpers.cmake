@@ -23,4 +23,13 @@ function(kvbank_add_test)
   if(T_LABELS)
     set_tests_properties(${T_NAME} PROPERTIES LABELS "${T_LABELS}")
   endif()
+  if("gpu" IN_LIST T_LABELS)
+    kvbank_skip_without_device(${T_NAME})
+  endif()
+endfunction()
+
+# A gpu test on a machine without a device skips every case, saying "no CUDA device"; ctest then
+# reports it as skipped, not passed.
+function(kvbank_skip_without_device name)
+  set_tests_properties(${name} PROPERTIES SKIP_REGULAR_EXPRESSION "no CUDA device")
 endfunction()
