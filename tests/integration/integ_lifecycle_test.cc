@@ -537,19 +537,38 @@ TEST_F(LeaseTest, RenewLeaseKeepsASequencePastItsTtl) {
   EXPECT_EQ(st.leases_expired, 2u);
 }
 
-class DrainTest : public KvbankdTest {};
+class DrainTest : public KvbankdTest {
+ protected:
+  // A server with that pool size and drain timeout, model "drain" (small GQA, fp16) on it, and
+  // `setup`, the client that registered it.
+  Client::ModelInfo StartWithModel(const std::string& pool_bytes, int drain_timeout_ms,
+                                   std::unique_ptr<Client>* setup) {
+    StartServer({"--models=", "--pool-bytes=" + pool_bytes, "--max-pool-bytes=1GiB",
+                 "--drain-timeout-ms=" + std::to_string(drain_timeout_ms)});
+    if (HasFatalFailure()) return {};
+    *setup = NewClient();
+    auto model = (*setup)->EnsureModel(SmallGqa("drain", DType::kFp16));  // pool: --pool-bytes
+    EXPECT_TRUE(model.ok()) << model.status();
+    return model.ok() ? *model : Client::ModelInfo{};
+  }
+  // The generated stub on a connection of its own: for calls the SDK only makes whole.
+  std::unique_ptr<v1::KvBank::Stub> RawStub() {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetMaxReceiveMessageSize(64 << 20);
+    return v1::KvBank::NewStub(
+        grpc::CreateCustomChannel(server_->target(), grpc::InsecureChannelCredentials(), args));
+  }
+};
 
 TEST_F(DrainTest, SigtermLetsCallsInFlightFinishThenExitsZero) {
-  ASSERT_NO_FATAL_FAILURE(StartServer(
-      {"--models=", "--pool-bytes=512MiB", "--max-pool-bytes=1GiB", "--drain-timeout-ms=60000"}));
-  const ModelLayout layout = SmallGqa("drain", DType::kFp16);
-  auto setup = NewClient();
-  auto model = setup->EnsureModel(layout);  // pool: the server's --pool-bytes
-  ASSERT_TRUE(model.ok()) << model.status();
-  EXPECT_EQ(model->pool_bytes, 512 * kMiB);
+  std::unique_ptr<Client> setup;
+  const Client::ModelInfo model = StartWithModel("512MiB", 60000, &setup);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_EQ(model.pool_bytes, 512 * kMiB);
   // 200 MiB and an odd tail, one whole-sequence payload each.
-  const uint64_t n = 200 * kMiB / model->payload_bytes_per_token + 17;
-  const uint64_t bytes = n * model->payload_bytes_per_token;
+  const uint64_t n = 200 * kMiB / model.payload_bytes_per_token + 17;
+  const uint64_t bytes = n * model.payload_bytes_per_token;
   const uint64_t seed_fetched = 3001, seed_appended = 3002;
   std::cerr << "[drain] " << n << " tokens = " << bytes << " bytes per payload, seeds "
             << seed_fetched << ", " << seed_appended << "\n";
@@ -630,12 +649,9 @@ TEST_F(DrainTest, SigtermLetsCallsInFlightFinishThenExitsZero) {
 // drain and ends Watch streams at once; the call in flight still completes and is kept. The
 // append here is held open by the test, so each step happens at a known point of the drain.
 TEST_F(DrainTest, NewCallsAreRefusedAndWatchesEndWhileAnAppendIsInFlight) {
-  ASSERT_NO_FATAL_FAILURE(StartServer(
-      {"--models=", "--pool-bytes=64MiB", "--max-pool-bytes=1GiB", "--drain-timeout-ms=60000"}));
-  const ModelLayout layout = SmallGqa("drain", DType::kFp16);
-  auto setup = NewClient();
-  auto model = setup->EnsureModel(layout);
-  ASSERT_TRUE(model.ok()) << model.status();
+  std::unique_ptr<Client> setup;
+  const Client::ModelInfo model = StartWithModel("64MiB", 60000, &setup);
+  ASSERT_FALSE(HasFailure());
   auto seq = setup->CreateSequence("drain", absl::ZeroDuration());
   ASSERT_TRUE(seq.ok()) << seq.status();
   const Client::ModelStats before = StatsOf(*setup, "drain");
@@ -653,11 +669,8 @@ TEST_F(DrainTest, NewCallsAreRefusedAndWatchesEndWhileAnAppendIsInFlight) {
   });
 
   // An append of 40 tokens, through the raw stub: header and half the payload, then held.
-  const uint64_t tokens = 40, bytes = tokens * model->payload_bytes_per_token;
-  grpc::ChannelArguments channel_args;
-  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto stub = v1::KvBank::NewStub(grpc::CreateCustomChannel(
-      server_->target(), grpc::InsecureChannelCredentials(), channel_args));
+  const uint64_t tokens = 40, bytes = tokens * model.payload_bytes_per_token;
+  auto stub = RawStub();
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   v1::AppendResponse resp;
@@ -712,28 +725,21 @@ TEST_F(DrainTest, NewCallsAreRefusedAndWatchesEndWhileAnAppendIsInFlight) {
 // A client that stops reading cannot hold a stopping server: at --drain-timeout-ms the server
 // cancels what is left, says so, and exits 0.
 TEST_F(DrainTest, AStalledReaderIsCutOffAtTheDrainTimeout) {
-  ASSERT_NO_FATAL_FAILURE(StartServer(
-      {"--models=", "--pool-bytes=256MiB", "--max-pool-bytes=1GiB", "--drain-timeout-ms=1000"}));
-  const ModelLayout layout = SmallGqa("drain", DType::kFp16);
-  auto setup = NewClient();
-  auto model = setup->EnsureModel(layout);
-  ASSERT_TRUE(model.ok()) << model.status();
+  std::unique_ptr<Client> setup;
+  const Client::ModelInfo model = StartWithModel("256MiB", 1000, &setup);
+  ASSERT_FALSE(HasFailure());
   // 64 MiB: far more than the socket buffers and flow-control windows hold.
-  const uint64_t n = 64 * kMiB / model->payload_bytes_per_token;
+  const uint64_t n = 64 * kMiB / model.payload_bytes_per_token;
   auto seq = setup->CreateSequence("drain", absl::ZeroDuration());
   ASSERT_TRUE(seq.ok()) << seq.status();
   Client::AppendArgs args;
   args.num_tokens = n;
   ASSERT_TRUE(
-      setup->Append("drain", seq->id, args, Random(3101).Bytes(n * model->payload_bytes_per_token))
+      setup->Append("drain", seq->id, args, Random(3101).Bytes(n * model.payload_bytes_per_token))
           .ok());
 
   // A fetch whose client reads the first message and then nothing.
-  grpc::ChannelArguments channel_args;
-  channel_args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  channel_args.SetMaxReceiveMessageSize(64 << 20);
-  auto stub = v1::KvBank::NewStub(grpc::CreateCustomChannel(
-      server_->target(), grpc::InsecureChannelCredentials(), channel_args));
+  auto stub = RawStub();
   grpc::ClientContext ctx;
   v1::FetchRequest req;
   req.set_model("drain");
