@@ -378,6 +378,8 @@ class SequenceStore {
   // Memory that is not direct: cuts the reader's payload into pieces and reads the first into a
   // staging buffer the size of the largest (FetchReader::Read reads the others as it goes).
   absl::Status StageFetch(FetchReader& r);
+  // INVALID_ARGUMENT unless [l0, l1) is a non-empty range of the model's layers.
+  absl::Status CheckLayerRange(uint32_t l0, uint32_t l1) const;
   // Memory that is not direct: `payload` (moved as `job`) cut into pieces of whole layers.
   std::vector<StagedPiece> SplitForStaging(const PayloadLayout& payload,
                                            const PayloadJob& job) const;

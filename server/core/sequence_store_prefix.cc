@@ -56,10 +56,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
     std::optional<uint32_t> layer_end, std::optional<DType> dtype) {
   const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
-  if (l1 > layout_.num_layers || l0 >= l1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
-  }
+  if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
   auto wire = Plan(l0, l1, dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();

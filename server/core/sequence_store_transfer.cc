@@ -26,13 +26,27 @@ kernels::PayloadMap SequenceStore::MakeMap(const PayloadLayout& p) const {
   return m;
 }
 
-absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const AppendSpec& spec) {
-  const uint32_t l0 = spec.layer_begin;
-  const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
+absl::Status SequenceStore::CheckLayerRange(uint32_t l0, uint32_t l1) const {
   if (l1 > layout_.num_layers || l0 >= l1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
   }
+  return absl::OkStatus();
+}
+
+namespace {
+// Bytes of the largest piece: what a transfer's staging buffer must hold.
+uint64_t LargestPiece(const std::vector<StagedPiece>& pieces) {
+  uint64_t largest = 0;
+  for (const StagedPiece& p : pieces) largest = std::max(largest, p.end - p.begin);
+  return largest;
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const AppendSpec& spec) {
+  const uint32_t l0 = spec.layer_begin;
+  const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
+  if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   if (spec.num_tokens == 0) return absl::InvalidArgumentError("num_tokens is 0: empty append");
   if (spec.num_tokens > options_.max_tokens_per_sequence) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens ", spec.num_tokens,
@@ -157,9 +171,7 @@ absl::Status AppendTxn::Write(absl::Span<const uint8_t> data) {
   if (data.empty()) return absl::OkStatus();
   if (!store_->pool_->memory().direct()) {
     if (staging_ == nullptr) {
-      uint64_t largest = 0;
-      for (const StagedPiece& p : pieces_) largest = std::max(largest, p.end - p.begin);
-      auto staged = store_->pool_->memory().Stage(largest);
+      auto staged = store_->pool_->memory().Stage(LargestPiece(pieces_));
       if (!staged.ok()) return staged.status();
       staging_ = *std::move(staged);
     }
@@ -355,10 +367,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Append(const AppendSpec& spec,
 absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const FetchSpec& spec) {
   const uint32_t l0 = spec.layer_begin;
   const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
-  if (l1 > layout_.num_layers || l0 >= l1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
-  }
+  if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   auto wire = Plan(l0, l1, spec.dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();
   std::unique_ptr<FetchReader> r(new FetchReader());
@@ -441,8 +450,7 @@ absl::Status SequenceStore::StageFetch(FetchReader& r) {
   // byte goes out. The reader's blocks stay referenced until it is destroyed, so later pieces
   // read what the sequence held when the fetch began.
   r.pieces_ = SplitForStaging(r.payload_, r.job_);
-  uint64_t largest = 0;
-  for (const StagedPiece& p : r.pieces_) largest = std::max(largest, p.end - p.begin);
+  const uint64_t largest = LargestPiece(r.pieces_);
   auto staged = memory.Stage(largest);
   if (!staged.ok()) return staged.status();
   r.staged_ = *std::move(staged);

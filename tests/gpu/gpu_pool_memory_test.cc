@@ -30,6 +30,7 @@
 #include "server/core/pool_memory.h"
 #include "tests/gpu/gpu_testing.h"
 #include "tests/unit/attention_testing.h"
+#include "tests/unit/payload_codec_testing.h"
 
 namespace kvbank {
 namespace {
@@ -42,23 +43,11 @@ constexpr uint64_t kSeed = 7312024;
     ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
   } while (0)
 
+// The codec tests' shapes, with DeepSeek's 64-wide rope part for MLA and 2 q heads per KV head.
 ModelLayout Shape(AttentionKind kind, uint32_t kv_heads, uint32_t head_dim, uint32_t block_tokens,
                   std::vector<DType> dtypes) {
-  ModelLayout m;
-  m.name = "gpu-pool-memory";
-  m.kind = kind;
-  m.num_layers = static_cast<uint32_t>(dtypes.size());
-  m.num_kv_heads = kv_heads;
-  m.num_q_heads = kv_heads * 2;
-  m.head_dim = m.head_dim_v = head_dim;
-  m.block_tokens = block_tokens;
-  if (kind == AttentionKind::kMla) {
-    m.rope_dim = 64;
-    m.kv_lora_rank = head_dim - m.rope_dim;
-    m.head_dim_v = m.kv_lora_rank;
-  }
-  m.layer_dtypes = std::move(dtypes);
-  return m;
+  return kernels::testing::CodecShape(kind, kv_heads, head_dim, block_tokens, std::move(dtypes),
+                                      /*rope_dim=*/64, /*q_per_kv=*/2);
 }
 
 std::vector<uint8_t> RandomBytes(std::mt19937_64& rng, uint64_t n) {

@@ -21,20 +21,21 @@
 
 namespace kvbank::kernels::testing {
 
-// A model of `dtypes.size()` layers. MLA: one latent head, K head_dim wide, V its first
-// head_dim - head_dim / 3 values.
+// A model of `dtypes.size()` layers with q_per_kv query heads per KV head. MLA: one latent head,
+// K head_dim wide, V its first head_dim - rope_dim values (rope_dim 0: head_dim / 3).
 inline ModelLayout CodecShape(AttentionKind kind, uint32_t kv_heads, uint32_t head_dim,
-                              uint32_t block_tokens, std::vector<DType> dtypes) {
+                              uint32_t block_tokens, std::vector<DType> dtypes,
+                              uint32_t rope_dim = 0, uint32_t q_per_kv = 4) {
   ModelLayout m;
   m.name = "codec";
   m.kind = kind;
   m.num_layers = static_cast<uint32_t>(dtypes.size());
   m.num_kv_heads = kv_heads;
-  m.num_q_heads = kv_heads * 4;
+  m.num_q_heads = kv_heads * q_per_kv;
   m.head_dim = m.head_dim_v = head_dim;
   m.block_tokens = block_tokens;
   if (kind == AttentionKind::kMla) {
-    m.rope_dim = head_dim / 3;
+    m.rope_dim = rope_dim != 0 ? rope_dim : head_dim / 3;
     m.kv_lora_rank = head_dim - m.rope_dim;
     m.head_dim_v = m.kv_lora_rank;
   }
