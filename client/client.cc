@@ -97,6 +97,10 @@ struct Client::Impl {
     absl::MutexLock lock(&mu);
     models[m.layout.name] = m;
   }
+  void Forget(const std::string& name) {
+    absl::MutexLock lock(&mu);
+    models.erase(name);
+  }
 
   // Streams `pieces` (concatenated, in order) as the data of append messages of at most
   // chunk_bytes each; the first message carries the header.
@@ -138,6 +142,15 @@ absl::StatusOr<Client::ModelInfo> Client::EnsureModel(const ModelLayout& layout,
   info->created = resp.created();
   impl_->Remember(*info);
   return info;
+}
+
+absl::Status Client::DropModel(const std::string& name) {
+  v1::DropModelRequest req;
+  req.set_name(name);
+  v1::DropModelResponse resp;
+  absl::Status s = impl_->Call(&v1::KvBank::Stub::DropModel, req, &resp);
+  if (s.ok() || s.code() == absl::StatusCode::kNotFound) impl_->Forget(name);
+  return s;
 }
 
 absl::StatusOr<Client::ModelInfo> Client::EnsurePreset(const std::string& name,

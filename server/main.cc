@@ -30,8 +30,10 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "server/core/pool_memory.h"
 #include "server/rpc/drain.h"
+#include "server/rpc/listener.h"
 #include "server/rpc/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
@@ -69,6 +71,18 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
 ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash (default on)");
 ABSL_FLAG(int64_t, prefix_cache_ttl_ms, 0, "drop cached blocks older than this (0: never)");
+ABSL_FLAG(uint64_t, max_connections, 0,
+          "most connections open at once; more are closed at once (0: the descriptor limit less "
+          "a reserve)");
+ABSL_FLAG(int64_t, stream_idle_timeout_ms, 60000,
+          "a stream that waits this long on its client (an append that sends nothing, a fetch or "
+          "watch whose client does not read) is cancelled and releases its blocks (0: never)");
+ABSL_FLAG(int64_t, max_connection_idle_ms, 600000,
+          "a connection with no call for this long is closed (0: never)");
+ABSL_FLAG(int64_t, keepalive_time_ms, 60000,
+          "ping idle connections this often; one that does not answer within 20 s is closed");
+ABSL_FLAG(std::string, grpc_memory_bytes, "512MiB",
+          "bound on the memory gRPC may take for connections and messages in flight");
 ABSL_FLAG(std::string, hash_algorithm, "sha256",
           "prefix hash: sha256 | xxh3_128 (not safe "
           "against hostile tenants)");
@@ -258,12 +272,42 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Descriptors: gRPC 1.51 stops accepting for good after one EMFILE, so take all the process
+  // may have and cap connections well below it (server/rpc/listener.h).
+  const uint64_t fd_limit = rpc::RaiseDescriptorLimit();
+  constexpr uint64_t kReservedFds = 64;  // pools, logs, gRPC's own pipes and epoll
+  uint64_t max_connections = absl::GetFlag(FLAGS_max_connections);
+  if (max_connections == 0) {
+    if (fd_limit <= 2 * kReservedFds) {
+      return Fail(absl::StrCat("the descriptor limit (", fd_limit, ") is too low: raise it"));
+    }
+    max_connections = fd_limit - kReservedFds;
+  } else if (max_connections + kReservedFds > fd_limit) {
+    std::cerr << "kvbankd: warning: --max-connections " << max_connections << " needs "
+              << max_connections + kReservedFds << " descriptors and the limit is " << fd_limit
+              << ": past it, new connections are closed at once until descriptors are free"
+              << std::endl;
+  }
+  auto grpc_memory = ParseBytes(absl::GetFlag(FLAGS_grpc_memory_bytes));
+  if (!grpc_memory.ok() || *grpc_memory < (uint64_t{64} << 20)) {
+    return Fail("--grpc-memory-bytes must be a byte size of at least 64MiB");
+  }
+  options.stream_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stream_idle_timeout_ms));
+
+  auto listener = rpc::Listener::Bind(absl::GetFlag(FLAGS_listen));
+  if (!listener.ok()) {
+    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen), ": ",
+                             listener.status().message()));
+  }
+  const int port = (*listener)->port();
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+
   rpc::KvBankService service(registry, options, auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  auto acceptor = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
   builder.RegisterService(&service);
   auto counter = std::make_unique<rpc::CallCounter>();
   const rpc::CallCounter& calls = *counter;
@@ -272,22 +316,55 @@ int Main(int argc, char** argv) {
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.SetMaxReceiveMessageSize(rpc::kMaxMessageBytes);
   builder.SetMaxSendMessageSize(rpc::kMaxMessageBytes);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen)));
+  // Memory for connections and messages in flight is bounded: under pressure gRPC shrinks its
+  // flow-control windows and reads less from the sockets.
+  grpc::ResourceQuota quota("kvbankd");
+  quota.Resize(*grpc_memory);
+  builder.SetResourceQuota(quota);
+  if (int64_t idle = absl::GetFlag(FLAGS_max_connection_idle_ms); idle > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, static_cast<int>(idle));
   }
+  if (int64_t ping = absl::GetFlag(FLAGS_keepalive_time_ms); ping > 0) {
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(ping));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  }
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return Fail(absl::StrCat("cannot start serving on ", absl::GetFlag(FLAGS_listen)));
+  }
+  (*listener)->Start(std::move(acceptor), max_connections);
   std::cerr << "kvbankd: serving kvbank.v1 on " << absl::GetFlag(FLAGS_listen) << " (port " << port
+            << "; at most " << max_connections << " connections, descriptor limit " << fd_limit
             << ")" << std::endl;
   if (std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     const std::string tmp = pf + ".tmp";
     std::ofstream(tmp) << port << "\n";
     std::rename(tmp.c_str(), pf.c_str());  // readers never see a half-written file
   }
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  // Health names the service too, for probes that ask for kvbank.v1.KvBank by name.
+  const std::string kService = v1::KvBank::service_full_name();
+  auto set_serving = [&](bool serving) {
+    if (health == nullptr) return;
+    health->SetServingStatus(serving);
+    health->SetServingStatus(kService, serving);
+  };
+  set_serving(true);
 
   absl::Notification stop;
   std::thread reaper([&] {
     const absl::Duration every = absl::Milliseconds(absl::GetFlag(FLAGS_lease_check_ms));
+    bool accepting = true;
     while (!stop.WaitForNotificationWithTimeout(every)) {
+      // Health reports a listener that cannot take connections (out of descriptors).
+      if (bool now = (*listener)->accepting(); now != accepting) {
+        accepting = now;
+        set_serving(now);
+        std::cerr << "kvbankd: health: "
+                  << (now ? "SERVING (accepting connections again)"
+                          : "NOT_SERVING (cannot accept connections)")
+                  << std::endl;
+      }
       if (size_t n = registry->ExpireLeases(absl::Now()); n > 0) {
         std::cerr << "kvbankd: " << n << " lease(s) expired; their sequences were freed\n";
       }
@@ -303,10 +380,10 @@ int Main(int argc, char** argv) {
   // finish and wait until the clients have acknowledged every byte sent.
   const absl::Time deadline =
       absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_drain_timeout_ms));
+  stop.Notify();  // the reaper (and its health updates) end before health shuts down
+  reaper.join();
   service.BeginDrain();
-  if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
-    health->Shutdown();
-  }
+  if (health != nullptr) health->Shutdown();
   uint64_t in_flight = 0, unacked = 0;
   for (;;) {
     in_flight = calls.in_flight();
@@ -321,10 +398,9 @@ int Main(int argc, char** argv) {
   // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
   // is left and close the connections now. A graceful GOAWAY would wait for idle clients to
   // answer its ping, up to 20 s.
+  (*listener)->Stop();
   server->Shutdown(std::chrono::system_clock::now());
   server->Wait();
-  stop.Notify();
-  reaper.join();
   std::cerr << "kvbankd: stopped" << std::endl;
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51
   // sometimes waits ~10 s for one of its internal threads.

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "server/core/quote.h"
 
 namespace kvbank {
 
@@ -78,8 +79,19 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
 absl::StatusOr<std::shared_ptr<SequenceStore>> ModelRegistry::Get(const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
-  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("model '", name, "' not found"));
+  if (it == models_.end())
+    return absl::NotFoundError(absl::StrCat("model ", Quote(name), " not found"));
   return it->second;
+}
+
+absl::Status ModelRegistry::Drop(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end())
+    return absl::NotFoundError(absl::StrCat("model ", Quote(name), " not found"));
+  pool_bytes_used_ -= it->second->pool().pool_bytes();
+  models_.erase(it);
+  return absl::OkStatus();
 }
 
 std::vector<std::shared_ptr<SequenceStore>> ModelRegistry::List() const {

@@ -44,6 +44,8 @@ class ModelRegistry {
   absl::StatusOr<EnsureResult> Ensure(ModelConfig config);
   // NOT_FOUND naming the model when there is none.
   absl::StatusOr<std::shared_ptr<SequenceStore>> Get(const std::string& name) const;
+  // Unregisters a model: Get and List no longer see it. NOT_FOUND for an unknown name.
+  absl::Status Drop(const std::string& name);
   std::vector<std::shared_ptr<SequenceStore>> List() const;  // sorted by name
   // Expires leases in every model; returns how many sequences went.
   size_t ExpireLeases(absl::Time now) const;

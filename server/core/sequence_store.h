@@ -300,6 +300,8 @@ class SequenceStore {
     uint32_t sinks = 0;
     uint32_t num_threads = 0;  // CPU kernel threads; 0: all cores
   };
+  // Most items one Attend call may carry.
+  static constexpr size_t kMaxAttendItems = 4096;
   absl::Status Attend(const AttendOptions& options, absl::Span<const AttendItem> items,
                       absl::Span<float> out, absl::Span<float> lse);
 

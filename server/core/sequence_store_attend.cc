@@ -80,7 +80,10 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
   const ModelLayout& m = layout_;
   const uint64_t q_elems = uint64_t{m.num_q_heads} * m.head_dim;
   if (items.empty()) return absl::InvalidArgumentError("items is empty");
-  if (items.size() > 4096) return absl::InvalidArgumentError("more than 4096 items in one call");
+  if (items.size() > kMaxAttendItems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("items: ", items.size(), " in one call; at most ", kMaxAttendItems));
+  }
   if (out.size() != items.size() * uint64_t{m.num_q_heads} * m.head_dim_v ||
       lse.size() != items.size() * uint64_t{m.num_q_heads}) {
     return absl::InternalError("Attend output spans do not match the items");

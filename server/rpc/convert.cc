@@ -9,8 +9,13 @@ namespace kvbank::rpc {
 
 grpc::Status ToGrpcStatus(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
+  // The message travels in trailing metadata, which clients cap (grpcio: 8 KiB in all): messages
+  // quote client strings cut short (Quote), and this bounds whatever else a message grew into.
+  constexpr size_t kMaxMessage = 1024;
+  std::string message(s.message().substr(0, kMaxMessage));
+  if (s.message().size() > kMaxMessage) message += "...";
   // absl::StatusCode and grpc::StatusCode share their numbering (both follow google.rpc.Code).
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::move(message));
 }
 
 absl::StatusOr<std::optional<DType>> FromProto(v1::DType d, const char* field) {

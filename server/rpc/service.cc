@@ -5,17 +5,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/wire.h"
+#include "server/core/quote.h"
 
 namespace kvbank::rpc {
 
 namespace {
-
-// Finishes a unary call with `s` (the response is sent only when s is OK).
-grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
-  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
-  r->Finish(ToGrpcStatus(s));
-  return r;
-}
 
 absl::StatusOr<std::shared_ptr<SequenceStore>> FindModel(const ModelRegistry& registry,
                                                          const std::string& name) {
@@ -36,13 +30,76 @@ absl::Status Reply(const absl::StatusOr<SequenceInfo>& info, const std::string& 
   return absl::OkStatus();
 }
 
+// A raw method's request, parsed; INVALID_ARGUMENT naming the type when it is not a `Request`.
+template <typename Request>
+absl::Status ParseRequest(const grpc::ByteBuffer* raw, Request* req) {
+  grpc::ByteBuffer copy(*raw);  // Deserialize consumes its buffer; the slices are shared
+  grpc::Status s = grpc::SerializationTraits<Request>::Deserialize(&copy, req);
+  if (s.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("request is not a ", Request::descriptor()->full_name()));
+}
+
+absl::Status CheckAdmin(const Caller& caller, const char* what) {
+  if (caller.admin) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat(what, " is an admin act; tenant ", Quote(caller.tenant), " is not an admin"));
+}
+
 }  // namespace
+
+// One unary call: owns its request and response, so that a handler may answer later (Attend
+// answers from a worker). Reply is called once; the response is serialized only when OK.
+template <typename Request, typename Response>
+class KvBankService::UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  explicit UnaryCall(grpc::ByteBuffer* out) : out_(out) {}
+  void Reply(const absl::Status& s) {
+    if (!s.ok()) return Finish(ToGrpcStatus(s));
+    bool own = false;
+    Finish(grpc::SerializationTraits<Response>::Serialize(response, out_, &own));
+  }
+  void OnDone() override { delete this; }
+
+  Request request;
+  Response response;
+
+ private:
+  grpc::ByteBuffer* const out_;
+};
+
+template <typename Request, typename Response, typename Handler>
+grpc::ServerUnaryReactor* KvBankService::Serve(Ctx* ctx, const Raw* raw, Raw* out,
+                                               Handler handler) {
+  auto* call = new UnaryCall<Request, Response>(out);
+  auto caller = Admit(*ctx);
+  if (!caller.ok()) {
+    call->Reply(caller.status());
+  } else if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) {
+    call->Reply(s);
+  } else {
+    call->Reply(handler(*caller, call->request, &call->response));
+  }
+  return call;
+}
+
+template <typename Request, typename Response, typename Op>
+grpc::ServerUnaryReactor* KvBankService::ServeSequence(Ctx* ctx, const Raw* raw, Raw* out, Op op) {
+  return Serve<Request, Response>(
+      ctx, raw, out, [&](const Caller& caller, const Request& req, Response* resp) -> absl::Status {
+        if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
+        auto store = FindModel(*registry_, req.model());
+        if (!store.ok()) return store.status();
+        return op(**store, caller.tenant, req, resp);
+      });
+}
 
 KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
                              Authenticator auth)
     : registry_(std::move(registry)),
       options_(std::move(options)),
       auth_(std::move(auth)),
+      watchdog_(options_.stream_idle_timeout),
       attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {}
 
 KvBankService::~KvBankService() = default;
@@ -54,104 +111,110 @@ absl::StatusOr<Caller> KvBankService::Admit(const grpc::ServerContextBase& ctx) 
   return auth_.Authenticate(ctx);
 }
 
-template <typename Op>
-grpc::ServerUnaryReactor* KvBankService::OnSequence(grpc::CallbackServerContext* ctx,
-                                                    const std::string& model, uint64_t id, Op op) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  if (absl::Status s = CheckSequenceId(id); !s.ok()) return Done(ctx, s);
-  auto store = FindModel(*registry_, model);
-  if (!store.ok()) return Done(ctx, store.status());
-  return Done(ctx, op(**store, caller->tenant));
+grpc::ServerUnaryReactor* KvBankService::EnsureModel(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::EnsureModelRequest, v1::EnsureModelResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::EnsureModelRequest& req,
+             v1::EnsureModelResponse* resp) -> absl::Status {
+        auto config = ToModelConfig(req.spec(), options_.defaults);
+        if (!config.ok()) return config.status();
+        // Any tenant may ensure a model that is there with this layout; only an admin adds one
+        // (a pool is prefaulted memory out of the server-wide budget, and names are global).
+        auto existing = registry_->Get(config->layout.name);
+        if (!existing.ok()) {
+          if (absl::Status s = CheckAdmin(caller, "registering a model"); !s.ok()) return s;
+        }
+        auto result = registry_->Ensure(*std::move(config));
+        if (!result.ok()) return result.status();
+        if (result->created) auth_.ApplyQuotas(*result->model);
+        ToProto(*result->model, resp->mutable_model());
+        resp->set_created(result->created);
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvBankService::EnsureModel(grpc::CallbackServerContext* ctx,
-                                                     const v1::EnsureModelRequest* req,
-                                                     v1::EnsureModelResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto config = ToModelConfig(req->spec(), options_.defaults);
-  if (!config.ok()) return Done(ctx, config.status());
-  auto result = registry_->Ensure(*std::move(config));
-  if (!result.ok()) return Done(ctx, result.status());
-  if (result->created) auth_.ApplyQuotas(*result->model);
-  ToProto(*result->model, resp->mutable_model());
-  resp->set_created(result->created);
-  return Done(ctx, absl::OkStatus());
+grpc::ServerUnaryReactor* KvBankService::DropModel(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::DropModelRequest, v1::DropModelResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::DropModelRequest& req,
+             v1::DropModelResponse*) -> absl::Status {
+        if (absl::Status s = CheckAdmin(caller, "dropping a model"); !s.ok()) return s;
+        if (req.name().empty()) return absl::InvalidArgumentError("name is empty");
+        return registry_->Drop(req.name());
+      });
 }
 
-grpc::ServerUnaryReactor* KvBankService::ListModels(grpc::CallbackServerContext* ctx,
-                                                    const v1::ListModelsRequest* req,
-                                                    v1::ListModelsResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  for (const auto& m : registry_->List()) ToProto(*m, resp->add_models());
-  return Done(ctx, absl::OkStatus());
+grpc::ServerUnaryReactor* KvBankService::ListModels(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::ListModelsRequest, v1::ListModelsResponse>(
+      ctx, raw, out,
+      [this](const Caller&, const v1::ListModelsRequest&, v1::ListModelsResponse* resp) {
+        for (const auto& m : registry_->List()) ToProto(*m, resp->add_models());
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvBankService::GetStats(grpc::CallbackServerContext* ctx,
-                                                  const v1::GetStatsRequest* req,
-                                                  v1::GetStatsResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  std::vector<std::shared_ptr<SequenceStore>> models;
-  if (req->model().empty()) {
-    models = registry_->List();
-  } else {
-    auto m = registry_->Get(req->model());
-    if (!m.ok()) return Done(ctx, m.status());
-    models.push_back(*m);
-  }
-  for (const auto& m : models) {
-    StoreStats st = m->Stats();
-    if (!caller->admin) {  // a tenant sees its own row only
-      std::vector<TenantStats> own;
-      for (TenantStats& t : st.tenants) {
-        if (t.tenant == caller->tenant) own.push_back(std::move(t));
-      }
-      st.tenants = std::move(own);
-    }
-    ToProto(*m, st, resp->add_models());
-  }
-  return Done(ctx, absl::OkStatus());
+grpc::ServerUnaryReactor* KvBankService::GetStats(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::GetStatsRequest, v1::GetStatsResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::GetStatsRequest& req,
+             v1::GetStatsResponse* resp) -> absl::Status {
+        std::vector<std::shared_ptr<SequenceStore>> models;
+        if (req.model().empty()) {
+          models = registry_->List();
+        } else {
+          auto m = registry_->Get(req.model());
+          if (!m.ok()) return m.status();
+          models.push_back(*m);
+        }
+        for (const auto& m : models) {
+          StoreStats st = m->Stats();
+          if (!caller.admin) {  // a tenant sees its own row only
+            std::vector<TenantStats> own;
+            for (TenantStats& t : st.tenants) {
+              if (t.tenant == caller.tenant) own.push_back(std::move(t));
+            }
+            st.tenants = std::move(own);
+          }
+          ToProto(*m, st, resp->add_models());
+        }
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerContext* ctx,
-                                                        const v1::CreateSequenceRequest* req,
-                                                        v1::SequenceInfo* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto lease = LeaseFromProto(req->lease_ttl_ms(), req->no_lease());
-  if (!lease.ok()) return Done(ctx, lease.status());
-  CreateOptions o;
-  o.lease = *lease;
-  o.tenant = caller->tenant;
-  o.prompt.assign(req->prompt_token_ids().begin(), req->prompt_token_ids().end());
-  o.cache_salt = req->cache_salt();
-  auto keys = ExtraKeysFromProto(req->extra_keys());
-  if (!keys.ok()) return Done(ctx, keys.status());
-  o.extra_keys = *std::move(keys);
-  if (req->has_priority()) {
-    if (req->priority() > 100) {
-      return Done(ctx, absl::InvalidArgumentError(
-                           absl::StrCat("priority ", req->priority(), " is outside [0, 100]")));
-    }
-    o.priority = static_cast<uint8_t>(req->priority());
-  }
-  const v1::Retention& rt = req->retention();
-  if (!v1::Retention::Kind_IsValid(rt.kind())) {
-    return Done(ctx, absl::InvalidArgumentError("retention.kind is unknown"));
-  }
-  o.retention.kind = static_cast<RetentionPolicy::Kind>(rt.kind());
-  o.retention.window = rt.window();
-  o.retention.sinks = rt.sinks();
-  o.retention.budget = rt.budget();
-  auto info = (*model)->Create(o);
-  if (!info.ok()) return Done(ctx, info.status());
-  ToProto(*info, req->model(), resp);
-  return Done(ctx, absl::OkStatus());
+grpc::ServerUnaryReactor* KvBankService::CreateSequence(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::CreateSequenceRequest, v1::SequenceInfo>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::CreateSequenceRequest& req,
+             v1::SequenceInfo* resp) -> absl::Status {
+        auto model = FindModel(*registry_, req.model());
+        if (!model.ok()) return model.status();
+        auto lease = LeaseFromProto(req.lease_ttl_ms(), req.no_lease());
+        if (!lease.ok()) return lease.status();
+        CreateOptions o;
+        o.lease = *lease;
+        o.tenant = caller.tenant;
+        o.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+        o.cache_salt = req.cache_salt();
+        auto keys = ExtraKeysFromProto(req.extra_keys());
+        if (!keys.ok()) return keys.status();
+        o.extra_keys = *std::move(keys);
+        if (req.has_priority()) {
+          if (req.priority() > 100) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("priority ", req.priority(), " is outside [0, 100]"));
+          }
+          o.priority = static_cast<uint8_t>(req.priority());
+        }
+        const v1::Retention& rt = req.retention();
+        if (!v1::Retention::Kind_IsValid(rt.kind())) {
+          return absl::InvalidArgumentError("retention.kind is unknown");
+        }
+        o.retention.kind = static_cast<RetentionPolicy::Kind>(rt.kind());
+        o.retention.window = rt.window();
+        o.retention.sinks = rt.sinks();
+        o.retention.budget = rt.budget();
+        return Reply((*model)->Create(o), req.model(), resp);
+      });
 }
 
 // Client stream: header (+ data), data, ..., half-close. Payload bytes go straight from each
@@ -163,12 +226,18 @@ grpc::ServerUnaryReactor* KvBankService::CreateSequence(grpc::CallbackServerCont
 // std::string first.
 class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  AppendReactor(const KvBankService* service, grpc::CallbackServerContext* ctx,
-                grpc::ByteBuffer* resp)
-      : service_(service), ctx_(ctx), resp_(resp) {
+  AppendReactor(KvBankService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
+      : service_(service), ctx_(ctx), resp_(resp), stream_(service->watchdog_.Watch(ctx, [this] {
+          absl::MutexLock lock(&mu_);
+          Fail(absl::DeadlineExceededError(
+              absl::StrCat("append stream sent nothing for ",
+                           absl::FormatDuration(service_->watchdog_.idle_timeout()),
+                           " (--stream-idle-timeout-ms): ended, nothing appended")));
+        })) {
+    absl::MutexLock lock(&mu_);
     auto caller = service->Admit(*ctx);
     if (!caller.ok()) {
-      Finish(ToGrpcStatus(caller.status()));
+      Fail(caller.status());
       return;
     }
     tenant_ = caller->tenant;
@@ -176,6 +245,9 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   }
 
   void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    stream_->Progress();
+    if (finished_) return;  // the idle timeout ended the call while this read waited
     if (!ok) {
       // Half-close commits; a cancelled or broken call (client gone, deadline) never does.
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("append cancelled"));
@@ -187,19 +259,22 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       ToProto(*info, model_name_, resp.mutable_sequence());
       bool own = false;
       grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(resp, resp_, &own);
-      return Finish(s);
+      return End(s);
     }
     if (absl::Status s = Handle(); !s.ok()) return Fail(s);
     message_.Clear();
     StartRead(&message_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    stream_->Done();
+    delete this;
+  }
 
  private:
   // One AppendRequest: its header (field 1) is taken before its data (field 2) whatever their
   // order, as protobuf's parse would; fields this server does not know are skipped.
-  absl::Status Handle() {
+  absl::Status Handle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Status bad =
         absl::InvalidArgumentError("append message is not a kvbank.v1.AppendRequest");
     proto::SliceReader in(message_);
@@ -241,7 +316,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     return absl::OkStatus();
   }
 
-  absl::Status Begin(const v1::AppendHeader& h) {
+  absl::Status Begin(const v1::AppendHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
     auto model = FindModel(*service_->registry_, h.model());
     if (!model.ok()) return model.status();
@@ -267,22 +342,34 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     return absl::OkStatus();
   }
 
-  void Fail(const absl::Status& s) {
+  void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     txn_.reset();  // undoes the append
-    Finish(ToGrpcStatus(s));
+    End(ToGrpcStatus(s));
+  }
+  // Finishes the call once; a read may still be pending (the idle timeout): it completes with
+  // ok = false and finds finished_ set.
+  void End(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    stream_->SetWaiting(false);
+    Finish(s);
   }
 
-  const KvBankService* const service_;
+  KvBankService* const service_;
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const resp_;
-  grpc::ByteBuffer message_;
-  std::unique_ptr<AppendTxn> txn_;
-  std::string model_name_;
-  std::string tenant_;
+  // Reactions and the watchdog's idle callback; always uncontended but for that callback.
+  absl::Mutex mu_;
+  grpc::ByteBuffer message_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
+  std::string model_name_ ABSL_GUARDED_BY(mu_);
+  std::string tenant_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // Last: its idle callback uses the members above.
+  const std::shared_ptr<StreamWatchdog::Stream> stream_;
 };
 
-grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(grpc::CallbackServerContext* ctx,
-                                                                 grpc::ByteBuffer* resp) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(Ctx* ctx, Raw* resp) {
   return new AppendReactor(this, ctx, resp);
 }
 
@@ -298,9 +385,11 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(grpc::CallbackS
 class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // `reader` is what to send, or why not; `dtype` the storage dtype of its first layer.
-  FetchReactor(uint64_t chunk_bytes, absl::StatusOr<std::unique_ptr<FetchReader>> reader,
-               DType dtype)
-      : chunk_bytes_(chunk_bytes) {
+  FetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
+               absl::StatusOr<std::unique_ptr<FetchReader>> reader, DType dtype)
+      : service_(service),
+        chunk_bytes_(service->options_.chunk_bytes),
+        stream_(service->watchdog_.Watch(ctx)) {
     if (!reader.ok()) {
       Finish(ToGrpcStatus(reader.status()));
       return;
@@ -317,15 +406,29 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   }
 
   void OnWriteDone(bool ok) override {
+    stream_->Progress();
     if (!ok) {
-      reader_.reset();
+      stream_->SetWaiting(false);
+      reader_.reset();  // the snapshot's blocks go now
+      if (stream_->timed_out()) {
+        return Finish(ToGrpcStatus(absl::DeadlineExceededError(
+            absl::StrCat("fetch client read nothing for ",
+                         absl::FormatDuration(service_->watchdog_.idle_timeout()),
+                         " (--stream-idle-timeout-ms): cancelled"))));
+      }
       return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "fetch stream broke"));
     }
-    if (offset_ == total_) return Finish(grpc::Status::OK);
+    if (offset_ == total_) {
+      stream_->SetWaiting(false);
+      return Finish(grpc::Status::OK);
+    }
     WriteNext();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    stream_->Done();
+    delete this;
+  }
 
  private:
   void WriteNext() {
@@ -355,7 +458,9 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
     StartWrite(&message_);
   }
 
+  const KvBankService* const service_;
   const uint64_t chunk_bytes_;
+  const std::shared_ptr<StreamWatchdog::Stream> stream_;
   std::unique_ptr<FetchReader> reader_;
   v1::FetchHeader header_;
   uint64_t total_ = 0;  // payload bytes
@@ -363,20 +468,7 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   grpc::ByteBuffer message_;
 };
 
-namespace {
-// A raw method's request, parsed; INVALID_ARGUMENT when it is not a `Request`.
-template <typename Request>
-absl::Status ParseRequest(const grpc::ByteBuffer* raw, Request* req) {
-  grpc::ByteBuffer copy(*raw);  // Deserialize consumes its buffer; the slices are shared
-  grpc::Status s = grpc::SerializationTraits<Request>::Deserialize(&copy, req);
-  if (s.ok()) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("request is not a ", Request::descriptor()->full_name()));
-}
-}  // namespace
-
-grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(grpc::CallbackServerContext* ctx,
-                                                                 const grpc::ByteBuffer* raw) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const Raw* raw) {
   DType dtype = DType::kFp16;
   auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
     auto caller = Admit(*ctx);
@@ -402,11 +494,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(grpc::CallbackS
     return reader;
   };
   auto reader = start();
-  return new FetchReactor(options_.chunk_bytes, std::move(reader), dtype);
+  return new FetchReactor(this, ctx, std::move(reader), dtype);
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* raw) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
   DType dtype = DType::kFp16;
   auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
     auto caller = Admit(*ctx);
@@ -427,136 +518,152 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(
     return reader;
   };
   auto reader = start();
-  return new FetchReactor(options_.chunk_bytes, std::move(reader), dtype);
+  return new FetchReactor(this, ctx, std::move(reader), dtype);
 }
 
-grpc::ServerUnaryReactor* KvBankService::Match(grpc::CallbackServerContext* ctx,
-                                               const v1::MatchRequest* req,
-                                               v1::MatchResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  std::vector<MatchQuery> queries;
-  for (const v1::MatchQuery& q : req->queries()) {
-    MatchQuery m;
-    m.tokens.assign(q.token_ids().begin(), q.token_ids().end());
-    auto hashes = HashesFromProto(q.block_hashes(), "queries.block_hashes");
-    if (!hashes.ok()) return Done(ctx, hashes.status());
-    if (!m.tokens.empty() && !hashes->empty()) {
-      return Done(ctx, absl::InvalidArgumentError(
-                           "a query gives either token_ids or block_hashes, not both"));
-    }
-    m.hashes = *std::move(hashes);
-    m.cache_salt = q.cache_salt();
-    auto keys = ExtraKeysFromProto(q.extra_keys());
-    if (!keys.ok()) return Done(ctx, keys.status());
-    m.extra_keys = *std::move(keys);
-    queries.push_back(std::move(m));
-  }
-  for (uint64_t n : (*model)->Match(caller->tenant, queries)) resp->add_cached_tokens(n);
-  return Done(ctx, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KvBankService::Pin(grpc::CallbackServerContext* ctx,
-                                             const v1::PinRequest* req, v1::PinResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  auto hashes = HashesFromProto(req->block_hashes(), "block_hashes");
-  if (!hashes.ok()) return Done(ctx, hashes.status());
-  if (hashes->empty()) {
-    auto keys = ExtraKeysFromProto(req->extra_keys());
-    if (!keys.ok()) return Done(ctx, keys.status());
-    const std::vector<uint32_t> tokens(req->token_ids().begin(), req->token_ids().end());
-    *hashes =
-        PrefixHashes((*model)->options().hash, (*model)->Root(caller->tenant, req->cache_salt()),
-                     tokens, (*model)->layout().block_tokens, *keys);
-  }
-  if (hashes->empty()) {
-    return Done(ctx, absl::InvalidArgumentError(
-                         "give block_hashes or at least one full block of token_ids"));
-  }
-  resp->set_blocks((*model)->Pin(caller->tenant, *hashes, !req->unpin()));
-  return Done(ctx, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(grpc::CallbackServerContext* ctx,
-                                                       const v1::GetPrefixRootRequest* req,
-                                                       v1::GetPrefixRootResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  const BlockHash root = (*model)->Root(caller->tenant, req->cache_salt());
-  resp->set_root_hash(root.data(), root.size());
-  resp->set_hash_algorithm(HashAlgorithmName((*model)->options().hash));
-  resp->set_block_tokens((*model)->layout().block_tokens);
-  resp->set_layout_fingerprint(LayoutFingerprint((*model)->layout()));
-  resp->set_tenant(caller->tenant);
-  return Done(ctx, absl::OkStatus());
-}
-
-grpc::ServerUnaryReactor* KvBankService::Fork(grpc::CallbackServerContext* ctx,
-                                              const v1::ForkRequest* req, v1::SequenceInfo* resp) {
-  return OnSequence(ctx, req->model(), req->sequence_id(),
-                    [&](SequenceStore& m, const std::string& tenant) -> absl::Status {
-                      auto lease = LeaseFromProto(req->lease_ttl_ms(), false);
-                      if (!lease.ok()) return lease.status();
-                      return Reply(m.Fork(req->sequence_id(), *lease, tenant), req->model(), resp);
-                    });
-}
-
-grpc::ServerUnaryReactor* KvBankService::Truncate(grpc::CallbackServerContext* ctx,
-                                                  const v1::TruncateRequest* req,
-                                                  v1::SequenceInfo* resp) {
-  return OnSequence(
-      ctx, req->model(), req->sequence_id(), [&](SequenceStore& m, const std::string& tenant) {
-        return Reply(m.Truncate(req->sequence_id(), req->num_tokens(), tenant), req->model(), resp);
+grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::MatchRequest, v1::MatchResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::MatchRequest& req,
+             v1::MatchResponse* resp) -> absl::Status {
+        auto model = FindModel(*registry_, req.model());
+        if (!model.ok()) return model.status();
+        if (req.queries_size() > kMaxMatchQueries) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "queries: ", req.queries_size(), " in one call; at most ", kMaxMatchQueries));
+        }
+        std::vector<MatchQuery> queries;
+        queries.reserve(req.queries_size());
+        for (const v1::MatchQuery& q : req.queries()) {
+          MatchQuery m;
+          m.tokens.assign(q.token_ids().begin(), q.token_ids().end());
+          auto hashes = HashesFromProto(q.block_hashes(), "queries.block_hashes");
+          if (!hashes.ok()) return hashes.status();
+          if (!m.tokens.empty() && !hashes->empty()) {
+            return absl::InvalidArgumentError(
+                "a query gives either token_ids or block_hashes, not both");
+          }
+          m.hashes = *std::move(hashes);
+          m.cache_salt = q.cache_salt();
+          auto keys = ExtraKeysFromProto(q.extra_keys());
+          if (!keys.ok()) return keys.status();
+          m.extra_keys = *std::move(keys);
+          queries.push_back(std::move(m));
+        }
+        for (uint64_t n : (*model)->Match(caller.tenant, queries)) resp->add_cached_tokens(n);
+        return absl::OkStatus();
       });
 }
 
-grpc::ServerUnaryReactor* KvBankService::Free(grpc::CallbackServerContext* ctx,
-                                              const v1::FreeRequest* req, v1::FreeResponse* resp) {
-  return OnSequence(ctx, req->model(), req->sequence_id(),
-                    [&](SequenceStore& m, const std::string& tenant) -> absl::Status {
-                      auto released = m.Free(req->sequence_id(), tenant);
-                      if (!released.ok()) return released.status();
-                      resp->set_blocks_released(*released);
-                      return absl::OkStatus();
-                    });
+grpc::ServerUnaryReactor* KvBankService::Pin(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::PinRequest, v1::PinResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::PinRequest& req,
+             v1::PinResponse* resp) -> absl::Status {
+        auto model = FindModel(*registry_, req.model());
+        if (!model.ok()) return model.status();
+        auto hashes = HashesFromProto(req.block_hashes(), "block_hashes");
+        if (!hashes.ok()) return hashes.status();
+        if (hashes->empty()) {
+          auto keys = ExtraKeysFromProto(req.extra_keys());
+          if (!keys.ok()) return keys.status();
+          const std::vector<uint32_t> tokens(req.token_ids().begin(), req.token_ids().end());
+          *hashes = PrefixHashes((*model)->options().hash,
+                                 (*model)->Root(caller.tenant, req.cache_salt()), tokens,
+                                 (*model)->layout().block_tokens, *keys);
+        }
+        if (hashes->empty()) {
+          return absl::InvalidArgumentError(
+              "give block_hashes or at least one full block of token_ids");
+        }
+        resp->set_blocks((*model)->Pin(caller.tenant, *hashes, !req.unpin()));
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvBankService::RenewLease(grpc::CallbackServerContext* ctx,
-                                                    const v1::RenewLeaseRequest* req,
-                                                    v1::SequenceInfo* resp) {
-  return OnSequence(ctx, req->model(), req->sequence_id(),
-                    [&](SequenceStore& m, const std::string& tenant) {
-                      return Reply(m.RenewLease(req->sequence_id(), tenant), req->model(), resp);
-                    });
+grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::GetPrefixRootRequest, v1::GetPrefixRootResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::GetPrefixRootRequest& req,
+             v1::GetPrefixRootResponse* resp) -> absl::Status {
+        auto model = FindModel(*registry_, req.model());
+        if (!model.ok()) return model.status();
+        const BlockHash root = (*model)->Root(caller.tenant, req.cache_salt());
+        resp->set_root_hash(root.data(), root.size());
+        resp->set_hash_algorithm(HashAlgorithmName((*model)->options().hash));
+        resp->set_block_tokens((*model)->layout().block_tokens);
+        resp->set_layout_fingerprint(LayoutFingerprint((*model)->layout()));
+        resp->set_tenant(caller.tenant);
+        return absl::OkStatus();
+      });
 }
 
-grpc::ServerUnaryReactor* KvBankService::GetSequence(grpc::CallbackServerContext* ctx,
-                                                     const v1::GetSequenceRequest* req,
-                                                     v1::SequenceInfo* resp) {
-  return OnSequence(ctx, req->model(), req->sequence_id(),
-                    [&](SequenceStore& m, const std::string& tenant) {
-                      return Reply(m.Get(req->sequence_id(), tenant), req->model(), resp);
-                    });
+grpc::ServerUnaryReactor* KvBankService::Fork(Ctx* ctx, const Raw* raw, Raw* out) {
+  return ServeSequence<v1::ForkRequest, v1::SequenceInfo>(
+      ctx, raw, out,
+      [](SequenceStore& m, const std::string& tenant, const v1::ForkRequest& req,
+         v1::SequenceInfo* resp) -> absl::Status {
+        auto lease = LeaseFromProto(req.lease_ttl_ms(), false);
+        if (!lease.ok()) return lease.status();
+        return Reply(m.Fork(req.sequence_id(), *lease, tenant), req.model(), resp);
+      });
+}
+
+grpc::ServerUnaryReactor* KvBankService::Truncate(Ctx* ctx, const Raw* raw, Raw* out) {
+  return ServeSequence<v1::TruncateRequest, v1::SequenceInfo>(
+      ctx, raw, out,
+      [](SequenceStore& m, const std::string& tenant, const v1::TruncateRequest& req,
+         v1::SequenceInfo* resp) {
+        return Reply(m.Truncate(req.sequence_id(), req.num_tokens(), tenant), req.model(), resp);
+      });
+}
+
+grpc::ServerUnaryReactor* KvBankService::Free(Ctx* ctx, const Raw* raw, Raw* out) {
+  return ServeSequence<v1::FreeRequest, v1::FreeResponse>(
+      ctx, raw, out,
+      [](SequenceStore& m, const std::string& tenant, const v1::FreeRequest& req,
+         v1::FreeResponse* resp) -> absl::Status {
+        auto released = m.Free(req.sequence_id(), tenant);
+        if (!released.ok()) return released.status();
+        resp->set_blocks_released(*released);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* KvBankService::RenewLease(Ctx* ctx, const Raw* raw, Raw* out) {
+  return ServeSequence<v1::RenewLeaseRequest, v1::SequenceInfo>(
+      ctx, raw, out,
+      [](SequenceStore& m, const std::string& tenant, const v1::RenewLeaseRequest& req,
+         v1::SequenceInfo* resp) {
+        return Reply(m.RenewLease(req.sequence_id(), tenant), req.model(), resp);
+      });
+}
+
+grpc::ServerUnaryReactor* KvBankService::GetSequence(Ctx* ctx, const Raw* raw, Raw* out) {
+  return ServeSequence<v1::GetSequenceRequest, v1::SequenceInfo>(
+      ctx, raw, out,
+      [](SequenceStore& m, const std::string& tenant, const v1::GetSequenceRequest& req,
+         v1::SequenceInfo* resp) {
+        return Reply(m.Get(req.sequence_id(), tenant), req.model(), resp);
+      });
 }
 
 // Server stream of KV events. Wakes on KvEventLog::Notify (from whichever thread appended) and
 // on OnWriteDone; one write in flight. The first message is sent at once (maybe empty): from then
 // on the watch is live.
-class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::KvEventBatch>,
+class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                                           public KvEventListener {
  public:
   static constexpr size_t kMaxBatch = 256;
 
-  WatchReactor(KvBankService* service, std::shared_ptr<SequenceStore> model, Caller caller,
-               uint64_t after)
-      : service_(service), model_(std::move(model)), caller_(std::move(caller)), cursor_(after) {
+  WatchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
+               std::shared_ptr<SequenceStore> model, Caller caller, uint64_t after)
+      : service_(service),
+        model_(std::move(model)),
+        caller_(std::move(caller)),
+        stream_(service->watchdog_.Watch(ctx)),
+        cursor_(after) {
+    stream_->SetWaiting(false);  // a watch with nothing to send is idle by design
     model_->events()->Subscribe(this);
     service_->AddWatch(this);
     Pump();
@@ -572,6 +679,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
   void Notify() override { Pump(); }
 
   void OnWriteDone(bool ok) override {
+    stream_->SetWaiting(false);
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
@@ -591,6 +699,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
   void OnDone() override {
     model_->events()->Unsubscribe(this);  // after this, no Notify runs
     service_->RemoveWatch(this);          // nor EndForDrain
+    stream_->Done();
     delete this;
   }
 
@@ -611,8 +720,13 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
     if (resp_.events_size() == 0 && sent_first_) return;
     resp_.set_last_sequence(cursor_);
     sent_first_ = true;
+    bool own = false;
+    message_.Clear();  // Serialize needs an empty buffer; the last write is done with this one
+    grpc::Status s = grpc::SerializationTraits<v1::KvEventBatch>::Serialize(resp_, &message_, &own);
+    if (!s.ok()) return FinishLocked(s);
     writing_ = true;
-    StartWrite(&resp_);
+    stream_->SetWaiting(true);  // a client that stops reading is cut after the idle timeout
+    StartWrite(&message_);
   }
 
   void FinishLocked(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -624,35 +738,39 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<v1::Kv
   KvBankService* const service_;
   const std::shared_ptr<SequenceStore> model_;
   const Caller caller_;
+  const std::shared_ptr<StreamWatchdog::Stream> stream_;
   absl::Mutex mu_;
   uint64_t cursor_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool sent_first_ ABSL_GUARDED_BY(mu_) = false;
   v1::KvEventBatch resp_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer message_ ABSL_GUARDED_BY(mu_);  // resp_, serialized; gRPC reads it until
+                                                   // OnWriteDone
 };
 
 namespace {
 // A write reactor that only reports an error.
-class FailedWatch final : public grpc::ServerWriteReactor<v1::KvEventBatch> {
+class FailedWatch final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   explicit FailedWatch(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
   void OnDone() override { delete this; }
 };
 }  // namespace
 
-grpc::ServerWriteReactor<v1::KvEventBatch>* KvBankService::Watch(grpc::CallbackServerContext* ctx,
-                                                                 const v1::WatchRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Watch(Ctx* ctx, const Raw* raw) {
   auto caller = Admit(*ctx);
   if (!caller.ok()) return new FailedWatch(caller.status());
-  auto model = FindModel(*registry_, req->model());
+  v1::WatchRequest req;
+  if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return new FailedWatch(s);
+  auto model = FindModel(*registry_, req.model());
   if (!model.ok()) return new FailedWatch(model.status());
   if ((*model)->events() == nullptr) {
     return new FailedWatch(absl::UnimplementedError("this model keeps no KV events"));
   }
   const uint64_t after =
-      req->from_now() ? (*model)->events()->last_sequence() : req->after_sequence();
-  return new WatchReactor(this, *std::move(model), *std::move(caller), after);
+      req.from_now() ? (*model)->events()->last_sequence() : req.after_sequence();
+  return new WatchReactor(this, ctx, *std::move(model), *std::move(caller), after);
 }
 
 void KvBankService::AddWatch(WatchReactor* w) {
@@ -672,46 +790,62 @@ void KvBankService::BeginDrain() {
   for (WatchReactor* w : watches_) w->EndForDrain();
 }
 
-grpc::ServerUnaryReactor* KvBankService::Attend(grpc::CallbackServerContext* ctx,
-                                                const v1::AttendRequest* req,
-                                                v1::AttendResponse* resp) {
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto model = FindModel(*registry_, req->model());
-  if (!model.ok()) return Done(ctx, model.status());
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+grpc::ServerUnaryReactor* KvBankService::Attend(Ctx* ctx, const Raw* raw, Raw* out) {
+  auto* call = new UnaryCall<v1::AttendRequest, v1::AttendResponse>(out);
+  std::string tenant;
+  auto start = [&]() -> absl::StatusOr<std::shared_ptr<SequenceStore>> {
+    auto caller = Admit(*ctx);
+    if (!caller.ok()) return caller.status();
+    if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) return s;
+    // Every limit before anything is sized from the request: the outputs below are items x
+    // q_heads x head_dim_v floats, and a 4 MB message can name millions of empty items.
+    if (size_t n = call->request.items_size(); n > SequenceStore::kMaxAttendItems) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("items: ", n, " in one call; at most ", SequenceStore::kMaxAttendItems));
+    }
+    auto model = FindModel(*registry_, call->request.model());
+    if (!model.ok()) return model.status();
+    tenant = caller->tenant;
+    return model;
+  };
+  auto model = start();
+  if (!model.ok()) {
+    call->Reply(model.status());
+    return call;
+  }
   // The kernel's time grows with the context: it runs on a worker, never in this reaction.
-  attend_work_->Submit(
-      [this, req, resp, reactor, store = *std::move(model), tenant = caller->tenant] {
-        const ModelLayout& m = store->layout();
-        std::vector<SequenceStore::AttendItem> items;
-        for (const v1::AttendItem& it : req->items()) {
-          items.push_back({it.sequence_id(), it.layer(),
-                           absl::MakeConstSpan(it.query().data(), it.query().size())});
-        }
-        SequenceStore::AttendOptions o;
-        o.tenant = tenant;
-        o.sm_scale = req->softmax_scale();
-        o.window = req->window();
-        o.sinks = req->sinks();
-        const uint32_t cores = std::max(1u, std::thread::hardware_concurrency());
-        o.num_threads = options_.attend_kernel_threads
-                            ? options_.attend_kernel_threads
-                            : std::max(1u, cores / std::max(1u, options_.attend_workers));
-        const uint64_t out_per = uint64_t{m.num_q_heads} * m.head_dim_v;
-        std::vector<float> out(items.size() * out_per), lse(items.size() * m.num_q_heads);
-        absl::Status s = store->Attend(o, items, absl::MakeSpan(out), absl::MakeSpan(lse));
-        if (s.ok()) {
-          for (size_t i = 0; i < items.size(); ++i) {
-            v1::AttendResult* r = resp->add_results();
-            r->mutable_output()->Add(out.begin() + i * out_per, out.begin() + (i + 1) * out_per);
-            r->mutable_lse()->Add(lse.begin() + i * m.num_q_heads,
-                                  lse.begin() + (i + 1) * m.num_q_heads);
-          }
-        }
-        reactor->Finish(ToGrpcStatus(s));
-      });
-  return reactor;
+  attend_work_->Submit([this, call, store = *std::move(model), tenant = std::move(tenant)] {
+    const v1::AttendRequest& req = call->request;
+    const ModelLayout& m = store->layout();
+    std::vector<SequenceStore::AttendItem> items;
+    items.reserve(req.items_size());
+    for (const v1::AttendItem& it : req.items()) {
+      items.push_back({it.sequence_id(), it.layer(),
+                       absl::MakeConstSpan(it.query().data(), it.query().size())});
+    }
+    SequenceStore::AttendOptions o;
+    o.tenant = tenant;
+    o.sm_scale = req.softmax_scale();
+    o.window = req.window();
+    o.sinks = req.sinks();
+    const uint32_t cores = std::max(1u, std::thread::hardware_concurrency());
+    o.num_threads = options_.attend_kernel_threads
+                        ? options_.attend_kernel_threads
+                        : std::max(1u, cores / std::max(1u, options_.attend_workers));
+    const uint64_t out_per = uint64_t{m.num_q_heads} * m.head_dim_v;
+    std::vector<float> out(items.size() * out_per), lse(items.size() * m.num_q_heads);
+    absl::Status s = store->Attend(o, items, absl::MakeSpan(out), absl::MakeSpan(lse));
+    if (s.ok()) {
+      for (size_t i = 0; i < items.size(); ++i) {
+        v1::AttendResult* r = call->response.add_results();
+        r->mutable_output()->Add(out.begin() + i * out_per, out.begin() + (i + 1) * out_per);
+        r->mutable_lse()->Add(lse.begin() + i * m.num_q_heads,
+                              lse.begin() + (i + 1) * m.num_q_heads);
+      }
+    }
+    call->Reply(s);
+  });
+  return call;
 }
 
 }  // namespace kvbank::rpc

@@ -11,6 +11,7 @@
 #include "server/core/model_registry.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
+#include "server/rpc/stream_watchdog.h"
 #include "server/rpc/work_queue.h"
 
 namespace kvbank::rpc {
@@ -23,87 +24,102 @@ struct ServiceOptions {
   // cores divided among the workers).
   uint32_t attend_workers = 2;
   uint32_t attend_kernel_threads = 0;
+  // A stream that waits this long on its client (an Append with no next message, a Fetch or
+  // Watch whose client does not read) is cancelled and releases what it holds. Zero: never.
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
 inline constexpr int kMaxMessageBytes = 4 << 20;
+// Most queries one Match call may carry.
+inline constexpr int kMaxMatchQueries = 4096;
+
+// Every method is registered raw: the service parses each request itself, so a message that is
+// not the method's request type gets INVALID_ARGUMENT naming the type (gRPC's own parse answers
+// UNIMPLEMENTED with no message), and Append, Fetch and FetchBlocks move payload bytes without
+// protobuf's copies (AppendRequest decoded and FetchResponse encoded from and into gRPC's slices).
+namespace internal {
+using RawKvBankService = v1::KvBank::WithRawCallbackMethod_EnsureModel<
+    v1::KvBank::WithRawCallbackMethod_ListModels<v1::KvBank::WithRawCallbackMethod_GetStats<
+        v1::KvBank::WithRawCallbackMethod_CreateSequence<v1::KvBank::WithRawCallbackMethod_Append<
+            v1::KvBank::WithRawCallbackMethod_Fetch<v1::KvBank::WithRawCallbackMethod_Fork<
+                v1::KvBank::WithRawCallbackMethod_Truncate<v1::KvBank::WithRawCallbackMethod_Free<
+                    v1::KvBank::WithRawCallbackMethod_RenewLease<
+                        v1::KvBank::WithRawCallbackMethod_GetSequence<
+                            v1::KvBank::WithRawCallbackMethod_Match<
+                                v1::KvBank::WithRawCallbackMethod_FetchBlocks<
+                                    v1::KvBank::WithRawCallbackMethod_Pin<
+                                        v1::KvBank::WithRawCallbackMethod_GetPrefixRoot<
+                                            v1::KvBank::WithRawCallbackMethod_Watch<
+                                                v1::KvBank::WithRawCallbackMethod_Attend<
+                                                    v1::KvBank::WithRawCallbackMethod_DropModel<
+                                                        v1::KvBank::
+                                                            CallbackService>>>>>>>>>>>>>>>>>>;
+}  // namespace internal
 
 // Thread-safe; reactions never block on anything but short metadata locks. Payload copies
-// (at most one chunk each) run inside the reactions.
-// Append, Fetch and FetchBlocks are raw methods: their reactors decode AppendRequest and encode
-// FetchResponse themselves, so payload bytes move without protobuf's copies (see service.cc).
-class KvBankService final
-    : public v1::KvBank::WithRawCallbackMethod_Append<v1::KvBank::WithRawCallbackMethod_Fetch<
-          v1::KvBank::WithRawCallbackMethod_FetchBlocks<v1::KvBank::CallbackService>>> {
+// (at most one chunk each) run inside the reactions; attention runs on a worker pool.
+class KvBankService final : public internal::RawKvBankService {
  public:
+  using Raw = grpc::ByteBuffer;
+  using Ctx = grpc::CallbackServerContext;
+  using Unary = grpc::ServerUnaryReactor;
+
   KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOptions options,
                 Authenticator auth = Authenticator::Disabled());
   ~KvBankService() override;
 
-  grpc::ServerUnaryReactor* EnsureModel(grpc::CallbackServerContext* ctx,
-                                        const v1::EnsureModelRequest* req,
-                                        v1::EnsureModelResponse* resp) override;
-  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
-                                       const v1::ListModelsRequest* req,
-                                       v1::ListModelsResponse* resp) override;
-  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
-                                     const v1::GetStatsRequest* req,
-                                     v1::GetStatsResponse* resp) override;
-  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* ctx,
-                                           const v1::CreateSequenceRequest* req,
-                                           v1::SequenceInfo* resp) override;
-  // Raw: AppendRequest messages in, an AppendResponse out.
-  grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
-                                                    grpc::ByteBuffer* resp) override;
-  // Raw: the request is a serialized FetchRequest; the responses are FetchResponse.
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* ctx,
-                                                    const grpc::ByteBuffer* raw) override;
-  grpc::ServerUnaryReactor* Fork(grpc::CallbackServerContext* ctx, const v1::ForkRequest* req,
-                                 v1::SequenceInfo* resp) override;
-  grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* ctx,
-                                     const v1::TruncateRequest* req,
-                                     v1::SequenceInfo* resp) override;
-  grpc::ServerUnaryReactor* Free(grpc::CallbackServerContext* ctx, const v1::FreeRequest* req,
-                                 v1::FreeResponse* resp) override;
-  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
-                                       const v1::RenewLeaseRequest* req,
-                                       v1::SequenceInfo* resp) override;
-  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx,
-                                        const v1::GetSequenceRequest* req,
-                                        v1::SequenceInfo* resp) override;
-  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const v1::MatchRequest* req,
-                                  v1::MatchResponse* resp) override;
-  // Raw: FetchBlocksRequest in, FetchResponse out.
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* FetchBlocks(grpc::CallbackServerContext* ctx,
-                                                          const grpc::ByteBuffer* raw) override;
-  grpc::ServerUnaryReactor* Pin(grpc::CallbackServerContext* ctx, const v1::PinRequest* req,
-                                v1::PinResponse* resp) override;
-  grpc::ServerUnaryReactor* GetPrefixRoot(grpc::CallbackServerContext* ctx,
-                                          const v1::GetPrefixRootRequest* req,
-                                          v1::GetPrefixRootResponse* resp) override;
-  grpc::ServerWriteReactor<v1::KvEventBatch>* Watch(grpc::CallbackServerContext* ctx,
-                                                    const v1::WatchRequest* req) override;
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
-                                   v1::AttendResponse* resp) override;
+  // Registers a new model (admin only) or returns the existing one with the same layout.
+  Unary* EnsureModel(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // Unregisters a model (admin only).
+  Unary* DropModel(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* ListModels(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* GetStats(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* CreateSequence(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // AppendRequest messages in, an AppendResponse out.
+  grpc::ServerReadReactor<Raw>* Append(Ctx* ctx, Raw* resp) override;
+  // A FetchRequest in, FetchResponse messages out.
+  grpc::ServerWriteReactor<Raw>* Fetch(Ctx* ctx, const Raw* req) override;
+  Unary* Fork(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* Truncate(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* Free(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* RenewLease(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* GetSequence(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* Match(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // A FetchBlocksRequest in, FetchResponse messages out.
+  grpc::ServerWriteReactor<Raw>* FetchBlocks(Ctx* ctx, const Raw* req) override;
+  Unary* Pin(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* GetPrefixRoot(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // A WatchRequest in, KvEventBatch messages out.
+  grpc::ServerWriteReactor<Raw>* Watch(Ctx* ctx, const Raw* req) override;
+  Unary* Attend(Ctx* ctx, const Raw* req, Raw* resp) override;
 
   // Drain mode, the first step of a graceful stop (see drain.h): every call from now on fails
   // UNAVAILABLE naming the drain, and every Watch stream ends with that status. Calls already
   // admitted run to completion. There is no way back.
   void BeginDrain();
+  // Streams cancelled because their client stopped sending or reading (--stream-idle-timeout-ms).
+  uint64_t streams_timed_out() const { return watchdog_.timed_out(); }
 
  private:
   // Every call starts here: refused while draining, else authenticated.
   absl::StatusOr<Caller> Admit(const grpc::ServerContextBase& ctx) const;
 
-  // A unary call on one sequence: authenticates, checks the id, finds the model, then finishes
-  // with op(model, tenant)'s status.
-  template <typename Op>
-  grpc::ServerUnaryReactor* OnSequence(grpc::CallbackServerContext* ctx, const std::string& model,
-                                       uint64_t id, Op op);
+  // A unary call: admits the caller, parses the request (INVALID_ARGUMENT naming its type when it
+  // is not one), runs handler(caller, request, &response) in the reaction and answers with its
+  // status (and the response when OK).
+  template <typename Request, typename Response, typename Handler>
+  Unary* Serve(Ctx* ctx, const Raw* raw, Raw* out, Handler handler);
+  // Serve for a call on one sequence: also checks the id and finds the model, then runs
+  // op(model, tenant, request, &response).
+  template <typename Request, typename Response, typename Op>
+  Unary* ServeSequence(Ctx* ctx, const Raw* raw, Raw* out, Op op);
 
   class AppendReactor;
   class FetchReactor;
   class WatchReactor;
+  template <typename Request, typename Response>
+  class UnaryCall;
   void AddWatch(WatchReactor* w);
   void RemoveWatch(WatchReactor* w);
 
@@ -113,6 +129,7 @@ class KvBankService final
   std::atomic<bool> draining_{false};  // set under watches_mu_
   absl::Mutex watches_mu_;             // before any WatchReactor's own lock
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
+  StreamWatchdog watchdog_;
   std::unique_ptr<WorkQueue> attend_work_;  // last: joined (finishing its calls) first
 };
 

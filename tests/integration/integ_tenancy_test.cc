@@ -264,12 +264,51 @@ TEST_F(TenantTest, AnotherTenantsStateIsUnreachableAndInvisible) {
   EXPECT_TRUE(BytesEqual(a_bytes->payload, ref_a.Payload(0, L, 0, 3 * kBt)));
 }
 
+// Pools are prefaulted memory out of a server-wide budget and model names are global: only an
+// admin adds or drops a model. Any tenant may ensure one that is there with the same layout.
+TEST_F(TenantTest, RegisteringAndDroppingModelsIsForAdmins) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--auth-tokens-file=" + tokens_file_}));
+  std::unique_ptr<Client> a = As("token-of-a");
+  std::unique_ptr<Client> admin = As("token-of-ops");
+  const ModelLayout layout = SmallLayout("m");
+  auto squat = a->EnsureModel(layout, 64 * BlockBytes(layout));
+  EXPECT_EQ(squat.status().code(), absl::StatusCode::kPermissionDenied) << squat.status();
+  EXPECT_TRUE(absl::StrContains(squat.status().message(), "admin")) << squat.status();
+  auto listed = admin->ListModels();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << "a refused registration registers nothing";
+
+  ASSERT_TRUE(admin->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto same = a->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_FALSE(same->created);
+  ModelLayout other = layout;
+  other.head_dim = other.head_dim_v = 32;
+  EXPECT_EQ(a->EnsureModel(other).status().code(), absl::StatusCode::kAlreadyExists);
+
+  auto seq = a->CreateSequence("m");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(a->DropModel("m").code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(a->GetSequence("m", seq->id).ok()) << "a refused drop changes nothing";
+  ASSERT_TRUE(admin->DropModel("m").ok());
+  EXPECT_EQ(a->GetSequence("m", seq->id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(admin->DropModel("m").code(), absl::StatusCode::kNotFound);
+  listed = admin->ListModels();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty());
+  // The dropped pool's budget is free again: the model registers anew.
+  auto again = admin->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->created);
+}
+
 TEST_F(TenantTest, BlockQuotaBindsOnlyItsTenant) {
   ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--auth-tokens-file=" + tokens_file_}));
   std::unique_ptr<Client> q = As("token-of-q");
   std::unique_ptr<Client> a = As("token-of-a");
   const ModelLayout layout = SmallLayout("m");
-  auto model = a->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(As("token-of-ops")->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto model = a->EnsureModel(layout, 64 * BlockBytes(layout));  // there already: any tenant
   ASSERT_TRUE(model.ok()) << model.status();
   ASSERT_EQ(model->num_blocks, 64u);  // q's quota: 0.25 of it, 16 blocks
   std::cerr << "[quota] seed 7701\n";

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,10 +47,14 @@ std::string DescribeWaitStatus(int status) {
 
 }  // namespace
 
-const char* KvbankdPath() { return KVBANK_KVBANKD_PATH; }
+const char* KvbankdPath() {
+  // KVBANK_KVBANKD runs the suite against another build of the server (e.g. an older one).
+  const char* other = std::getenv("KVBANK_KVBANKD");
+  return other != nullptr && *other != '\0' ? other : KVBANK_KVBANKD_PATH;
+}
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
-    const std::vector<std::string>& flags, absl::Duration timeout) {
+    const std::vector<std::string>& flags, absl::Duration timeout, uint64_t nofile) {
   std::unique_ptr<ServerProcess> p(new ServerProcess());
   const char* tmp = std::getenv("TMPDIR");
   std::string templ =
@@ -93,6 +98,10 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     // The server dies with the test process, even when the test crashes.
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(126);
+    if (nofile != 0) {
+      const rlimit lim{nofile, nofile};
+      if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(125);
+    }
     dup2(null_fd, 0);
     dup2(log_fd, 1);
     dup2(log_fd, 2);

@@ -23,7 +23,7 @@
 
 namespace kvbank::integ {
 
-// Path of the kvbankd binary this build made.
+// Path of the kvbankd binary this build made, or $KVBANK_KVBANKD when set.
 const char* KvbankdPath();
 
 // One kvbankd child process. Not thread-safe, except SendSignal (may be called from any thread).
@@ -32,8 +32,10 @@ class ServerProcess {
   // Starts kvbankd with `--listen 127.0.0.1:0 --port-file <tmp>/port` followed by `flags` (later
   // flags win), its stdout and stderr going to <tmp>/server.log, and waits up to `timeout` for
   // the port file. On failure the child is killed and the error carries the server's log.
+  // `nofile`: when not 0, the child's RLIMIT_NOFILE (soft and hard), set before exec.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
-      const std::vector<std::string>& flags, absl::Duration timeout = absl::Seconds(20));
+      const std::vector<std::string>& flags, absl::Duration timeout = absl::Seconds(20),
+      uint64_t nofile = 0);
   // Kills a child still running (SIGKILL) and removes the temp dir.
   ~ServerProcess();
   ServerProcess(const ServerProcess&) = delete;

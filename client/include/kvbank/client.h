@@ -143,11 +143,16 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Registers a model with this exact layout (idempotent); pool_bytes 0: the server's default.
+  // A new model needs an admin caller (PERMISSION_DENIED otherwise); any caller may ensure one
+  // that is registered with this layout.
   absl::StatusOr<ModelInfo> EnsureModel(const ModelLayout& layout, uint64_t pool_bytes = 0);
   // Registers a model from a built-in preset; storage unset: the preset's dtype (bf16).
   absl::StatusOr<ModelInfo> EnsurePreset(const std::string& name, const std::string& preset,
                                          std::optional<DType> storage = std::nullopt,
                                          uint64_t pool_bytes = 0, uint32_t block_tokens = 0);
+  // Unregisters a model, its sequences and cached blocks (admin only: PERMISSION_DENIED for
+  // other tenants; NOT_FOUND for an unknown name).
+  absl::Status DropModel(const std::string& name);
   absl::StatusOr<std::vector<ModelInfo>> ListModels();
   // The model's info, from a cache filled by EnsureModel/EnsurePreset/ListModels (one RPC on a
   // miss).

@@ -1,0 +1,310 @@
+// kvbankd under hostile or broken clients: a request sized to exhaust memory, descriptor
+// exhaustion, a second server on a served port, streams whose clients stall. Each case failed
+// before the fix it guards (a crash, a listener that never accepted again, a second server that
+// took half the connections, blocks held until the client went away).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
+#include "tests/integration/prefix_support.h"
+#include "tests/integration/server_fixture.h"
+
+namespace kvbank::integ {
+namespace {
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(64 << 20);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+std::chrono::system_clock::time_point In(absl::Duration d) {
+  return absl::ToChronoTime(absl::Now() + d);
+}
+
+// grpc.health.v1.Health/Check for `service` on `channel`: 1 SERVING, 2 NOT_SERVING, -1 when the
+// call failed.
+int HealthOf(grpc::Channel* channel, const std::string& service) {
+  grpc::GenericStub generic(channel->shared_from_this());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(2)));
+  std::string request;
+  if (!service.empty())
+    request = absl::StrCat("\x0a", std::string(1, char(service.size())), service);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) {
+                      status = std::move(s);
+                      done.Notify();
+                    });
+  done.WaitForNotification();
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (resp.Dump(&slices).ok()) {
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
+}
+
+// A raw TCP connection to 127.0.0.1:port that never speaks HTTP/2; -1 when connect failed.
+int RawConnect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether a fresh connection completes a kvbank call (ListModels) within `deadline`, trying
+// again on new connections while the server refuses them.
+bool NewConnectionServes(const std::string& target, absl::Duration deadline) {
+  const absl::Time until = absl::Now() + deadline;
+  while (absl::Now() < until) {
+    auto stub = v1::KvBank::NewStub(NewChannel(target));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(std::min(absl::Seconds(2), until - absl::Now())));
+    v1::ListModelsRequest req;
+    v1::ListModelsResponse resp;
+    if (stub->ListModels(&ctx, req, &resp).ok()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+class HardeningTest : public KvbankdTest {
+ protected:
+  // Blocks the server's pool holds for sequences (used = referenced by live sequences and
+  // readers, reserved by appends in flight).
+  uint64_t BlocksUsed(Client& client, const std::string& model) {
+    return StatsOf(client, model).blocks_used;
+  }
+};
+
+// An AttendRequest of 2,000,000 empty items (4 MB) named items x q_heads x head_dim_v floats
+// (32.8 GB for llama-3.1-8b) before the item limit was checked: std::bad_alloc aborted kvbankd.
+TEST_F(HardeningTest, AttendWithMillionsOfItemsIsRefusedBeforeAnythingIsSized) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=llama-3.1-8b", "--pool-bytes=64MiB"}));
+  auto stub = v1::KvBank::NewStub(NewChannel(server_->target()));
+  v1::AttendRequest req;
+  req.set_model("llama-3.1-8b");
+  for (int i = 0; i < 2000000; ++i) req.add_items();
+  ASSERT_LT(req.ByteSizeLong(), size_t{4} << 20) << "must fit the server's message limit";
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(30)));
+  v1::AttendResponse resp;
+  grpc::Status s = stub->Attend(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "4096")) << s.error_message();
+  EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(10)));
+}
+
+// Match with millions of empty queries would size a vector of MatchQuery per query (a few
+// hundred bytes each for two bytes of request).
+TEST_F(HardeningTest, MatchWithMillionsOfQueriesIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=llama-3.1-8b", "--pool-bytes=64MiB"}));
+  auto stub = v1::KvBank::NewStub(NewChannel(server_->target()));
+  v1::MatchRequest req;
+  req.set_model("llama-3.1-8b");
+  for (int i = 0; i < 2000000; ++i) req.add_queries();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(30)));
+  v1::MatchResponse resp;
+  grpc::Status s = stub->Match(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "queries")) << s.error_message();
+}
+
+// With its descriptors exhausted, gRPC's own listener logged "Failed accept4: Too many open
+// files" and never accepted again. kvbankd's listener closes what it cannot keep, reports
+// NOT_SERVING meanwhile, and takes new connections as soon as descriptors are free.
+TEST_F(HardeningTest, ListenerSurvivesDescriptorExhaustion) {
+  // 256 descriptors in all, and a cap above them so that accept itself runs out.
+  auto server = ServerProcess::Start({"--models=", "--no-auth", "--max-connections=1000"},
+                                     absl::Seconds(20), /*nofile=*/256);
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = *std::move(server);
+  auto old = NewChannel(server_->target());
+  ASSERT_EQ(HealthOf(old.get(), ""), 1);
+  ASSERT_EQ(HealthOf(old.get(), "kvbank.v1.KvBank"), 1);
+
+  std::vector<int> held;
+  for (int i = 0; i < 300; ++i) {
+    if (int fd = RawConnect(server_->port()); fd >= 0) held.push_back(fd);
+  }
+  EXPECT_GE(held.size(), 256u) << "the kernel queues what the server has not accepted";
+  // Health (asked on a connection made before) says the listener cannot take connections.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  int health = 1;
+  while (absl::Now() < until && (health = HealthOf(old.get(), "")) == 1) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(health, 2) << "health never reported the exhausted listener";
+  for (int fd : held) close(fd);
+  // Once the raw connections are gone, new clients are served again, and health recovers.
+  EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(15)))
+      << "a new connection was not served after the descriptors came back\n"
+      << server_->Log();
+  const absl::Time until2 = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < until2 && (health = HealthOf(old.get(), "")) != 1) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(health, 1);
+  EXPECT_TRUE(absl::StrContains(server_->Log(), "out of file descriptors")) << server_->Log();
+}
+
+// Over --max-connections a connection is closed at once (the client sees UNAVAILABLE without
+// waiting for its deadline); under it again, new connections are served.
+TEST_F(HardeningTest, ConnectionsOverTheCapAreClosedAtOnce) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--max-connections=8"}));
+  std::vector<int> held;
+  for (int i = 0; i < 8; ++i) {
+    int fd = RawConnect(server_->port());
+    ASSERT_GE(fd, 0);
+    held.push_back(fd);
+  }
+  const absl::Time start = absl::Now();
+  auto stub = v1::KvBank::NewStub(NewChannel(server_->target()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(20)));
+  v1::ListModelsRequest req;
+  v1::ListModelsResponse resp;
+  grpc::Status s = stub->ListModels(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "refused late: it waited in the backlog";
+  for (int fd : held) close(fd);
+  EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(15)));
+}
+
+// gRPC sets SO_REUSEPORT: a second kvbankd on a served port started and took half of the new
+// connections. It must fail to start, naming the port.
+TEST_F(HardeningTest, SecondServerOnTheSamePortFailsNamingIt) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models="}));
+  const std::string port = std::to_string(server_->port());
+  auto second = ServerProcess::Start({"--models=", "--no-auth", "--listen=127.0.0.1:" + port},
+                                     absl::Seconds(20));
+  ASSERT_FALSE(second.ok()) << "a second kvbankd started on port " << port;
+  EXPECT_TRUE(
+      absl::StrContains(second.status().message(), "port " + port + " on 127.0.0.1 is in use"))
+      << second.status();
+  EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(10)));
+}
+
+// An append that sends its header (reserving every block it needs) and then nothing held the
+// blocks until the client went away. The stream idle timeout cancels it and the blocks return.
+TEST_F(HardeningTest, StalledAppendReleasesItsBlocksAfterTheIdleTimeout) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--stream-idle-timeout-ms=500"}));
+  auto client = NewClient();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(client->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto stalled_seq = client->CreateSequence("m");
+  ASSERT_TRUE(stalled_seq.ok());
+
+  auto stub = v1::KvBank::NewStub(NewChannel(server_->target()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(60)));
+  v1::AppendResponse resp;
+  auto writer = stub->Append(&ctx, &resp);
+  v1::AppendRequest header;
+  header.mutable_header()->set_model("m");
+  header.mutable_header()->set_sequence_id(stalled_seq->id);
+  header.mutable_header()->set_num_tokens(63 * kBt);  // 63 of 64 blocks
+  ASSERT_TRUE(writer->Write(header));
+  const absl::Time sent = absl::Now();
+  // The reservation shows once the server has read the header.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (absl::Now() < until && BlocksUsed(*client, "m") < 63) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(BlocksUsed(*client, "m"), 63u);
+
+  // Another sequence waits for blocks: it gets them once the idle timeout cut the stalled one.
+  auto other = client->CreateSequence("m");
+  ASSERT_TRUE(other.ok());
+  KvReference ref(layout);
+  Random rng(9101);
+  std::cerr << "[stall] seed 9101\n";
+  absl::StatusOr<Client::SequenceInfo> appended = absl::UnknownError("not tried");
+  const absl::Time until2 = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < until2) {
+    appended = AppendKv(*client, "m", other->id, ref, rng, 8 * kBt);
+    if (appended.ok() || appended.status().code() != absl::StatusCode::kResourceExhausted) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_GE(absl::Now() - sent, absl::Milliseconds(500)) << "cut before the timeout";
+  grpc::Status s = writer->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "--stream-idle-timeout-ms"))
+      << s.error_message();
+  auto info = client->GetSequence("m", stalled_seq->id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->length, 0u) << "the cut append left nothing behind";
+  EXPECT_EQ(BlocksUsed(*client, "m"), 8u);
+}
+
+// A fetch whose client read one message and stopped kept its snapshot's blocks pinned, through a
+// Free, for as long as the client stayed connected. The idle timeout releases them.
+TEST_F(HardeningTest, StalledFetchReleasesItsSnapshotAfterTheIdleTimeout) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--stream-idle-timeout-ms=500"}));
+  auto client = NewClient();
+  ModelLayout layout = SmallLayout("m");
+  layout.num_layers = 8;  // 32 KiB per token: the fetch is 32 MiB, far more than a client buffers
+  layout.num_q_heads = layout.num_kv_heads = 8;
+  layout.head_dim = layout.head_dim_v = 128;
+  layout.kind = AttentionKind::kMha;
+  layout.layer_dtypes.assign(layout.num_layers, DType::kFp16);
+  ASSERT_TRUE(client->EnsureModel(layout, 80 * BlockBytes(layout)).ok());
+  auto seq = client->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  KvReference ref(layout);
+  Random rng(9102);
+  std::cerr << "[stall] seed 9102\n";
+  ASSERT_TRUE(AppendKv(*client, "m", seq->id, ref, rng, 64 * kBt).ok());
+
+  auto stub = v1::KvBank::NewStub(NewChannel(server_->target()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(60)));
+  v1::FetchRequest req;
+  req.set_model("m");
+  req.set_sequence_id(seq->id);
+  auto reader = stub->Fetch(&ctx, req);
+  v1::FetchResponse first;
+  ASSERT_TRUE(reader->Read(&first));  // then the client reads no more
+  ASSERT_TRUE(client->Free("m", seq->id).ok());
+  EXPECT_EQ(BlocksUsed(*client, "m"), 64u) << "the snapshot pins the freed sequence's blocks";
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < until && BlocksUsed(*client, "m") != 0) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(BlocksUsed(*client, "m"), 0u) << "the stalled fetch still pins its blocks";
+  ctx.TryCancel();
+  reader->Finish();
+}
+
+}  // namespace
+}  // namespace kvbank::integ
