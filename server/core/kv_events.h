@@ -53,7 +53,8 @@ class KvEventListener {
 class KvEventLog {
  public:
   explicit KvEventLog(size_t capacity = 65536) : capacity_(capacity) {}
-  // REQUIRES: every listener unsubscribed. Stops the notifier thread.
+  // REQUIRES: every listener unsubscribed; not called from inside a Notify. Stops and joins the
+  // notifier thread.
   ~KvEventLog();
   KvEventLog(const KvEventLog&) = delete;
   KvEventLog& operator=(const KvEventLog&) = delete;

@@ -55,9 +55,9 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   const uint64_t used = pool_bytes_used_->load();
   const uint64_t left = used >= total_pool_bytes_ ? 0 : total_pool_bytes_ - used;
   if (config.pool_bytes > left) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("model '", name, "': pool_bytes ", config.pool_bytes, " exceeds the ", left,
-                     " bytes left of the server's pool budget"));
+    return absl::ResourceExhaustedError(absl::StrCat("model '", name, "': pool_bytes ",
+                                                     config.pool_bytes, " exceeds the ", left,
+                                                     " bytes left of the server's pool budget"));
   }
   auto events = std::make_unique<KvEventLog>(config.event_capacity);
   PoolOptions pool_options;

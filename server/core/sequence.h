@@ -41,7 +41,9 @@ struct Sequence {
   std::vector<double> scores;  // heavy hitter: attention mass per token (all heads and layers)
   uint64_t generation = 0;     // bumped by every compaction (positions move)
   bool publishable = true;     // false once compacted: the ids no longer form a prompt prefix
-  uint64_t counted_length = 0;  // Length() as the store's token counters hold it (Account)
+
+  // Length() as the store's token counters hold it (SequenceStore::Account).
+  uint64_t counted_length = 0;
 
   uint64_t Length() const { return *std::min_element(layer_len.begin(), layer_len.end()); }
 };

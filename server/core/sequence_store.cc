@@ -369,7 +369,8 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
     st.tenant_view = true;
     absl::MutexLock lock(&mu_);
     auto it = tenant_counters_.find(*tenant);
-    const TenantStats t = TenantRow(*tenant, it == tenant_counters_.end() ? TenantCounters{} : it->second);
+    const TenantStats t =
+        TenantRow(*tenant, it == tenant_counters_.end() ? TenantCounters{} : it->second);
     st.pool.total = pool_->num_blocks();
     st.pool.used = t.blocks_referenced;
     st.sequences = t.sequences;
