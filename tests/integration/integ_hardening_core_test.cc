@@ -75,7 +75,9 @@ TEST_F(HardeningTest, BadMaxSequencesInTheTokensFileIsRefused) {
     auto server = ServerProcess::Start({"--models=", "--auth-tokens-file=" + tokens_file_});
     EXPECT_FALSE(server.ok()) << "kvbankd started with '" << bad << "'";
     if (!server.ok()) {
-      EXPECT_TRUE(absl::StrContains(server.status().message(), "max_sequences")) << server.status();
+      EXPECT_TRUE(
+          absl::StrContains(server.status().message(), "max_sequences must be a positive integer"))
+          << server.status();
     }
     std::remove(tokens_file_.c_str());
     tokens_file_.clear();
