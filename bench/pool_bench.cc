@@ -16,7 +16,8 @@
 // measured back to back, GB/s columns are medians. Every buffer and every pool block is touched
 // once before timing, so no page faults are timed.
 //
-// Also reports the cost of Fork (copy-on-write: full blocks shared, the partial block copied).
+// Also reports the cost of Fork (copy-on-write: full blocks shared, the partial block copied),
+// and of Stats() at 1,024 and 65,536 live sequences (it reads counters: the ratio should be ~1).
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
@@ -222,6 +223,51 @@ void RunFork(SequenceStore& store, uint64_t tokens, int reps) {
               double(copied * store.block_layout().block_bytes) / (1 << 20));
 }
 
+// Median microseconds of one Stats() call (the admin's view, and one tenant's) with `n` live
+// sequences spread over 4 tenants. Stats reads counters, so the time should not grow with n.
+struct StatsRow {
+  uint64_t sequences = 0;
+  double admin_us = 0;
+  double tenant_us = 0;
+};
+StatsRow RunStats(const DeviceSpec& device, uint64_t n, int reps) {
+  const ModelLayout layout = SmallHeadLayout();
+  BlockLayout b = ComputeBlockLayout(layout);
+  const uint64_t block_bytes = b.block_bytes;
+  auto pool = Check(BlockPool::Create(std::move(b), 4 * block_bytes, device), "BlockPool::Create");
+  StoreOptions opts;
+  opts.max_sequences = n;
+  SequenceStore store(layout, std::move(pool), opts);
+  const std::string tenants[] = {"t0", "t1", "t2", "t3"};
+  for (uint64_t i = 0; i < n; ++i) {
+    CreateOptions o;
+    o.lease = absl::ZeroDuration();
+    o.tenant = tenants[i % 4];
+    Check(store.Create(o), "Create");
+  }
+  auto time_us = [&](const std::string* tenant) {
+    std::vector<double> us;
+    constexpr int kCalls = 100;  // per repetition: one call is too short to time alone
+    for (int r = 0; r < reps + 1; ++r) {
+      uint64_t sink = 0;
+      const auto t0 = Clock::now();
+      for (int c = 0; c < kCalls; ++c) sink += store.Stats(tenant).sequences;
+      const auto t1 = Clock::now();
+      if (sink != kCalls * (tenant == nullptr ? n : n / 4)) {
+        std::fprintf(stderr, "pool_bench: Stats counted %" PRIu64 " sequences\n", sink / kCalls);
+        std::exit(1);
+      }
+      if (r > 0) us.push_back(Seconds(t0, t1) * 1e6 / kCalls);  // the first is a warm-up
+    }
+    return Median(us);
+  };
+  StatsRow row;
+  row.sequences = n;
+  row.admin_us = time_us(nullptr);
+  row.tenant_us = time_us(&tenants[1]);
+  return row;
+}
+
 int Main(int argc, char** argv) {
   bool quick = false;
   int reps = 0;
@@ -272,6 +318,23 @@ int Main(int argc, char** argv) {
     auto store = MakeStore(llama, quick ? (uint64_t{64} << 20) : (uint64_t{1} << 30), device);
     RunFork(*store, fork_tokens, reps);
     RunFork(*store, fork_tokens + 5, reps);
+  }
+
+  std::printf("\nStats() against live sequences (4 tenants), %d reps (median of 100 calls)\n\n",
+              reps);
+  std::printf("| sequences | admin us | tenant us | admin ratio to the first row |\n");
+  std::printf("|---:|---:|---:|---:|\n");
+  {
+    const std::vector<uint64_t> counts =
+        quick ? std::vector<uint64_t>{1024, 16384} : std::vector<uint64_t>{1024, 65536};
+    double first = 0;
+    for (uint64_t n : counts) {
+      const StatsRow r = RunStats(device, n, reps);
+      if (first == 0) first = r.admin_us;
+      std::printf("| %" PRIu64 " | %.2f | %.2f | %.2f |\n", r.sequences, r.admin_us, r.tenant_us,
+                  r.admin_us / first);
+      std::fflush(stdout);
+    }
   }
   return 0;
 }

@@ -80,6 +80,11 @@ uint64_t BlockPool::TenantBlocks(uint32_t tenant) const {
   return tenant_used_[tenant];
 }
 
+uint64_t BlockPool::TenantQuota(uint32_t tenant) const {
+  absl::MutexLock lock(&mu_);
+  return tenant_quota_[tenant];
+}
+
 BlockPool::EvictKey BlockPool::KeyOf(int32_t id) const {
   return {records_[id].priority, records_[id].tick, id};
 }

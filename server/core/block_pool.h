@@ -121,6 +121,7 @@ class BlockPool {
   // by it); 0: no limit.
   void SetTenantQuota(uint32_t tenant, uint64_t max_blocks);
   uint64_t TenantBlocks(uint32_t tenant) const;
+  uint64_t TenantQuota(uint32_t tenant) const;  // 0: none
 
   // Takes n blocks, each with one reference, for `tenant`: free ones first, then evicted cached
   // ones (lowest priority, then least recently used). All or nothing: RESOURCE_EXHAUSTED (nothing

@@ -1,8 +1,21 @@
 #include "server/core/kv_events.h"
 
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvbank {
+
+KvEventLog::~KvEventLog() {
+  std::thread notifier;
+  {
+    absl::MutexLock lock(&listeners_mu_);
+    stop_ = true;
+    notifier = std::move(notifier_);
+  }
+  if (notifier.joinable()) notifier.join();
+}
 
 void KvEventLog::Append(KvEvent event) {
   {
@@ -12,7 +25,29 @@ void KvEventLog::Append(KvEvent event) {
     while (events_.size() > capacity_) events_.pop_front();
   }
   absl::MutexLock lock(&listeners_mu_);
-  for (KvEventListener* l : listeners_) l->Notify();
+  if (!listeners_.empty()) pending_ = true;  // the notifier wakes on this flag
+}
+
+void KvEventLog::NotifierLoop() {
+  listeners_mu_.Lock();
+  for (;;) {
+    const auto woken = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return pending_ || stop_; };
+    listeners_mu_.Await(absl::Condition(&woken));
+    if (stop_) break;
+    // Clearing the flag before the round: events appended from here on raise it again, so each
+    // one has a Notify that starts after it.
+    pending_ = false;
+    const std::vector<KvEventListener*> round(listeners_.begin(), listeners_.end());
+    for (KvEventListener* l : round) {
+      if (!listeners_.contains(l)) continue;  // unsubscribed during this round
+      notifying_ = l;
+      listeners_mu_.Unlock();
+      l->Notify();
+      listeners_mu_.Lock();
+      notifying_ = nullptr;
+    }
+  }
+  listeners_mu_.Unlock();
 }
 
 absl::StatusOr<KvEventLog::Batch> KvEventLog::Read(uint64_t after, size_t max_events,
@@ -52,11 +87,20 @@ uint64_t KvEventLog::last_sequence() const {
 void KvEventLog::Subscribe(KvEventListener* l) {
   absl::MutexLock lock(&listeners_mu_);
   listeners_.insert(l);
+  if (!notifier_.joinable()) {
+    notifier_ = std::thread([this] { NotifierLoop(); });
+    notifier_id_ = notifier_.get_id();
+  }
 }
 
 void KvEventLog::Unsubscribe(KvEventListener* l) {
   absl::MutexLock lock(&listeners_mu_);
   listeners_.erase(l);
+  // From inside l's own Notify there is nothing to wait for: it returns to the notifier, which
+  // will not call l again.
+  if (std::this_thread::get_id() == notifier_id_) return;
+  const auto done = [this, l]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return notifying_ != l; };
+  listeners_mu_.Await(absl::Condition(&done));
 }
 
 }  // namespace kvbank

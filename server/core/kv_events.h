@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -32,21 +33,34 @@ struct KvEvent {
   std::string medium = "cpu";
 };
 
-// Woken after events are appended, outside the log's event lock: Notify may Read the log, but
-// must not block. Once Unsubscribe returns, Notify is not running and will not run again.
+// Woken after events are appended, on the log's notifier thread (never on the appending one):
+// Notify may Read the log, but must not block: one notifier serves every listener of the log in
+// turn. Notifications coalesce: a Notify that starts after an event was appended is the one for
+// it, so a listener reads everything new each time. Once Unsubscribe returns, Notify is not
+// running and will not run again.
 class KvEventListener {
  public:
   virtual ~KvEventListener() = default;
   virtual void Notify() = 0;
 };
 
-// Thread-safe. Lock order: callers' locks (BlockPool::mu_), then listeners_mu_, then a
-// listener's own lock, then mu_.
+// Thread-safe. Lock order: callers' locks (BlockPool::mu_), then mu_ or listeners_mu_ (never
+// both at once). Notify runs with no lock of the log held; a listener's own lock comes before mu_
+// (Notify reads the log).
+// Fan-out runs off the appending thread: Append only records the event and raises a flag
+// (O(1) whatever the number of listeners), and one notifier thread, started by the first
+// Subscribe, calls every listener's Notify.
 class KvEventLog {
  public:
   explicit KvEventLog(size_t capacity = 65536) : capacity_(capacity) {}
+  // REQUIRES: every listener unsubscribed; not called from inside a Notify. Stops and joins the
+  // notifier thread.
+  ~KvEventLog();
+  KvEventLog(const KvEventLog&) = delete;
+  KvEventLog& operator=(const KvEventLog&) = delete;
 
-  // Assigns the next sequence number and keeps the event (dropping the oldest past capacity).
+  // Assigns the next sequence number and keeps the event (dropping the oldest past capacity);
+  // wakes the notifier when anyone listens. Does not wait for any Notify.
   void Append(KvEvent event);
   struct Batch {
     std::vector<KvEvent> events;
@@ -59,15 +73,25 @@ class KvEventLog {
                              bool see_all) const;
   uint64_t last_sequence() const;
   void Subscribe(KvEventListener* l);
+  // Waits for l's Notify if it is running on the notifier thread now (except when called from
+  // inside l's own Notify), so the caller may delete l once this returns.
+  // NOTE: the caller must not hold a lock that l's Notify takes.
   void Unsubscribe(KvEventListener* l);
 
  private:
+  void NotifierLoop();
+
   const size_t capacity_;
   mutable absl::Mutex mu_;
   std::deque<KvEvent> events_ ABSL_GUARDED_BY(mu_);
   uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
-  mutable absl::Mutex listeners_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex listeners_mu_;
   absl::flat_hash_set<KvEventListener*> listeners_ ABSL_GUARDED_BY(listeners_mu_);
+  bool pending_ ABSL_GUARDED_BY(listeners_mu_) = false;  // events appended since the last round
+  bool stop_ ABSL_GUARDED_BY(listeners_mu_) = false;
+  KvEventListener* notifying_ ABSL_GUARDED_BY(listeners_mu_) = nullptr;  // whose Notify runs
+  std::thread notifier_ ABSL_GUARDED_BY(listeners_mu_);
+  std::thread::id notifier_id_ ABSL_GUARDED_BY(listeners_mu_);
 };
 
 }  // namespace kvbank

@@ -52,10 +52,13 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
     }
     return EnsureResult{it->second, false};
   }
-  if (config.pool_bytes > total_pool_bytes_ - pool_bytes_used_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "model '", name, "': pool_bytes ", config.pool_bytes, " exceeds the ",
-        total_pool_bytes_ - pool_bytes_used_, " bytes left of the server's pool budget"));
+  // Releases only lower the figure, so a check that reads it once is never too generous.
+  const uint64_t used = pool_bytes_used_->load();
+  const uint64_t left = used >= total_pool_bytes_ ? 0 : total_pool_bytes_ - used;
+  if (config.pool_bytes > left) {
+    return absl::ResourceExhaustedError(absl::StrCat("model '", name, "': pool_bytes ",
+                                                     config.pool_bytes, " exceeds the ", left,
+                                                     " bytes left of the server's pool budget"));
   }
   auto events = std::make_unique<KvEventLog>(config.event_capacity);
   PoolOptions pool_options;
@@ -69,9 +72,16 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("model '", name, "': ", pool.status().message()));
   }
-  pool_bytes_used_ += (*pool)->pool_bytes();
-  auto store = std::make_shared<SequenceStore>(config.layout, *std::move(pool),
-                                               std::move(config.store), std::move(events));
+  const uint64_t bytes = (*pool)->pool_bytes();
+  pool_bytes_used_->fetch_add(bytes);
+  // The bytes return to the budget once the store (and with it the pool) is destroyed.
+  std::shared_ptr<SequenceStore> store(
+      new SequenceStore(config.layout, *std::move(pool), std::move(config.store),
+                        std::move(events)),
+      [used = pool_bytes_used_, bytes](SequenceStore* s) {
+        delete s;
+        used->fetch_sub(bytes);
+      });
   models_[name] = store;
   return EnsureResult{store, true};
 }
@@ -117,9 +127,16 @@ size_t ModelRegistry::ExpireCache(absl::Time now) const {
   return n;
 }
 
-uint64_t ModelRegistry::pool_bytes_used() const {
+absl::Status ModelRegistry::Drop(const std::string& name) {
+  std::shared_ptr<SequenceStore> dropped;  // released after mu_: freeing a pool takes a while
   absl::MutexLock lock(&mu_);
-  return pool_bytes_used_;
+  auto it = models_.find(name);
+  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("model '", name, "' not found"));
+  dropped = std::move(it->second);
+  models_.erase(it);
+  return absl::OkStatus();
 }
+
+uint64_t ModelRegistry::pool_bytes_used() const { return pool_bytes_used_->load(); }
 
 }  // namespace kvbank

@@ -2,6 +2,8 @@
 #ifndef KVBANK_SERVER_CORE_MODEL_REGISTRY_H_
 #define KVBANK_SERVER_CORE_MODEL_REGISTRY_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,8 +33,9 @@ struct EnsureResult {
   bool created = false;
 };
 
-// Thread-safe. A model, once registered, lives as long as the registry (callers may keep the
-// shared_ptr past that).
+// Thread-safe. A model lives until it is dropped or the registry goes, and after that as long as
+// anyone holds its shared_ptr (calls in flight, watch streams): its pool memory is released, and
+// its bytes return to the budget, when the last shared_ptr goes.
 class ModelRegistry {
  public:
   // `total_pool_bytes` bounds the sum of every model's pool.
@@ -47,17 +50,26 @@ class ModelRegistry {
   // Unregisters a model: Get and List no longer see it. NOT_FOUND for an unknown name.
   absl::Status Drop(const std::string& name);
   std::vector<std::shared_ptr<SequenceStore>> List() const;  // sorted by name
+  // Removes the model: Get and List no longer find it from now on, and Ensure may register the
+  // name again (a new, empty model). Its sequences and cached blocks go with its store; the
+  // store, its pool memory, and their share of the budget (pool_bytes_used) are released when
+  // the last shared_ptr to it is dropped: at once when nothing holds it, else when the last call
+  // in flight or watch stream on it ends. NOT_FOUND naming the model when there is none.
+  absl::Status Drop(const std::string& name);
   // Expires leases in every model; returns how many sequences went.
   size_t ExpireLeases(absl::Time now) const;
   // Drops cached blocks past each model's prefix-cache TTL; returns how many.
   size_t ExpireCache(absl::Time now) const;
+  // Bytes of every pool not yet released: registered models and dropped ones still held.
   uint64_t pool_bytes_used() const;
 
  private:
   const uint64_t total_pool_bytes_;
-  mutable absl::Mutex mu_;
+  // Shared with each store's deleter, which may run after the registry is gone.
+  const std::shared_ptr<std::atomic<uint64_t>> pool_bytes_used_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
+  mutable absl::Mutex mu_;  // serializes Ensure's check-and-reserve of the budget
   absl::flat_hash_map<std::string, std::shared_ptr<SequenceStore>> models_ ABSL_GUARDED_BY(mu_);
-  uint64_t pool_bytes_used_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The first field in which two layouts differ, for error messages ("" when equal).

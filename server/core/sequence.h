@@ -33,12 +33,17 @@ struct Sequence {
   uint64_t cached_tokens = 0;
   absl::Duration lease_ttl = absl::ZeroDuration();
   absl::Time lease_deadline = absl::InfiniteFuture();
+  // An AppendTxn is open: the lease does not run out meanwhile (ExpireLeases, Find) and is
+  // renewed when the transaction ends.
   bool append_in_flight = false;
   bool removed = false;  // freed or expired; blocks go when the append in flight ends
   RetentionPolicy retention;
   std::vector<double> scores;  // heavy hitter: attention mass per token (all heads and layers)
   uint64_t generation = 0;     // bumped by every compaction (positions move)
   bool publishable = true;     // false once compacted: the ids no longer form a prompt prefix
+
+  // Length() as the store's token counters hold it (SequenceStore::Account).
+  uint64_t counted_length = 0;
 
   uint64_t Length() const { return *std::min_element(layer_len.begin(), layer_len.end()); }
 };

@@ -61,6 +61,7 @@ SequenceStore::SeqPtr SequenceStore::Insert(absl::Duration lease, const std::str
   s->lease_ttl = lease;
   Renew(*s);
   live_[s->id] = s;
+  ++tenant_counters_[tenant].sequences;
   return s;
 }
 
@@ -72,9 +73,13 @@ void SequenceStore::Renew(Sequence& s) {
 absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id, const std::string& tenant) {
   auto it = live_.find(id);
   if (it != live_.end() && it->second->tenant == tenant) {
-    // A lease that ran out is expired on first touch, even before the reaper sees it.
-    if (it->second->lease_deadline > options_.clock()) return it->second;
+    // A lease that ran out is expired on first touch, even before the reaper sees it; never
+    // while an append is in flight (see ExpireLeases).
+    if (it->second->append_in_flight || it->second->lease_deadline > options_.clock()) {
+      return it->second;
+    }
     ++leases_expired_;
+    ++tenant_counters_[tenant].leases_expired;
     Remove(it->second, "its lease expired");
   }
   // Another tenant's sequence, live or gone, reads exactly like one that never existed.
@@ -101,9 +106,36 @@ SequenceInfo SequenceStore::Info(const Sequence& s) const {
   return i;
 }
 
+void SequenceStore::Account(Sequence& s) {
+  const uint64_t now = s.removed ? 0 : s.Length();
+  TenantCounters& c = tenant_counters_[s.tenant];
+  c.tokens_stored = c.tokens_stored - s.counted_length + now;
+  tokens_stored_ = tokens_stored_ - s.counted_length + now;
+  s.counted_length = now;
+}
+
+absl::Status SequenceStore::AdmitSequence(const std::string& tenant) const {
+  if (auto it = tenant_counters_.find(tenant); it != tenant_counters_.end()) {
+    const TenantCounters& c = it->second;
+    if (c.max_sequences > 0 && c.sequences >= c.max_sequences) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", tenant, "' has its limit of ", c.max_sequences,
+                       " live sequences in model '", layout_.name, "'; free some first"));
+    }
+  }
+  if (live_.size() >= options_.max_sequences) {
+    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
+                                                     "' has max_sequences (",
+                                                     options_.max_sequences, ") live sequences"));
+  }
+  return absl::OkStatus();
+}
+
 uint64_t SequenceStore::Remove(SeqPtr s, std::string reason) {
   live_.erase(s->id);
   s->removed = true;
+  --tenant_counters_[s->tenant].sequences;
+  Account(*s);
   tombstones_[s->id] = Tombstone{s->tenant, std::move(reason)};
   tombstone_order_.push_back(s->id);
   while (tombstone_order_.size() > options_.tombstones) {
@@ -161,11 +193,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
     hashes = PrefixHashes(options_.hash, root, o.prompt, layout_.block_tokens, o.extra_keys);
   }
   absl::MutexLock lock(&mu_);
-  if (live_.size() >= options_.max_sequences) {
-    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
-                                                     "' has max_sequences (",
-                                                     options_.max_sequences, ") live sequences"));
-  }
+  if (absl::Status a = AdmitSequence(o.tenant); !a.ok()) return a;
   SeqPtr s = Insert(*ttl, o.tenant);
   s->root = root;
   s->extra_keys = o.extra_keys;
@@ -184,6 +212,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   for (uint64_t& l : s->layer_len) l = s->cached_tokens;
   s->retention = o.retention;
   Retain(*s);
+  Account(*s);
   TenantCounters& c = tenant_counters_[o.tenant];
   c.query_tokens += o.prompt.size();
   c.hit_tokens += s->cached_tokens;
@@ -202,11 +231,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
     if (!resolved.ok()) return resolved.status();
     ttl = *resolved;
   }
-  if (live_.size() >= options_.max_sequences) {
-    return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
-                                                     "' has max_sequences (",
-                                                     options_.max_sequences, ") live sequences"));
-  }
+  if (absl::Status a = AdmitSequence(parent.tenant); !a.ok()) return a;
   const uint64_t bt = layout_.block_tokens;
   const uint64_t full = parent.Length() / bt;  // blocks full in every layer: shared
   const uint64_t max_len = *std::max_element(parent.layer_len.begin(), parent.layer_len.end());
@@ -243,6 +268,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
     child->blocks.push_back(parent.blocks[i].valid() ? pool_->Share(parent.blocks[i]) : BlockRef());
   }
   for (BlockRef& copy : *copies) child->blocks.push_back(std::move(copy));
+  Account(*child);
   Renew(parent);
   return Info(*child);
 }
@@ -276,6 +302,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   while (s.blocks.size() > keep) s.blocks.pop_back();
   if (s.scores.size() > num_tokens) s.scores.resize(num_tokens);
   s.hashes.resize(std::min<uint64_t>(s.hashes.size(), num_tokens / layout_.block_tokens));
+  Account(s);
   Renew(s);
   return Info(s);
 }
@@ -306,35 +333,66 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
   absl::MutexLock lock(&mu_);
   std::vector<SeqPtr> expired;
   for (const auto& [id, s] : live_) {
-    if (s->lease_deadline <= now) expired.push_back(s);
+    // An append in flight keeps its sequence: it renews the lease when it ends.
+    if (s->lease_deadline <= now && !s->append_in_flight) expired.push_back(s);
   }
-  for (const SeqPtr& s : expired) Remove(s, "its lease expired");
+  for (const SeqPtr& s : expired) {
+    ++tenant_counters_[s->tenant].leases_expired;
+    Remove(s, "its lease expired");
+  }
   leases_expired_ += expired.size();
   return expired.size();
 }
 
-StoreStats SequenceStore::Stats() const {
+TenantStats SequenceStore::TenantRow(const std::string& name, const TenantCounters& c) const {
+  TenantStats t;
+  t.tenant = name;
+  t.prefix_query_tokens = c.query_tokens;
+  t.prefix_hit_tokens = c.hit_tokens;
+  t.sequences = c.sequences;
+  t.tokens_stored = c.tokens_stored;
+  t.appends = c.appends;
+  t.fetches = c.fetches;
+  t.bytes_appended = c.bytes_appended;
+  t.bytes_fetched = c.bytes_fetched;
+  t.leases_expired = c.leases_expired;
+  t.max_sequences = c.max_sequences;
+  const uint32_t id = pool_->InternTenant(name);
+  t.blocks_referenced = pool_->TenantBlocks(id);
+  t.max_blocks = pool_->TenantQuota(id);
+  return t;
+}
+
+StoreStats SequenceStore::Stats(const std::string* tenant) const {
   StoreStats st;
+  if (tenant != nullptr) {
+    st.tenant_view = true;
+    absl::MutexLock lock(&mu_);
+    auto it = tenant_counters_.find(*tenant);
+    const TenantStats t =
+        TenantRow(*tenant, it == tenant_counters_.end() ? TenantCounters{} : it->second);
+    st.pool.total = pool_->num_blocks();
+    st.pool.used = t.blocks_referenced;
+    st.sequences = t.sequences;
+    st.tokens_stored = t.tokens_stored;
+    st.appends = t.appends;
+    st.fetches = t.fetches;
+    st.bytes_appended = t.bytes_appended;
+    st.bytes_fetched = t.bytes_fetched;
+    st.leases_expired = t.leases_expired;
+    st.prefix_query_tokens = t.prefix_query_tokens;
+    st.prefix_hit_tokens = t.prefix_hit_tokens;
+    st.tenants.push_back(t);
+    return st;
+  }
   {
     absl::MutexLock lock(&mu_);
     st.sequences = live_.size();
-    absl::flat_hash_map<std::string, TenantStats> tenants;
-    for (const auto& [id, s] : live_) {
-      st.tokens_stored += s->Length();
-      TenantStats& t = tenants[s->tenant];
-      ++t.sequences;
-    }
+    st.tokens_stored = tokens_stored_;
     for (const auto& [name, c] : tenant_counters_) {
-      TenantStats& t = tenants[name];
-      t.prefix_query_tokens = c.query_tokens;
-      t.prefix_hit_tokens = c.hit_tokens;
+      st.tenants.push_back(TenantRow(name, c));
       st.prefix_query_tokens += c.query_tokens;
       st.prefix_hit_tokens += c.hit_tokens;
-    }
-    for (auto& [name, t] : tenants) {
-      t.tenant = name;
-      t.blocks_referenced = pool_->TenantBlocks(pool_->InternTenant(name));
-      st.tenants.push_back(std::move(t));
     }
     st.leases_expired = leases_expired_;
   }
@@ -362,6 +420,36 @@ std::string SequenceStore::CheckInvariants() const {
       if (!b.valid() || pool_->RefCount(b.id()) == 0) {
         return absl::StrCat("sequence ", id, " holds a dead block reference");
       }
+    }
+  }
+  // The counters Stats reads, against a recount.
+  uint64_t tokens = 0;
+  absl::flat_hash_map<std::string, std::pair<uint64_t, uint64_t>> per;  // sequences, tokens
+  for (const auto& [id, s] : live_) {
+    tokens += s->Length();
+    if (s->counted_length != s->Length()) {
+      return absl::StrCat("sequence ", id, " is counted with ", s->counted_length,
+                          " tokens but holds ", s->Length());
+    }
+    auto& [n, t] = per[s->tenant];
+    ++n;
+    t += s->Length();
+  }
+  if (tokens != tokens_stored_) {
+    return absl::StrCat("tokens_stored counter ", tokens_stored_, " but the sequences hold ",
+                        tokens);
+  }
+  for (const auto& [name, c] : tenant_counters_) {
+    const auto it = per.find(name);
+    const auto [n, t] = it == per.end() ? std::pair<uint64_t, uint64_t>{0, 0} : it->second;
+    if (c.sequences != n || c.tokens_stored != t) {
+      return absl::StrCat("tenant '", name, "' is counted with ", c.sequences, " sequences and ",
+                          c.tokens_stored, " tokens; a recount finds ", n, " and ", t);
+    }
+  }
+  for (const auto& [name, nt] : per) {
+    if (!tenant_counters_.contains(name)) {
+      return absl::StrCat("tenant '", name, "' holds sequences but has no counters");
     }
   }
   return "";

@@ -86,17 +86,39 @@ struct SequenceInfo {
   uint64_t compactions = 0;  // heavy-hitter retention: times the kept tokens were compacted
 };
 
+// One tenant's own figures in one model: nothing here depends on what other tenants do.
 struct TenantStats {
   std::string tenant;
   uint64_t prefix_query_tokens = 0;  // prompt tokens looked up at create
   uint64_t prefix_hit_tokens = 0;    // of those, attached from the cache
   uint64_t blocks_referenced = 0;    // blocks on the tenant's quota: referenced or pinned
-  uint64_t sequences = 0;
+  uint64_t sequences = 0;            // live
+  uint64_t tokens_stored = 0;        // sum of its live sequences' lengths
+  uint64_t appends = 0;              // committed
+  uint64_t fetches = 0;              // readers handed out (by sequence or by block hash)
+  uint64_t bytes_appended = 0;
+  uint64_t bytes_fetched = 0;
+  uint64_t leases_expired = 0;
+  uint64_t max_blocks = 0;     // its block quota (0: none)
+  uint64_t max_sequences = 0;  // its live-sequence limit (0: only the model's max_sequences)
 };
 
+// Per-tenant limits in one model (0: none).
+struct TenantLimits {
+  uint64_t max_blocks = 0;     // blocks referenced by its sequences and readers, plus its pins
+  uint64_t max_sequences = 0;  // live sequences at once
+};
+
+// Stats() for an admin: the model's totals, every tenant's row. Stats(&tenant) is what that
+// tenant may see (tenant_view): every figure is the tenant's own (sequences, tokens_stored,
+// appends, fetches, bytes, leases_expired, prefix tokens, pool.used = its blocks_referenced) and
+// tenants holds its row only. pool.total is the pool's fixed size (configuration, not activity);
+// pool.free, cached, pinned and evictions are pool-wide and move with other tenants' work, so a
+// tenant view leaves them 0.
 struct StoreStats {
+  bool tenant_view = false;
   PoolStats pool;
-  std::vector<TenantStats> tenants;  // tenants with any activity, by name
+  std::vector<TenantStats> tenants;  // tenants with any activity or limit, by name
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
   uint64_t sequences = 0;
@@ -131,10 +153,6 @@ struct FetchSpec {
 class SequenceStore;
 struct Sequence;
 
-// An append in flight. Payload bytes arrive in order through Write (any chunking) straight into
-// blocks no reader can see; Commit makes them visible at once. Destroying an uncommitted
-// transaction (error, cancel) releases everything it took: the sequence is exactly as before.
-// One transaction per sequence at a time. Not thread-safe: one caller drives it.
 // A run of whole layers of a payload that moves through a staging buffer in one piece, on memory
 // that is not direct (PoolOptions::staging_bytes bounds it unless one layer is larger). Each
 // piece is a payload of its own over the same tokens: its job's arrays start at its first layer.
@@ -155,6 +173,15 @@ struct StagedPiece {
   std::vector<uint64_t> scale_offset;  // job.map.scale_offset (storage format)
 };
 
+// An append in flight. Payload bytes arrive in order through Write (any chunking) straight into
+// blocks no reader can see; Commit makes them visible at once. Destroying an uncommitted
+// transaction (error, cancel) releases everything it took: the sequence is exactly as before.
+// One transaction per sequence at a time. Not thread-safe: one caller drives it.
+// Lease: while the transaction is open its sequence does not expire, however long the payload
+// streams (BeginAppend renews the lease; ExpireLeases and every call skip the deadline); Commit
+// and abort renew it again, so the lease runs from the end of the append. Free still frees the
+// sequence at once (Commit then answers ABORTED). An open transaction is the caller's to bound:
+// one that never ends keeps its sequence alive (the RPC layer cuts idle append streams).
 class AppendTxn {
  public:
   ~AppendTxn();
@@ -319,19 +346,29 @@ class SequenceStore {
   // (a pin past the tenant's quota is not taken: pinned blocks count on it).
   size_t Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin);
   // Per-tenant block quota (0: none): blocks the tenant's sequences and readers reference plus
-  // the blocks it pinned.
+  // the blocks it pinned. Same as SetTenantLimits with only max_blocks changed.
   void SetTenantQuota(const std::string& tenant, uint64_t max_blocks);
+  // Sets both of the tenant's limits. Create and Fork past max_sequences are RESOURCE_EXHAUSTED
+  // naming the tenant's limit; sequences it already holds stay.
+  void SetTenantLimits(const std::string& tenant, const TenantLimits& limits);
   // Drops cached blocks older than the prefix-cache TTL (if one is set); returns how many.
   size_t ExpireCache(absl::Time now);
   // Drops every unpinned cached block.
   size_t ClearCache() { return pool_->ClearCache(); }
   KvEventLog* events() const { return events_.get(); }
-  // Frees every sequence whose lease ran out by `now`; returns how many.
+  // Frees every sequence whose lease ran out by `now`; returns how many. A sequence with an
+  // append in flight is not expired, whatever its deadline: the append renews the lease when it
+  // commits or aborts. (A stalled append is the caller's to cut: the RPC layer ends a stream that
+  // stays idle too long, which aborts its transaction.)
   size_t ExpireLeases(absl::Time now);
 
-  StoreStats Stats() const;
+  // tenant null: the admin's view (the model's totals, every tenant's row). Otherwise what that
+  // tenant may see (StoreStats::tenant_view). O(tenants): every figure is a counter kept as
+  // sequences change, nothing scans the sequences.
+  StoreStats Stats(const std::string* tenant = nullptr) const;
   // For tests: pool invariants plus: every live sequence's table covers its lengths and holds
-  // valid references. Empty string when all hold.
+  // valid references; the counters Stats reads (sequences and tokens per tenant and in all)
+  // equal a full recount. Empty string when all hold.
   std::string CheckInvariants() const;
 
  private:
@@ -346,10 +383,29 @@ class SequenceStore {
   void Retain(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Heavy-hitter retention: keeps tokens `keep` (ascending) in fresh blocks.
   void Compact(Sequence& s, const std::vector<uint64_t>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What Stats reports of one tenant, kept up to date where it changes (under mu_).
   struct TenantCounters {
     uint64_t query_tokens = 0;
     uint64_t hit_tokens = 0;
+    uint64_t sequences = 0;
+    uint64_t tokens_stored = 0;
+    uint64_t appends = 0;
+    uint64_t fetches = 0;
+    uint64_t bytes_appended = 0;
+    uint64_t bytes_fetched = 0;
+    uint64_t leases_expired = 0;
+    uint64_t max_sequences = 0;  // 0: none
   };
+  // RESOURCE_EXHAUSTED when `tenant` may not have one more live sequence (its own limit, then
+  // the model's max_sequences).
+  absl::Status AdmitSequence(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Brings the token counters in line with s.Length() (s.counted_length is what they hold).
+  // Called after every change of a live sequence's lengths.
+  void Account(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A reader was handed to `tenant`.
+  void CountFetch(const std::string& tenant, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  TenantStats TenantRow(const std::string& name, const TenantCounters& c) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> ResolveLease(std::optional<absl::Duration> lease) const;
   uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SeqPtr Insert(absl::Duration lease, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -403,6 +459,7 @@ class SequenceStore {
   std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
   uint64_t id_state_ ABSL_GUARDED_BY(mu_);
   uint64_t leases_expired_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live sequences' Length()
 
   std::atomic<uint64_t> appends_{0}, fetches_{0}, bytes_appended_{0}, bytes_fetched_{0};
 };

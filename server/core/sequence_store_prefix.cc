@@ -76,8 +76,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   Configure(*wire, l0, l1, 0, r->refs_.size() * uint64_t{layout_.block_tokens}, r->table_.data(),
             &r->payload_, &r->job_, &r->codec_);
   if (absl::Status st = StageFetch(*r); !st.ok()) return st;
-  fetches_.fetch_add(1, std::memory_order_relaxed);
-  bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
+  CountFetch(tenant, r->payload_.total_bytes);
   return r;
 }
 
@@ -88,6 +87,12 @@ size_t SequenceStore::Pin(const std::string& tenant, const std::vector<BlockHash
 
 void SequenceStore::SetTenantQuota(const std::string& tenant, uint64_t max_blocks) {
   pool_->SetTenantQuota(pool_->InternTenant(tenant), max_blocks);
+}
+
+void SequenceStore::SetTenantLimits(const std::string& tenant, const TenantLimits& limits) {
+  absl::MutexLock lock(&mu_);  // a Create cannot slip between the two limits
+  pool_->SetTenantQuota(pool_->InternTenant(tenant), limits.max_blocks);
+  tenant_counters_[tenant].max_sequences = limits.max_sequences;
 }
 
 size_t SequenceStore::ExpireCache(absl::Time now) {

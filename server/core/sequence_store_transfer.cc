@@ -254,8 +254,12 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   s.append_in_flight = false;
   st.PublishFullBlocks(s);
   st.Retain(s);
+  st.Account(s);
   st.Renew(s);
   done_ = true;
+  SequenceStore::TenantCounters& c = st.tenant_counters_[s.tenant];
+  ++c.appends;
+  c.bytes_appended += written_;
   st.appends_.fetch_add(1, std::memory_order_relaxed);
   st.bytes_appended_.fetch_add(written_, std::memory_order_relaxed);
   return st.Info(s);
@@ -351,6 +355,8 @@ void AppendTxn::Abort() {
   seq_->append_in_flight = false;
   if (seq_->removed) {
     while (!seq_->blocks.empty()) seq_->blocks.pop_back();  // tail first, as in Remove
+  } else {
+    store_->Renew(*seq_);  // the lease did not run while the append was in flight
   }
   replacements_.clear();
   new_blocks_.clear();
@@ -405,9 +411,17 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
   Configure(*wire, l0, l1, r->token_begin_, n, r->table_.data(), &r->payload_, &r->job_,
             &r->codec_);
   if (absl::Status st = StageFetch(*r); !st.ok()) return st;
-  fetches_.fetch_add(1, std::memory_order_relaxed);
-  bytes_fetched_.fetch_add(r->payload_.total_bytes, std::memory_order_relaxed);
+  CountFetch(spec.tenant, r->payload_.total_bytes);
   return r;
+}
+
+void SequenceStore::CountFetch(const std::string& tenant, uint64_t bytes) {
+  fetches_.fetch_add(1, std::memory_order_relaxed);
+  bytes_fetched_.fetch_add(bytes, std::memory_order_relaxed);
+  absl::MutexLock lock(&mu_);
+  TenantCounters& c = tenant_counters_[tenant];
+  ++c.fetches;
+  c.bytes_fetched += bytes;
 }
 
 absl::Status FetchReader::Read(uint64_t offset, absl::Span<uint8_t> out) {

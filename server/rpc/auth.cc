@@ -2,6 +2,7 @@
 
 #include <openssl/sha.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -51,6 +52,11 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
       absl::string_view v = f[i];
       if (v == "admin") {
         p.admin = true;
+      } else if (absl::ConsumePrefix(&v, "max_sequences=")) {
+        if (!absl::SimpleAtoi(v, &p.max_sequences) || p.max_sequences == 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "tokens file line ", line_no, ": max_sequences must be a positive integer"));
+        }
       } else if (absl::ConsumePrefix(&v, "max_blocks_fraction=")) {
         if (!absl::SimpleAtod(v, &p.max_blocks_fraction) || p.max_blocks_fraction < 0 ||
             p.max_blocks_fraction > 1) {
@@ -89,12 +95,28 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase
   return Caller{p->second.tenant, p->second.admin};
 }
 
+uint64_t Authenticator::DefaultMaxSequences(uint64_t model_max_sequences, size_t tenants) {
+  if (tenants < 2) return 0;
+  return std::max<uint64_t>(1, model_max_sequences / tenants);
+}
+
 void Authenticator::ApplyQuotas(SequenceStore& model) const {
+  // One entry per tenant (several tokens may share one): the largest limits its lines set.
+  absl::flat_hash_map<std::string, TenantPolicy> tenants;
   for (const auto& [digest, p] : by_token_digest_) {
+    TenantPolicy& t = tenants[p.tenant];
+    t.max_blocks_fraction = std::max(t.max_blocks_fraction, p.max_blocks_fraction);
+    t.max_sequences = std::max(t.max_sequences, p.max_sequences);
+  }
+  const uint64_t share = DefaultMaxSequences(model.options().max_sequences, tenants.size());
+  for (const auto& [name, p] : tenants) {
+    TenantLimits limits;
     if (p.max_blocks_fraction > 0) {
       const double blocks = p.max_blocks_fraction * double(model.pool().num_blocks());
-      model.SetTenantQuota(p.tenant, std::max<uint64_t>(1, static_cast<uint64_t>(blocks)));
+      limits.max_blocks = std::max<uint64_t>(1, static_cast<uint64_t>(blocks));
     }
+    limits.max_sequences = p.max_sequences > 0 ? p.max_sequences : share;
+    model.SetTenantLimits(name, limits);
   }
 }
 

@@ -22,6 +22,7 @@ struct TenantPolicy {
   std::string tenant;
   bool admin = false;
   double max_blocks_fraction = 0;  // of each model's pool; 0: no quota
+  uint64_t max_sequences = 0;      // live sequences per model; 0: the default share
 };
 
 // Immutable after construction; thread-safe.
@@ -29,16 +30,25 @@ class Authenticator {
  public:
   // Auth off: every call is the admin of tenant "". Only when asked for (--no-auth).
   static Authenticator Disabled();
-  // Tokens file, one entry a line: `<token> <tenant> [admin] [max_blocks_fraction=F]`;
-  // blank lines and lines starting with # are skipped. INVALID_ARGUMENT naming the line.
+  // Tokens file, one entry a line:
+  //   `<token> <tenant> [admin] [max_blocks_fraction=F] [max_sequences=N]`
+  // blank lines and lines starting with # are skipped. INVALID_ARGUMENT naming the line. Several
+  // tokens may name one tenant; its limits are the largest any of its lines sets.
   static absl::StatusOr<Authenticator> FromFile(const std::string& path);
   static absl::StatusOr<Authenticator> FromText(const std::string& text);
 
   bool enabled() const { return enabled_; }
   // UNAUTHENTICATED for a call without a known bearer token.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;
-  // Sets every tenant's block quota on the model.
+  // Sets every tenant's limits on the model (SequenceStore::SetTenantLimits): its block quota
+  // (max_blocks_fraction of the pool, at least 1 block) and its live-sequence limit: the
+  // tenant's max_sequences=N, else, when the file names more than one tenant, the default share
+  // DefaultMaxSequences. Call it once when the model is created.
   void ApplyQuotas(SequenceStore& model) const;
+  // A tenant's live-sequence limit when its line sets none: the model's max_sequences divided
+  // evenly among the `tenants` the file names (at least 1), so that no tenant can take the slots
+  // every other tenant needs; 0 (no limit beyond the model's) for a single tenant.
+  static uint64_t DefaultMaxSequences(uint64_t model_max_sequences, size_t tenants);
 
  private:
   bool enabled_ = false;

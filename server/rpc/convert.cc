@@ -186,6 +186,7 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
   out->set_evictions(st.pool.evictions);
   out->set_prefix_query_tokens(st.prefix_query_tokens);
   out->set_prefix_hit_tokens(st.prefix_hit_tokens);
+  out->set_tenant_view(st.tenant_view);
   for (const TenantStats& t : st.tenants) {
     v1::TenantStats* p = out->add_tenants();
     p->set_tenant(t.tenant);
@@ -193,6 +194,14 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
     p->set_prefix_hit_tokens(t.prefix_hit_tokens);
     p->set_blocks_referenced(t.blocks_referenced);
     p->set_sequences(t.sequences);
+    p->set_tokens_stored(t.tokens_stored);
+    p->set_appends(t.appends);
+    p->set_fetches(t.fetches);
+    p->set_bytes_appended(t.bytes_appended);
+    p->set_bytes_fetched(t.bytes_fetched);
+    p->set_leases_expired(t.leases_expired);
+    p->set_max_blocks(t.max_blocks);
+    p->set_max_sequences(t.max_sequences);
   }
 }
 

@@ -3,12 +3,14 @@
 #include "server/core/kv_events.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
@@ -291,6 +293,12 @@ class Collector : public KvEventListener {
     absl::MutexLock lock(&mu_);
     return errors_;
   }
+  // Whether at least n events were seen within `limit`.
+  bool AwaitSeen(size_t n, absl::Duration limit = absl::Seconds(30)) {
+    absl::MutexLock lock(&mu_);
+    const auto seen = [this, n]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seen_.size() >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&seen), limit);
+  }
 
  private:
   KvEventLog* const log_;
@@ -306,7 +314,9 @@ TEST(KvEventsTest, ListenersReadInsideNotifyAndStopOnUnsubscribe) {
   Collector c(h.events);
   h.events->Subscribe(&c);
   h.Fill("", Tokens(12, 1));
-  EXPECT_EQ(c.notifications(), 3);
+  // Notify runs on the log's notifier thread, and may cover several events at once.
+  ASSERT_TRUE(c.AwaitSeen(3));
+  EXPECT_GE(c.notifications(), 1);
   EXPECT_EQ(c.seen(), (std::vector<uint64_t>{1, 2, 3}));
   // Appends from several threads at once: no deadlock, nothing missed, in order.
   std::vector<std::thread> threads;
@@ -317,15 +327,151 @@ TEST(KvEventsTest, ListenersReadInsideNotifyAndStopOnUnsubscribe) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(h.events->last_sequence(), 23u);
+  ASSERT_TRUE(c.AwaitSeen(23));
   std::vector<uint64_t> want;
   for (uint64_t i = 1; i <= 23; ++i) want.push_back(i);
   EXPECT_EQ(c.seen(), want);
   EXPECT_EQ(c.errors(), 0);
   h.events->Unsubscribe(&c);
   const int before = c.notifications();
+  // A listener subscribed later sees the next event: by then the round that carried it is over.
+  Collector later(h.events);
+  h.events->Subscribe(&later);
   h.Fill("", Tokens(4, 77777));
+  ASSERT_TRUE(later.AwaitSeen(24));
   EXPECT_EQ(c.notifications(), before);
   EXPECT_EQ(h.events->last_sequence(), 24u);
+  h.events->Unsubscribe(&later);
+}
+
+// A listener whose Notify blocks until the gate opens (no listener should, but a slow one must
+// not hold up the appending thread). Counts its calls, and any call after Unsubscribe returned.
+struct Gate {
+  absl::Mutex mu;
+  bool open ABSL_GUARDED_BY(mu) = false;
+  void Set(bool o) {
+    absl::MutexLock lock(&mu);
+    open = o;
+  }
+  void Pass() {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&open));
+  }
+};
+
+class SlowListener : public KvEventListener {
+ public:
+  explicit SlowListener(Gate* gate) : gate_(gate) {}
+  void Notify() override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++calls_;
+      if (unsubscribed_) ++late_calls_;
+      in_notify_ = true;
+    }
+    gate_->Pass();
+    absl::MutexLock lock(&mu_);
+    in_notify_ = false;
+  }
+  int calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  int late_calls() {
+    absl::MutexLock lock(&mu_);
+    return late_calls_;
+  }
+  bool in_notify() {
+    absl::MutexLock lock(&mu_);
+    return in_notify_;
+  }
+  void MarkUnsubscribed() {
+    absl::MutexLock lock(&mu_);
+    unsubscribed_ = true;
+  }
+
+ private:
+  Gate* const gate_;
+  absl::Mutex mu_;
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int late_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  bool in_notify_ ABSL_GUARDED_BY(mu_) = false;
+  bool unsubscribed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Runs fn on a thread; true when it returned within `limit`. The thread is joined either way
+// (`unblock` runs first when it did not return, so a failing check cannot hang the test).
+bool ReturnsWithin(absl::Duration limit, const std::function<void()>& fn,
+                   const std::function<void()>& unblock) {
+  absl::Notification done;
+  std::thread t([&] {
+    fn();
+    done.Notify();
+  });
+  const bool in_time = done.WaitForNotificationWithTimeout(limit);
+  if (!in_time) unblock();
+  t.join();
+  return in_time;
+}
+
+TEST(KvEventsTest, PublishingDoesNotWaitForListeners) {
+  Harness h(256);
+  Gate gate;
+  constexpr int kListeners = 200;
+  std::vector<std::unique_ptr<SlowListener>> listeners;
+  for (int i = 0; i < kListeners; ++i) {
+    listeners.push_back(std::make_unique<SlowListener>(&gate));
+    h.events->Subscribe(listeners.back().get());
+  }
+  // Each Notify blocks until the gate opens; the append that publishes 3 blocks must not.
+  EXPECT_TRUE(ReturnsWithin(
+      absl::Seconds(5), [&] { h.Fill("", Tokens(12, 1)); }, [&] { gate.Set(true); }))
+      << "the publishing append waited for the listeners";
+  EXPECT_EQ(h.events->last_sequence(), 3u);
+  gate.Set(true);
+  for (auto& l : listeners) {
+    const auto called = [&l] { return l->calls() >= 1; };
+    const absl::Time end = absl::Now() + absl::Seconds(30);
+    while (!called() && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+    ASSERT_TRUE(called()) << "a listener was never notified";
+  }
+
+  // Unsubscribe while the notifier is blocked inside one listener's Notify: the others return at
+  // once; that one returns only after its Notify has finished.
+  gate.Set(false);
+  ASSERT_TRUE(ReturnsWithin(
+      absl::Seconds(5), [&] { h.Fill("", Tokens(4, 500)); }, [&] { gate.Set(true); }));
+  SlowListener* busy = nullptr;
+  for (const absl::Time end = absl::Now() + absl::Seconds(30); busy == nullptr;) {
+    for (auto& l : listeners) {
+      if (l->in_notify()) busy = l.get();
+    }
+    ASSERT_LT(absl::Now(), end) << "no listener was notified of the second append";
+    if (busy == nullptr) absl::SleepFor(absl::Milliseconds(1));
+  }
+  for (auto& l : listeners) {
+    if (l.get() == busy) continue;
+    h.events->Unsubscribe(l.get());
+    l->MarkUnsubscribed();
+  }
+  bool busy_was_running = true;
+  std::thread unsubscriber([&] {
+    h.events->Unsubscribe(busy);
+    busy_was_running = busy->in_notify();
+    busy->MarkUnsubscribed();
+  });
+  gate.Set(true);
+  unsubscriber.join();
+  EXPECT_FALSE(busy_was_running) << "Unsubscribe returned while the listener's Notify ran";
+
+  // Nothing is notified after Unsubscribe: a listener subscribed now sees the next event, and by
+  // then the round that carried it is over.
+  Collector later(h.events);
+  h.events->Subscribe(&later);
+  h.Fill("", Tokens(4, 900));
+  ASSERT_TRUE(later.AwaitSeen(5));
+  for (auto& l : listeners) EXPECT_EQ(l->late_calls(), 0);
+  h.events->Unsubscribe(&later);
 }
 
 TEST(KvEventsTest, RegistryWiresTheModelsLog) {

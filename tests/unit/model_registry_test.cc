@@ -1,5 +1,5 @@
 // ModelRegistry: idempotent Ensure, conflicts naming the differing field, the pool budget,
-// unbuilt quantized storage, lookups and lease expiry across models.
+// unbuilt quantized storage, lookups, lease expiry across models, and dropping models.
 #include "server/core/model_registry.h"
 
 #include <cstdint>
@@ -161,6 +161,59 @@ TEST(ModelRegistryTest, GetListAndExpire) {
   EXPECT_EQ(reg.ExpireLeases(now + absl::Seconds(4)), 0u);
   EXPECT_EQ(reg.ExpireLeases(now + absl::Seconds(5)), 3u);
   for (const auto& m : list) EXPECT_EQ(m->Stats().sequences, 1u);
+}
+
+// Drop: the name goes at once; the memory (and its share of the budget) when the last holder of
+// the store lets go.
+TEST(ModelRegistryTest, DropReleasesTheBudgetWhenTheLastHolderLetsGo) {
+  ModelRegistry reg(2 * kMiB);
+  ASSERT_TRUE(reg.Ensure(Config("a", 2 * kMiB)).ok());
+  const uint64_t a_bytes = reg.pool_bytes_used();
+  ASSERT_GT(a_bytes, kMiB);
+  EXPECT_EQ(reg.Ensure(Config("b", 2 * kMiB)).status().code(), StatusCode::kResourceExhausted);
+
+  // A call in flight holds the store (and a sequence in it) across the drop.
+  auto held = reg.Get("a");
+  ASSERT_TRUE(held.ok());
+  auto seq = (*held)->Create(absl::ZeroDuration());
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  ASSERT_TRUE(reg.Drop("a").ok());
+  EXPECT_EQ(reg.Get("a").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(reg.List().empty());
+  EXPECT_EQ(reg.ExpireLeases(absl::InfiniteFuture()), 0u);
+  const absl::Status again = reg.Drop("a");
+  EXPECT_EQ(again.code(), StatusCode::kNotFound) << again;
+  EXPECT_NE(again.message().find("'a'"), std::string::npos) << again;
+  // Still in use: its bytes are still taken, so a model that needs them must wait.
+  EXPECT_EQ(reg.pool_bytes_used(), a_bytes);
+  EXPECT_TRUE((*held)->Get(seq->id).ok()) << "the holder's store changed under it";
+  EXPECT_EQ(reg.Ensure(Config("b", 2 * kMiB)).status().code(), StatusCode::kResourceExhausted);
+
+  held->reset();
+  EXPECT_EQ(reg.pool_bytes_used(), 0u);
+  auto b = reg.Ensure(Config("b", 2 * kMiB));
+  ASSERT_TRUE(b.ok()) << b.status();
+  // The name can be registered again: a new, empty model.
+  ASSERT_TRUE(reg.Drop("b").ok());
+  b->model.reset();  // the last holder
+  auto a2 = reg.Ensure(Config("a", kMiB));
+  ASSERT_TRUE(a2.ok()) << a2.status();
+  EXPECT_TRUE(a2->created);
+  EXPECT_EQ(a2->model->Stats().sequences, 0u);
+  EXPECT_EQ(reg.Drop("unknown").code(), StatusCode::kNotFound);
+}
+
+// A store may outlive its registry; releasing it then must not touch the registry.
+TEST(ModelRegistryTest, StoreOutlivesTheRegistry) {
+  std::shared_ptr<SequenceStore> held;
+  {
+    ModelRegistry reg(2 * kMiB);
+    auto m = reg.Ensure(Config("a"));
+    ASSERT_TRUE(m.ok()) << m.status();
+    held = m->model;
+  }
+  EXPECT_TRUE(held->Create(absl::ZeroDuration()).ok());
+  held.reset();
 }
 
 }  // namespace
