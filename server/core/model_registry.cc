@@ -94,16 +94,6 @@ absl::StatusOr<std::shared_ptr<SequenceStore>> ModelRegistry::Get(const std::str
   return it->second;
 }
 
-absl::Status ModelRegistry::Drop(const std::string& name) {
-  absl::MutexLock lock(&mu_);
-  auto it = models_.find(name);
-  if (it == models_.end())
-    return absl::NotFoundError(absl::StrCat("model ", Quote(name), " not found"));
-  pool_bytes_used_ -= it->second->pool().pool_bytes();
-  models_.erase(it);
-  return absl::OkStatus();
-}
-
 std::vector<std::shared_ptr<SequenceStore>> ModelRegistry::List() const {
   std::vector<std::shared_ptr<SequenceStore>> out;
   {
@@ -131,7 +121,9 @@ absl::Status ModelRegistry::Drop(const std::string& name) {
   std::shared_ptr<SequenceStore> dropped;  // released after mu_: freeing a pool takes a while
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
-  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("model '", name, "' not found"));
+  if (it == models_.end()) {
+    return absl::NotFoundError(absl::StrCat("model ", Quote(name), " not found"));
+  }
   dropped = std::move(it->second);
   models_.erase(it);
   return absl::OkStatus();

@@ -47,8 +47,6 @@ class ModelRegistry {
   absl::StatusOr<EnsureResult> Ensure(ModelConfig config);
   // NOT_FOUND naming the model when there is none.
   absl::StatusOr<std::shared_ptr<SequenceStore>> Get(const std::string& name) const;
-  // Unregisters a model: Get and List no longer see it. NOT_FOUND for an unknown name.
-  absl::Status Drop(const std::string& name);
   std::vector<std::shared_ptr<SequenceStore>> List() const;  // sorted by name
   // Removes the model: Get and List no longer find it from now on, and Ensure may register the
   // name again (a new, empty model). Its sequences and cached blocks go with its store; the

@@ -40,6 +40,11 @@ absl::Status ParseRequest(const grpc::ByteBuffer* raw, Request* req) {
       absl::StrCat("request is not a ", Request::descriptor()->full_name()));
 }
 
+// The server is draining: a Watch ends; the client resumes from its last sequence elsewhere.
+absl::Status DrainStatus() {
+  return absl::UnavailableError("kvbankd is draining (shutting down): watch again elsewhere");
+}
+
 absl::Status CheckAdmin(const Caller& caller, const char* what) {
   if (caller.admin) return absl::OkStatus();
   return absl::PermissionDeniedError(
@@ -140,7 +145,13 @@ grpc::ServerUnaryReactor* KvBankService::DropModel(Ctx* ctx, const Raw* raw, Raw
              v1::DropModelResponse*) -> absl::Status {
         if (absl::Status s = CheckAdmin(caller, "dropping a model"); !s.ok()) return s;
         if (req.name().empty()) return absl::InvalidArgumentError("name is empty");
-        return registry_->Drop(req.name());
+        auto model = registry_->Get(req.name());
+        if (!model.ok()) return model.status();
+        if (absl::Status s = registry_->Drop(req.name()); !s.ok()) return s;
+        // Watch streams hold the model (and its pool) too: they end now.
+        EndWatches(model->get(),
+                   absl::NotFoundError(absl::StrCat("model ", Quote(req.name()), " was dropped")));
+        return absl::OkStatus();
       });
 }
 
@@ -167,14 +178,8 @@ grpc::ServerUnaryReactor* KvBankService::GetStats(Ctx* ctx, const Raw* raw, Raw*
           models.push_back(*m);
         }
         for (const auto& m : models) {
-          StoreStats st = m->Stats();
-          if (!caller.admin) {  // a tenant sees its own row only
-            std::vector<TenantStats> own;
-            for (TenantStats& t : st.tenants) {
-              if (t.tenant == caller.tenant) own.push_back(std::move(t));
-            }
-            st.tenants = std::move(own);
-          }
+          // A tenant sees its own figures only; an admin sees the model's and every tenant's.
+          const StoreStats st = m->Stats(caller.admin ? nullptr : &caller.tenant);
           ToProto(*m, st, resp->add_models());
         }
         return absl::OkStatus();
@@ -669,12 +674,12 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
     Pump();
   }
 
-  // The server is draining: the stream ends; the client resumes from its last sequence elsewhere.
-  void EndForDrain() {
+  // Ends the stream (the server drains, the model was dropped); no-op once it ended.
+  void End(const absl::Status& why) {
     absl::MutexLock lock(&mu_);
-    FinishLocked(ToGrpcStatus(
-        absl::UnavailableError("kvbankd is draining (shutting down): watch again elsewhere")));
+    FinishLocked(ToGrpcStatus(why));
   }
+  const SequenceStore* model() const { return model_.get(); }
 
   void Notify() override { Pump(); }
 
@@ -698,7 +703,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
 
   void OnDone() override {
     model_->events()->Unsubscribe(this);  // after this, no Notify runs
-    service_->RemoveWatch(this);          // nor EndForDrain
+    service_->RemoveWatch(this);          // nor End from the service
     stream_->Done();
     delete this;
   }
@@ -776,7 +781,14 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Watch(Ctx* ctx, const
 void KvBankService::AddWatch(WatchReactor* w) {
   absl::MutexLock lock(&watches_mu_);
   watches_.insert(w);
-  if (draining_.load(std::memory_order_relaxed)) w->EndForDrain();  // admitted just before
+  if (draining_.load(std::memory_order_relaxed)) w->End(DrainStatus());  // admitted just before
+}
+
+void KvBankService::EndWatches(const SequenceStore* model, const absl::Status& why) {
+  absl::MutexLock lock(&watches_mu_);
+  for (WatchReactor* w : watches_) {
+    if (w->model() == model) w->End(why);
+  }
 }
 
 void KvBankService::RemoveWatch(WatchReactor* w) {
@@ -787,7 +799,7 @@ void KvBankService::RemoveWatch(WatchReactor* w) {
 void KvBankService::BeginDrain() {
   absl::MutexLock lock(&watches_mu_);
   draining_.store(true, std::memory_order_release);
-  for (WatchReactor* w : watches_) w->EndForDrain();
+  for (WatchReactor* w : watches_) w->End(DrainStatus());
 }
 
 grpc::ServerUnaryReactor* KvBankService::Attend(Ctx* ctx, const Raw* raw, Raw* out) {

@@ -122,6 +122,8 @@ class KvBankService final : public internal::RawKvBankService {
   class UnaryCall;
   void AddWatch(WatchReactor* w);
   void RemoveWatch(WatchReactor* w);
+  // Ends every Watch stream on `model` with `why`.
+  void EndWatches(const SequenceStore* model, const absl::Status& why);
 
   const std::shared_ptr<ModelRegistry> registry_;
   const ServiceOptions options_;

@@ -267,19 +267,22 @@ TEST_F(TenantTest, AnotherTenantsStateIsUnreachableAndInvisible) {
 // Pools are prefaulted memory out of a server-wide budget and model names are global: only an
 // admin adds or drops a model. Any tenant may ensure one that is there with the same layout.
 TEST_F(TenantTest, RegisteringAndDroppingModelsIsForAdmins) {
-  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--auth-tokens-file=" + tokens_file_}));
+  const ModelLayout layout = SmallLayout("m");
+  const uint64_t pool = 64 * BlockBytes(layout);
+  // The server's budget holds exactly one such pool: registering anew needs the dropped one back.
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--auth-tokens-file=" + tokens_file_,
+                                       "--max-pool-bytes=" + std::to_string(pool)}));
   std::unique_ptr<Client> a = As("token-of-a");
   std::unique_ptr<Client> admin = As("token-of-ops");
-  const ModelLayout layout = SmallLayout("m");
-  auto squat = a->EnsureModel(layout, 64 * BlockBytes(layout));
+  auto squat = a->EnsureModel(layout, pool);
   EXPECT_EQ(squat.status().code(), absl::StatusCode::kPermissionDenied) << squat.status();
   EXPECT_TRUE(absl::StrContains(squat.status().message(), "admin")) << squat.status();
   auto listed = admin->ListModels();
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_TRUE(listed->empty()) << "a refused registration registers nothing";
 
-  ASSERT_TRUE(admin->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
-  auto same = a->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(admin->EnsureModel(layout, pool).ok());
+  auto same = a->EnsureModel(layout, pool);
   ASSERT_TRUE(same.ok()) << same.status();
   EXPECT_FALSE(same->created);
   ModelLayout other = layout;
@@ -290,15 +293,31 @@ TEST_F(TenantTest, RegisteringAndDroppingModelsIsForAdmins) {
   ASSERT_TRUE(seq.ok()) << seq.status();
   EXPECT_EQ(a->DropModel("m").code(), absl::StatusCode::kPermissionDenied);
   ASSERT_TRUE(a->GetSequence("m", seq->id).ok()) << "a refused drop changes nothing";
-  ASSERT_TRUE(admin->DropModel("m").ok());
+
+  // A watch on the model holds it (and its pool): the drop ends the watch.
+  std::atomic<bool> live{false};
+  Watched watched;
+  std::thread watch([&] {
+    watched = WatchUntil(
+        *admin, "m", 0, /*from_now=*/true, [](const Watched&) { return false; }, absl::Seconds(30),
+        &live);
+  });
+  ASSERT_TRUE(WaitUntil([&] { return live.load(); })) << "the watch never started";
+  const absl::Status dropped = admin->DropModel("m");
+  watch.join();
+  ASSERT_TRUE(dropped.ok()) << dropped;
+  EXPECT_EQ(watched.status.code(), absl::StatusCode::kNotFound) << watched.status;
   EXPECT_EQ(a->GetSequence("m", seq->id).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(admin->DropModel("m").code(), absl::StatusCode::kNotFound);
   listed = admin->ListModels();
   ASSERT_TRUE(listed.ok()) << listed.status();
   EXPECT_TRUE(listed->empty());
-  // The dropped pool's budget is free again: the model registers anew.
-  auto again = admin->EnsureModel(layout, 64 * BlockBytes(layout));
-  ASSERT_TRUE(again.ok()) << again.status();
+  // The dropped pool's budget comes back once nothing holds the model.
+  absl::StatusOr<Client::ModelInfo> again = absl::UnknownError("not tried");
+  ASSERT_TRUE(WaitUntil([&] {
+    again = admin->EnsureModel(layout, pool);
+    return again.ok();
+  })) << again.status();
   EXPECT_TRUE(again->created);
 }
 
@@ -336,9 +355,10 @@ TEST_F(TenantTest, BlockQuotaBindsOnlyItsTenant) {
   KvReference ref_a(layout);
   auto big = AppendKv(*a, "m", seq_a->id, ref_a, rng, 40 * kBt);
   ASSERT_TRUE(big.ok()) << big.status();
-  const Client::ModelStats st = StatsOf(*a, "m");
+  const Client::ModelStats st = StatsOf(*As("token-of-ops"), "m");  // the admin's view: all
   EXPECT_EQ(st.blocks_used, 56u);
   ExpectAccounting(st);
+  EXPECT_EQ(StatsOf(*a, "m").blocks_used, 40u) << "a tenant sees its own blocks only";
 
   // Freeing gives q its room back.
   ASSERT_TRUE(q->Free("m", seq_q->id).ok());
