@@ -14,12 +14,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -31,8 +30,10 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/core/pool_memory.h"
+#include "server/flags.h"
 #include "server/rpc/drain.h"
 #include "server/rpc/service.h"
+#include "server/rpc/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
 ABSL_FLAG(std::string, port_file, "", "write the port actually bound to this file once serving");
@@ -67,11 +68,17 @@ ABSL_FLAG(int64_t, drain_timeout_ms, 10000,
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer tokens: one '<token> <tenant> [admin] [max_blocks_fraction=F]' a line");
 ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
-ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash (default on)");
+ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash");
 ABSL_FLAG(int64_t, prefix_cache_ttl_ms, 0, "drop cached blocks older than this (0: never)");
 ABSL_FLAG(std::string, hash_algorithm, "sha256",
           "prefix hash: sha256 | xxh3_128 (not safe "
           "against hostile tenants)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "serve TLS with this certificate chain (PEM); needs --tls-key. Without it bearer tokens "
+          "travel in clear text");
+ABSL_FLAG(std::string, tls_key, "", "private key (PEM) of --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "with --tls-cert: require client certificates signed by these CAs (PEM): mutual TLS");
 
 namespace kvbank {
 namespace {
@@ -111,20 +118,6 @@ int Fail(const std::string& what) {
   return 2;
 }
 
-// Accepts --pool-bytes as well as --pool_bytes: dashes in a flag's name become underscores.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
-  storage->assign(argv, argv + argc);
-  std::vector<char*> out;
-  for (std::string& a : *storage) {
-    if (absl::StartsWith(a, "--")) {
-      const size_t end = std::min(a.find('='), a.size());
-      for (size_t i = 2; i < end; ++i) a[i] = a[i] == '-' ? '_' : a[i];
-    }
-    out.push_back(a.data());
-  }
-  return out;
-}
-
 // The models registered at start: the --models presets, then the --config file's.
 absl::StatusOr<std::vector<v1::ModelSpec>> StartupModels() {
   std::vector<v1::ModelSpec> specs;
@@ -155,10 +148,11 @@ int Main(int argc, char** argv) {
   // every message cost more than the copy itself).
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  absl::SetProgramUsageMessage("kvbankd: KV-cache storage service. See --help.");
-  std::vector<std::string> storage;
-  std::vector<char*> args = NormalizeFlagNames(argc, argv, &storage);
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (std::optional<int> exit = ParseServerFlags(
+          argc, argv, "usage: kvbankd [--flag=value ...]\n\nkvbankd: the kvbank KV-cache service.");
+      exit.has_value()) {
+    return *exit;
+  }
 
   rpc::ServiceOptions options;
   auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
@@ -263,7 +257,11 @@ int Main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  auto credentials =
+      rpc::ServerCredentialsFromFlags({absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                                       absl::GetFlag(FLAGS_tls_client_ca)});
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&service);
   auto counter = std::make_unique<rpc::CallCounter>();
   const rpc::CallCounter& calls = *counter;
