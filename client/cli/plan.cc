@@ -469,11 +469,10 @@ int Sweep(const PlanArgs& a) {
 
 }  // namespace
 
-const char* PlanUsage() { return kUsage; }
-
 int PlanMain(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0 ||
+        std::strcmp(argv[i], "--helpfull") == 0) {
       return PlanHelp(stdout);
     }
   }
