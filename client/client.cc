@@ -1,7 +1,10 @@
 #include "kvbank/client.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -25,6 +28,44 @@ constexpr int kMaxMessageBytes = 4 << 20;
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// `pem` when set, else the contents of `path` ("" when both are empty). `what` names the option in
+// errors; a file must hold at least one PEM block.
+absl::StatusOr<std::string> PemFrom(const char* what, const std::string& pem,
+                                    const std::string& path) {
+  if (!pem.empty() || path.empty()) return pem;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS ", what, ": cannot read ", path, ": ", std::strerror(errno)));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("TLS ", what, ": ", path, " is not PEM"));
+  }
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
+    const ClientTlsOptions& tls, grpc::ChannelArguments* args) {
+  grpc::SslCredentialsOptions ssl;
+  auto root = PemFrom("root CA", tls.root_ca_pem, tls.root_ca_path);
+  auto cert = PemFrom("client certificate", tls.cert_chain_pem, tls.cert_chain_path);
+  auto key = PemFrom("client key", tls.private_key_pem, tls.private_key_path);
+  for (const auto* s : {&root, &cert, &key}) {
+    if (!s->ok()) return s->status();
+  }
+  if (cert->empty() != key->empty()) {
+    return absl::InvalidArgumentError(
+        "TLS: a client certificate needs its private key and a key its certificate");
+  }
+  ssl.pem_root_certs = *root;
+  ssl.pem_cert_chain = *cert;
+  ssl.pem_private_key = *key;
+  if (!tls.server_name_override.empty()) args->SetSslTargetNameOverride(tls.server_name_override);
+  return grpc::SslCredentials(ssl);
 }
 
 Client::SequenceInfo FromProto(const v1::SequenceInfo& p) {
@@ -125,7 +166,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   // Each Client keeps its own connection (prefill and decode workers in one process don't share).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  impl->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.tls.has_value()) {
+    auto tls = TlsCredentials(*options.tls, &args);
+    if (!tls.ok()) return tls.status();
+    credentials = *std::move(tls);
+  }
+  impl->channel = grpc::CreateCustomChannel(target, credentials, args);
   impl->stub = v1::KvBank::NewStub(impl->channel);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -667,15 +714,17 @@ absl::StatusOr<std::vector<Client::AttendOutput>> Client::Attend(
   return Attend(model, queries, AttendArgs());
 }
 
-bool Client::WaitForServing(absl::Duration deadline) {
+absl::Status Client::CheckServing(absl::Duration deadline) {
   const absl::Time until = absl::Now() + deadline;
   grpc::GenericStub generic(impl_->channel);
-  while (absl::Now() < until) {
+  absl::Status last = absl::DeadlineExceededError("no answer");
+  for (;;) {
     // grpc.health.v1.Health/Check with an empty HealthCheckRequest (service ""). The reply is
-    // HealthCheckResponse; field 1 (status) = 1 is SERVING, encoded as bytes 0x08 0x01.
+    // HealthCheckResponse; field 1 (status) = 1 is SERVING, encoded as bytes 0x08 0x01. Not
+    // wait_for_ready: a failed connection answers at once with its reason (refused, TLS
+    // handshake), which is what the caller is told when the deadline passes.
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(std::min(until, absl::Now() + absl::Seconds(1))));
-    ctx.set_wait_for_ready(true);
     grpc::ByteBuffer request, response;
     grpc::Slice empty;
     request = grpc::ByteBuffer(&empty, 1);
@@ -694,11 +743,29 @@ bool Client::WaitForServing(absl::Duration deadline) {
         for (const auto& s : slices)
           bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
       }
-      if (bytes == std::string("\x08\x01", 2)) return true;
+      if (bytes == std::string("\x08\x01", 2)) return absl::OkStatus();
+      last = absl::UnavailableError("the server answers but is not SERVING (it is draining)");
+    } else if (status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
+               absl::IsDeadlineExceeded(last)) {
+      // A try cut short by the deadline says less than an earlier refusal with its reason.
+      last = FromGrpc(status);
     }
-    absl::SleepFor(absl::Milliseconds(50));
+    const absl::Time now = absl::Now();
+    if (now >= until) break;
+    // Between connection attempts the channel waits (gRPC's reconnect backoff); wake up when it
+    // tries again rather than spinning on calls that fail at once.
+    const grpc_connectivity_state state = impl_->channel->GetState(/*try_to_connect=*/true);
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_CONNECTING) {
+      impl_->channel->WaitForStateChange(
+          state, absl::ToChronoTime(std::min(until, now + absl::Milliseconds(200))));
+    } else {
+      absl::SleepFor(std::min(until - now, absl::Milliseconds(50)));
+    }
   }
-  return false;
+  return absl::Status(last.code(),
+                      absl::StrCat(last.message(), " (for ", absl::FormatDuration(deadline), ")"));
 }
+
+bool Client::WaitForServing(absl::Duration deadline) { return CheckServing(deadline).ok(); }
 
 }  // namespace kvbank

@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev libssl-dev libxxhash-dev nlohmann-json3-dev python3-xxhash
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  clang-format python3 python3-grpcio python3-grpc-tools python3-matplotlib
+  clang-format python3 python3-grpcio python3-grpc-tools python3-matplotlib openssl
 )
 missing=()
 for p in "${packages[@]}"; do

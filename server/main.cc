@@ -14,13 +14,13 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -32,9 +32,11 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
 #include "server/core/pool_memory.h"
+#include "server/flags.h"
 #include "server/rpc/drain.h"
 #include "server/rpc/listener.h"
 #include "server/rpc/service.h"
+#include "server/rpc/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
 ABSL_FLAG(std::string, port_file, "", "write the port actually bound to this file once serving");
@@ -69,7 +71,7 @@ ABSL_FLAG(int64_t, drain_timeout_ms, 10000,
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer tokens: one '<token> <tenant> [admin] [max_blocks_fraction=F]' a line");
 ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
-ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash (default on)");
+ABSL_FLAG(bool, enable_prefix_caching, true, "share full blocks by prefix hash");
 ABSL_FLAG(int64_t, prefix_cache_ttl_ms, 0, "drop cached blocks older than this (0: never)");
 ABSL_FLAG(uint64_t, max_connections, 0,
           "most connections open at once; more are closed at once (0: the descriptor limit less "
@@ -86,6 +88,12 @@ ABSL_FLAG(std::string, grpc_memory_bytes, "512MiB",
 ABSL_FLAG(std::string, hash_algorithm, "sha256",
           "prefix hash: sha256 | xxh3_128 (not safe "
           "against hostile tenants)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "serve TLS with this certificate chain (PEM); needs --tls-key. Without it bearer tokens "
+          "travel in clear text");
+ABSL_FLAG(std::string, tls_key, "", "private key (PEM) of --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "with --tls-cert: require client certificates signed by these CAs (PEM): mutual TLS");
 
 namespace kvbank {
 namespace {
@@ -120,23 +128,15 @@ uint64_t PhysicalMemory() {
   return uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGESIZE));
 }
 
+// Whether a --listen address only takes connections from this host.
+bool IsLoopback(const std::string& address) {
+  const std::string host = address.substr(0, address.rfind(':'));
+  return absl::StartsWith(host, "127.") || host == "localhost" || host == "[::1]";
+}
+
 int Fail(const std::string& what) {
   std::cerr << "kvbankd: " << what << "\n";
   return 2;
-}
-
-// Accepts --pool-bytes as well as --pool_bytes: dashes in a flag's name become underscores.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
-  storage->assign(argv, argv + argc);
-  std::vector<char*> out;
-  for (std::string& a : *storage) {
-    if (absl::StartsWith(a, "--")) {
-      const size_t end = std::min(a.find('='), a.size());
-      for (size_t i = 2; i < end; ++i) a[i] = a[i] == '-' ? '_' : a[i];
-    }
-    out.push_back(a.data());
-  }
-  return out;
 }
 
 // The models registered at start: the --models presets, then the --config file's.
@@ -169,10 +169,22 @@ int Main(int argc, char** argv) {
   // every message cost more than the copy itself).
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  absl::SetProgramUsageMessage("kvbankd: KV-cache storage service. See --help.");
-  std::vector<std::string> storage;
-  std::vector<char*> args = NormalizeFlagNames(argc, argv, &storage);
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (std::optional<int> exit = ParseServerFlags(
+          argc, argv, "usage: kvbankd [--flag=value ...]\n\nkvbankd: the kvbank KV-cache service.");
+      exit.has_value()) {
+    return *exit;
+  }
+  // TLS files are checked before anything is allocated.
+  const rpc::TlsFiles tls{absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                          absl::GetFlag(FLAGS_tls_client_ca)};
+  auto credentials = rpc::ServerCredentialsFromFlags(tls);
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
+  if (tls.cert_path.empty() && !IsLoopback(absl::GetFlag(FLAGS_listen))) {
+    std::cerr << "kvbankd: warning: serving " << absl::GetFlag(FLAGS_listen)
+              << " without TLS: bearer tokens and KV cross the network in clear text "
+                 "(--tls-cert, --tls-key)"
+              << std::endl;
+  }
 
   rpc::ServiceOptions options;
   auto device = ResolveDevice(absl::GetFlag(FLAGS_device));
@@ -300,14 +312,13 @@ int Main(int argc, char** argv) {
                              listener.status().message()));
   }
   const int port = (*listener)->port();
-  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
 
   rpc::KvBankService service(registry, options, auth);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   auto acceptor = builder.experimental().AddExternalConnectionAcceptor(
-      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, *credentials);
   builder.RegisterService(&service);
   auto counter = std::make_unique<rpc::CallCounter>();
   const rpc::CallCounter& calls = *counter;

@@ -1,51 +1,190 @@
 // kvbank: command-line client.
 //
-//   kvbank [--server HOST:PORT] stats [MODEL]
+//   kvbank [--server HOST:PORT] [--timeout S] [--tls-ca PEM ...] stats [MODEL]
 //   kvbank [--server HOST:PORT] models
+//   kvbank [--server HOST:PORT] events MODEL [--count N] [--after SEQ]
 //   kvbank [--server HOST:PORT] demo [--model NAME] [--preset PRESET] [--tokens N] [--rounds R]
 //   kvbank plan ...   (offline capacity planner, no server; see plan.cc or `kvbank plan --help`)
+//   kvbank help [COMMAND]   (or --help anywhere)
 //
 // `demo` plays a prefill worker and a decode worker on two separate connections: the prefill side
 // creates a sequence and streams its KV layer by layer; the decode side fetches it back, checks
 // it bit for bit, forks and truncates it, and frees both. It reports GB/s for both directions.
+//
+// Exit status: 0 done, 1 the server refused or is not there, 2 bad usage.
 #include <malloc.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
-#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/cli/plan.h"
+#include "common/command_line.h"
 #include "kvbank/client.h"
 
 namespace kvbank {
 namespace {
 
-// --token, else $KVBANK_TOKEN: the bearer token for a server with --auth-tokens-file.
-ClientOptions OptionsFrom(std::map<std::string, std::string>& opts) {
-  ClientOptions o;
-  if (opts.count("token")) {
-    o.bearer_token = opts["token"];
-  } else if (const char* t = std::getenv("KVBANK_TOKEN")) {
-    o.bearer_token = t;
-  }
-  return o;
+using cmdline::FlagSpec;
+using cmdline::ParsedArgs;
+
+// Flags every command that talks to a server takes, before or after the command's name.
+const std::vector<FlagSpec>& ConnectionFlags() {
+  static const std::vector<FlagSpec> kFlags = {
+      {"server", "HOST:PORT", "the kvbankd to talk to (a gRPC target)", "127.0.0.1:50051"},
+      {"token", "T", "bearer token for a server with --auth-tokens-file", "$KVBANK_TOKEN"},
+      {"timeout", "SECONDS", "how long to wait for the server to answer at all", "3"},
+      {"tls", "", "use TLS with the system's root CAs (implied by the --tls-* flags)", ""},
+      {"tls-ca", "PATH", "PEM CA certificates that sign the server's certificate", ""},
+      {"tls-cert", "PATH", "PEM client certificate, for a server with --tls-client-ca", ""},
+      {"tls-key", "PATH", "PEM private key of --tls-cert", ""},
+      {"tls-server-name", "NAME", "check the server's certificate for this name, not the host's",
+       ""},
+  };
+  return kFlags;
 }
 
-int Usage() {
-  std::cerr << "usage: kvbank [--server HOST:PORT] [--token T] <stats [MODEL] | models |"
-               " events MODEL [--count N] [--after SEQ] | demo [--model NAME] [--preset PRESET]"
-               " [--tokens N] [--rounds R]>\n"
-               "       kvbank "
-            << PlanUsage() << "\n";
+struct Command {
+  const char* name;
+  const char* args;  // positional arguments, for the usage line
+  const char* summary;
+  std::vector<FlagSpec> flags;  // besides ConnectionFlags()
+  size_t min_args, max_args;
+};
+
+const std::vector<Command>& Commands() {
+  static const std::vector<Command> kCommands = {
+      {"stats", "[MODEL]", "blocks, sequences, tokens and traffic of one model or all", {}, 0, 1},
+      {"models", "", "the registered models and their layouts", {}, 0, 0},
+      {"events",
+       "MODEL",
+       "print the model's KV events (blocks stored, removed) as they come",
+       {{"count", "N", "stop after N events (0: never)", "0"},
+        {"after", "SEQ", "replay the events after sequence number SEQ first", "only new events"}},
+       1,
+       1},
+      {"demo",
+       "",
+       "a prefill and a decode worker on two connections: bit-exact? GB/s?",
+       {{"model", "NAME", "the model to use (registered from --preset if absent)", "llama-3.1-8b"},
+        {"preset", "PRESET", absl::StrCat("its layout: ", absl::StrJoin(PresetNames(), ", ")),
+         "the model's name"},
+        {"tokens", "N", "tokens per sequence", "1000"},
+        {"rounds", "R", "append + fetch rounds", "3"}},
+       0,
+       0},
+  };
+  return kCommands;
+}
+
+const Command* FindCommand(const std::string& name) {
+  for (const Command& c : Commands()) {
+    if (name == c.name) return &c;
+  }
+  return nullptr;
+}
+
+std::vector<FlagSpec> FlagsOf(const Command& c) {
+  std::vector<FlagSpec> flags = c.flags;
+  flags.insert(flags.end(), ConnectionFlags().begin(), ConnectionFlags().end());
+  return flags;
+}
+
+std::string CommandNames() {
+  std::vector<std::string> names;
+  for (const Command& c : Commands()) names.push_back(c.name);
+  names.push_back("plan");
+  names.push_back("help");
+  return absl::StrJoin(names, ", ");
+}
+
+void ProgramHelp() {
+  std::printf("usage: kvbank [CONNECTION FLAGS] COMMAND [ARGS] [FLAGS]\n\nCommands:\n");
+  for (const Command& c : Commands()) {
+    std::printf("  %-8s %s\n", c.name, c.summary);
+  }
+  std::printf("  %-8s %s\n", "plan", "offline capacity planner: GPU memory for weights and KV");
+  std::printf("  %-8s %s\n", "help", "help on a command: kvbank help COMMAND (or COMMAND --help)");
+  std::printf("\nConnection flags (every command but plan):\n%s",
+              cmdline::FormatFlags(ConnectionFlags()).c_str());
+  std::printf("\nExit status: 0 done, 1 the server refused or is not there, 2 bad usage.\n");
+}
+
+void CommandHelp(const Command& c) {
+  std::printf("usage: kvbank %s%s%s [FLAGS]\n\n%s\n", c.name, *c.args ? " " : "", c.args,
+              c.summary);
+  if (!c.flags.empty()) std::printf("\nFlags:\n%s", cmdline::FormatFlags(c.flags).c_str());
+  std::printf("\nConnection flags:\n%s", cmdline::FormatFlags(ConnectionFlags()).c_str());
+}
+
+// Bad usage: the message, then where help is; exit status 2.
+int UsageError(const std::string& command, const std::string& what) {
+  std::fprintf(stderr, "kvbank%s%s: %s\n", command.empty() ? "" : " ", command.c_str(),
+               what.c_str());
+  std::fprintf(stderr, "kvbank %s--help describes the %s\n",
+               command.empty() ? "" : (command + " ").c_str(),
+               command.empty() ? "commands" : "flags");
   return 2;
+}
+
+// The connection the flags ask for; a message for UsageError when they do not go together.
+std::string ConnectionFrom(const ParsedArgs& a, std::string* server, ClientOptions* o,
+                           absl::Duration* timeout) {
+  *server = a.Get("server").value_or("127.0.0.1:50051");
+  if (auto t = a.Get("token")) {
+    o->bearer_token = *t;
+  } else if (const char* env = std::getenv("KVBANK_TOKEN")) {
+    o->bearer_token = env;
+  }
+  double seconds = 3;
+  if (auto t = a.Get("timeout"); t && (!absl::SimpleAtod(*t, &seconds) || !(seconds > 0))) {
+    return "--timeout takes a number of seconds above 0, e.g. 3 or 0.5";
+  }
+  *timeout = absl::Seconds(seconds);
+  const bool tls = a.Get("tls").value_or("false") == "true" || a.Has("tls-ca") ||
+                   a.Has("tls-cert") || a.Has("tls-key") || a.Has("tls-server-name");
+  if (tls) {
+    ClientTlsOptions t;
+    t.root_ca_path = a.Get("tls-ca").value_or("");
+    t.cert_chain_path = a.Get("tls-cert").value_or("");
+    t.private_key_path = a.Get("tls-key").value_or("");
+    t.server_name_override = a.Get("tls-server-name").value_or("");
+    if (t.cert_chain_path.empty() != t.private_key_path.empty()) {
+      return "--tls-cert and --tls-key go together";
+    }
+    o->tls = t;
+  }
+  return "";
+}
+
+// A client whose server answers health checks within `timeout`; else says so and returns null.
+std::unique_ptr<Client> ConnectOrSay(const std::string& server, const ClientOptions& options,
+                                     absl::Duration timeout) {
+  auto client = Client::Connect(server, options);
+  if (!client.ok()) {
+    std::fprintf(stderr, "kvbank: %s\n", client.status().ToString().c_str());
+    return nullptr;
+  }
+  if (absl::Status s = (*client)->CheckServing(timeout); !s.ok()) {
+    std::fprintf(
+        stderr,
+        "kvbank: no kvbankd answers at %s (waited %s%s): %s\n"
+        "kvbank: is it running, is --server right%s?\n",
+        server.c_str(), absl::FormatDuration(timeout).c_str(),
+        options.tls ? ", TLS" : ", plaintext", std::string(s.message()).c_str(),
+        options.tls ? ", does its certificate match --tls-ca" : ", does it want TLS (--tls-ca)");
+    return nullptr;
+  }
+  return *std::move(client);
 }
 
 int Error(const absl::Status& s) {
@@ -89,14 +228,16 @@ int Stats(Client& c, const std::string& model) {
 }
 
 // Prints KV events as they come (a KV-aware router's view), until --count events or Ctrl-C.
-int Events(Client& c, const std::string& model, std::map<std::string, std::string>& opts) {
+int Events(Client& c, const std::string& model, const ParsedArgs& a) {
   uint64_t count = 0, after = 0, seen = 0;
-  if ((opts.count("count") && !absl::SimpleAtoi(opts["count"], &count)) ||
-      (opts.count("after") && !absl::SimpleAtoi(opts["after"], &after))) {
-    return Usage();
+  if (auto v = a.Get("count"); v && !absl::SimpleAtoi(*v, &count)) {
+    return UsageError("events", "--count takes an integer >= 0");
+  }
+  if (auto v = a.Get("after"); v && !absl::SimpleAtoi(*v, &after)) {
+    return UsageError("events", "--after takes an event sequence number (an integer >= 0)");
   }
   absl::Status s =
-      c.Watch(model, after, !opts.count("after"), absl::Hours(24 * 365),
+      c.Watch(model, after, !a.Has("after"), absl::Hours(24 * 365),
               [&](const std::vector<Client::Event>& events, uint64_t) {
                 for (const auto& e : events) {
                   const char* kind = e.type == Client::Event::Type::kStored    ? "stored"
@@ -115,25 +256,48 @@ int Events(Client& c, const std::string& model, std::map<std::string, std::strin
   return s.ok() ? 0 : Error(s);
 }
 
-int Demo(const std::string& server, std::map<std::string, std::string> opts) {
-  const std::string model = opts.count("model") ? opts["model"] : "llama-3.1-8b";
-  const std::string preset = opts.count("preset") ? opts["preset"] : model;
+// The sequences the demo holds. Whatever is still held when the demo returns, on any path, is
+// freed: a demo that fails midway leaves nothing behind in the pool.
+class HeldSequences {
+ public:
+  HeldSequences(Client* client, std::string model) : client_(client), model_(std::move(model)) {}
+  ~HeldSequences() {
+    for (uint64_t id : ids_) (void)client_->Free(model_, id);
+  }
+  HeldSequences(const HeldSequences&) = delete;
+  HeldSequences& operator=(const HeldSequences&) = delete;
+
+  void Hold(uint64_t id) { ids_.push_back(id); }
+  absl::Status Free(uint64_t id) {
+    ids_.erase(std::remove(ids_.begin(), ids_.end(), id), ids_.end());
+    return client_->Free(model_, id).status();
+  }
+
+ private:
+  Client* client_;
+  std::string model_;
+  std::vector<uint64_t> ids_;
+};
+
+int Demo(const std::string& server, const ClientOptions& options, absl::Duration timeout,
+         const ParsedArgs& a) {
+  const std::string model = a.Get("model").value_or("llama-3.1-8b");
+  const std::string preset = a.Get("preset").value_or(model);
   uint64_t tokens = 1000, rounds = 3;
-  if ((opts.count("tokens") && !absl::SimpleAtoi(opts["tokens"], &tokens)) ||
-      (opts.count("rounds") && !absl::SimpleAtoi(opts["rounds"], &rounds)) || tokens == 0 ||
-      rounds == 0) {
-    return Usage();
+  if (auto v = a.Get("tokens"); v && (!absl::SimpleAtoi(*v, &tokens) || tokens == 0)) {
+    return UsageError("demo", "--tokens takes an integer above 0");
+  }
+  if (auto v = a.Get("rounds"); v && (!absl::SimpleAtoi(*v, &rounds) || rounds == 0)) {
+    return UsageError("demo", "--rounds takes an integer above 0");
   }
   // Two clients, two connections: the prefill worker and the decode worker.
-  auto prefill = Client::Connect(server, OptionsFrom(opts));
-  auto decode = Client::Connect(server, OptionsFrom(opts));
-  if (!prefill.ok()) return Error(prefill.status());
-  if (!decode.ok()) return Error(decode.status());
-  if (!(*prefill)->WaitForServing(absl::Seconds(10))) {
-    return Error(absl::UnavailableError(absl::StrCat("no kvbankd serving at ", server)));
-  }
-  auto info = (*prefill)->EnsurePreset(model, preset);
+  std::unique_ptr<Client> prefill = ConnectOrSay(server, options, timeout);
+  if (prefill == nullptr) return 1;
+  std::unique_ptr<Client> decode = ConnectOrSay(server, options, timeout);
+  if (decode == nullptr) return 1;
+  auto info = prefill->EnsurePreset(model, preset);
   if (!info.ok()) return Error(info.status());
+  HeldSequences held(prefill.get(), model);
   const BlockLayout b = ComputeBlockLayout(info->layout);
   const uint32_t layers = info->layout.num_layers;
   std::printf("demo: model %s (%s), %llu tokens, %llu bytes/token, %u layers, %d rounds\n",
@@ -145,8 +309,9 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
   bool exact = true;
   for (uint64_t round = 0; round < rounds; ++round) {
     // Prefill: one sequence, KV streamed layer by layer (as a prefill engine produces it).
-    auto seq = (*prefill)->CreateSequence(model);
+    auto seq = prefill->CreateSequence(model);
     if (!seq.ok()) return Error(seq.status());
+    held.Hold(seq->id);
     std::vector<std::vector<uint8_t>> layer_payload(layers);
     for (uint32_t l = 0; l < layers; ++l) {
       layer_payload[l].resize(b.PayloadBytes(l, l + 1, tokens));
@@ -164,14 +329,14 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
       a.layer_end = l + 1;
       a.num_tokens = tokens;
       if (l == 0) a.token_ids = ids;
-      auto r = (*prefill)->Append(model, seq->id, a, layer_payload[l]);
+      auto r = prefill->Append(model, seq->id, a, layer_payload[l]);
       if (!r.ok()) return Error(r.status());
     }
     const double append_s = absl::ToDoubleSeconds(absl::Now() - t0);
 
     // Decode: fetch everything on the other connection and compare.
     const absl::Time t1 = absl::Now();
-    auto fetched = (*decode)->Fetch(model, seq->id, {});
+    auto fetched = decode->Fetch(model, seq->id, {});
     if (!fetched.ok()) return Error(fetched.status());
     const double fetch_s = absl::ToDoubleSeconds(absl::Now() - t1);
     const PayloadLayout p = PayloadLayout::Make(b, 0, layers, tokens);
@@ -189,11 +354,12 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
                 round_exact ? "yes" : "NO");
 
     // Decode-side lifecycle: fork (parallel sampling), truncate (speculation rollback), free.
-    auto fork = (*decode)->Fork(model, seq->id);
+    auto fork = decode->Fork(model, seq->id);
     if (!fork.ok()) return Error(fork.status());
-    auto cut = (*decode)->Truncate(model, fork->id, tokens / 2);
+    held.Hold(fork->id);
+    auto cut = decode->Truncate(model, fork->id, tokens / 2);
     if (!cut.ok()) return Error(cut.status());
-    auto half = (*decode)->Fetch(model, fork->id, {});
+    auto half = decode->Fetch(model, fork->id, {});
     if (!half.ok()) return Error(half.status());
     const PayloadLayout ph = PayloadLayout::Make(b, 0, layers, tokens / 2);
     bool half_exact = half->payload.size() == ph.total_bytes;
@@ -215,8 +381,8 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
       }
     }
     exact = exact && half_exact;
-    if (auto f = (*decode)->Free(model, fork->id); !f.ok()) return Error(f.status());
-    if (auto f = (*prefill)->Free(model, seq->id); !f.ok()) return Error(f.status());
+    if (absl::Status f = held.Free(fork->id); !f.ok()) return Error(f);
+    if (absl::Status f = held.Free(seq->id); !f.ok()) return Error(f);
     std::printf("         fork+truncate to %llu tokens: bit-exact: %s\n",
                 (unsigned long long)(tokens / 2), half_exact ? "yes" : "NO");
   }
@@ -235,24 +401,25 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
     }
     Client::CreateArgs ca;
     ca.prompt = prompt;
-    auto first = (*prefill)->CreateSequence(model, ca);
+    auto first = prefill->CreateSequence(model, ca);
     if (!first.ok()) return Error(first.status());
+    held.Hold(first->id);
     Client::AppendArgs a;
     a.num_tokens = tokens;
-    if (auto r = (*prefill)->Append(model, first->id, a, payload); !r.ok())
-      return Error(r.status());
-    auto before = (*decode)->GetStats(model);
+    if (auto r = prefill->Append(model, first->id, a, payload); !r.ok()) return Error(r.status());
+    auto before = decode->GetStats(model);
     if (!before.ok()) return Error(before.status());
-    auto second = (*decode)->CreateSequence(model, ca);
+    auto second = decode->CreateSequence(model, ca);
     if (!second.ok()) return Error(second.status());
-    auto after = (*decode)->GetStats(model);
+    held.Hold(second->id);
+    auto after = decode->GetStats(model);
     if (!after.ok()) return Error(after.status());
     const uint64_t cached = second->cached_tokens;
     bool shared_exact = cached > 0;
     if (cached > 0) {
       Client::FetchArgs f;
       f.token_end = cached;
-      auto got = (*decode)->Fetch(model, second->id, f);
+      auto got = decode->Fetch(model, second->id, f);
       if (!got.ok()) return Error(got.status());
       const PayloadLayout whole = PayloadLayout::Make(b, 0, layers, tokens);
       const PayloadLayout part = PayloadLayout::Make(b, 0, layers, cached);
@@ -279,10 +446,10 @@ int Demo(const std::string& server, std::map<std::string, std::string> opts) {
         (unsigned long long)tokens, (unsigned long long)cached,
         (unsigned long long)(*before)[0].blocks_used, (unsigned long long)(*after)[0].blocks_used,
         shared_exact ? "yes" : "NO");
-    (void)(*decode)->Free(model, second->id);
-    (void)(*prefill)->Free(model, first->id);
+    if (absl::Status f = held.Free(second->id); !f.ok()) return Error(f);
+    if (absl::Status f = held.Free(first->id); !f.ok()) return Error(f);
   }
-  Stats(**decode, model);
+  Stats(*decode, model);
   return exact ? 0 : 1;
 }
 
@@ -291,39 +458,87 @@ int Main(int argc, char** argv) {
   // every message cost more than the copy itself).
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
-  // `plan` is offline and has flags of its own (--sweep takes no value).
-  if (argc > 1 && std::strcmp(argv[1], "plan") == 0) return PlanMain(argc - 1, argv + 1);
-  std::string server = "127.0.0.1:50051";
-  std::vector<std::string> args;
-  std::map<std::string, std::string> opts;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--", 0) == 0) {
-      std::string key = a.substr(2), value;
-      if (size_t eq = key.find('='); eq != std::string::npos) {
-        value = key.substr(eq + 1);
-        key.resize(eq);
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      } else {
-        return Usage();
-      }
-      if (key == "server")
-        server = value;
-      else
-        opts[key] = value;
-    } else {
-      args.push_back(a);
-    }
+  const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+  // Connection flags may come before the command; its own flags and arguments follow it.
+  auto head = cmdline::Parse(args, ConnectionFlags(), /*stop_at_positional=*/true);
+  if (!head.ok()) {
+    return UsageError("", absl::StrCat(head.status().message(), "; before the command: ",
+                                       cmdline::FlagList(ConnectionFlags())));
   }
-  if (args.empty()) return Usage();
-  if (args[0] == "demo") return Demo(server, opts);
-  auto client = Client::Connect(server, OptionsFrom(opts));
-  if (!client.ok()) return Error(client.status());
-  if (args[0] == "stats") return Stats(**client, args.size() > 1 ? args[1] : "");
-  if (args[0] == "models") return Models(**client);
-  if (args[0] == "events" && args.size() > 1) return Events(**client, args[1], opts);
-  return Usage();
+  if (head->rest.empty()) {
+    if (head->help) {
+      ProgramHelp();
+      return 0;
+    }
+    return UsageError("", absl::StrCat("no command given (one of ", CommandNames(), ")"));
+  }
+  std::string name = head->rest[0];
+  std::vector<std::string> rest(head->rest.begin() + 1, head->rest.end());
+  if (name == "help") {
+    if (rest.empty()) {
+      ProgramHelp();
+      return 0;
+    }
+    name = rest[0];
+    rest = {"--help"};
+  }
+  if (name == "plan") {
+    // `plan` is offline and has flags of its own (--sweep takes no value).
+    std::vector<std::string> plan_args = {"plan"};
+    if (head->help) plan_args.push_back("--help");
+    plan_args.insert(plan_args.end(), rest.begin(), rest.end());
+    std::vector<char*> plan_argv;
+    for (std::string& s : plan_args) plan_argv.push_back(s.data());
+    return PlanMain(static_cast<int>(plan_argv.size()), plan_argv.data());
+  }
+  const Command* command = FindCommand(name);
+  if (command == nullptr) {
+    std::vector<std::string> names = {"plan", "help"};
+    for (const Command& c : Commands()) names.push_back(c.name);
+    std::string msg = absl::StrCat("unknown command '", name, "'");
+    if (std::string near = cmdline::ClosestName(name, names); !near.empty()) {
+      absl::StrAppend(&msg, " (did you mean ", near, "?)");
+    }
+    return UsageError("", absl::StrCat(msg, "; commands: ", CommandNames()));
+  }
+  const std::vector<FlagSpec> flags = FlagsOf(*command);
+  auto parsed = cmdline::Parse(rest, flags);
+  if (!parsed.ok()) {
+    std::string msg(parsed.status().message());
+    if (absl::IsNotFound(parsed.status())) {
+      absl::StrAppend(&msg, "; valid flags: ", cmdline::FlagList(flags));
+    }
+    return UsageError(name, msg);
+  }
+  if (head->help || parsed->help) {
+    CommandHelp(*command);
+    return 0;
+  }
+  if (parsed->positional.size() < command->min_args ||
+      parsed->positional.size() > command->max_args) {
+    return UsageError(name,
+                      parsed->positional.size() < command->min_args
+                          ? absl::StrCat("needs ", command->args)
+                          : absl::StrCat("takes ", *command->args ? command->args : "no arguments",
+                                         ", not '", absl::StrJoin(parsed->positional, " "), "'"));
+  }
+  // Connection flags given before the command, then after it (the later wins).
+  ParsedArgs all = *parsed;
+  all.values.insert(all.values.begin(), head->values.begin(), head->values.end());
+  std::string server;
+  ClientOptions options;
+  absl::Duration timeout;
+  if (std::string bad = ConnectionFrom(all, &server, &options, &timeout); !bad.empty()) {
+    return UsageError(name, bad);
+  }
+  if (name == "demo") return Demo(server, options, timeout, all);
+  std::unique_ptr<Client> client = ConnectOrSay(server, options, timeout);
+  if (client == nullptr) return 1;
+  if (name == "stats") {
+    return Stats(*client, parsed->positional.empty() ? "" : parsed->positional[0]);
+  }
+  if (name == "models") return Models(*client);
+  return Events(*client, parsed->positional[0], all);
 }
 
 }  // namespace

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "common/command_line.h"
 #include "kvbank/layout.h"
 #include "kvbank/planner.h"
 
@@ -140,32 +142,26 @@ struct PlanArgs {
 
 // Fills *a from the flags; returns "" or a message for Bad().
 std::string ParseArgs(int argc, char** argv, PlanArgs* a) {
-  std::map<std::string, std::string> opts;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0) return "unexpected argument '" + arg + "'";
-    std::string key = arg.substr(2), value;
-    if (key == "sweep") {
-      a->sweep = true;
-      continue;
-    }
-    if (size_t eq = key.find('='); eq != std::string::npos) {
-      value = key.substr(eq + 1);
-      key.resize(eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return "--" + key + " needs a value";
-    }
-    static const char* const kKnown[] = {"preset",     "layers",     "kv-heads",     "head-dim",
-                                         "head-dim-v", "q-heads",    "kv-lora-rank", "rope-dim",
-                                         "params-b",   "context",    "batch",        "weight-dtype",
-                                         "kv-dtype",   "gpu-memory", "block-tokens", "out-prefix"};
-    bool known = false;
-    for (const char* k : kKnown) known = known || key == k;
-    if (!known) return "unknown flag --" + key;
-    opts[key] = value;
+  // Names and value kinds only: PlanHelp describes them, grouped.
+  static const std::vector<cmdline::FlagSpec> kFlags = {
+      {"preset", "P", "", ""},        {"layers", "L", "", ""},        {"kv-heads", "H", "", ""},
+      {"head-dim", "D", "", ""},      {"head-dim-v", "DV", "", ""},   {"q-heads", "Q", "", ""},
+      {"kv-lora-rank", "R", "", ""},  {"rope-dim", "P", "", ""},      {"params-b", "B", "", ""},
+      {"context", "S", "", ""},       {"batch", "N", "", ""},         {"weight-dtype", "W", "", ""},
+      {"kv-dtype", "K", "", ""},      {"gpu-memory", "SIZE", "", ""}, {"block-tokens", "T", "", ""},
+      {"out-prefix", "PATH", "", ""}, {"sweep", "", "", ""},
+  };
+  auto parsed = cmdline::Parse(std::vector<std::string>(argv + 1, argv + argc), kFlags);
+  if (!parsed.ok()) {
+    std::string msg(parsed.status().message());
+    if (absl::IsNotFound(parsed.status())) msg += "; valid flags: " + cmdline::FlagList(kFlags);
+    return msg;
   }
+  if (!parsed->positional.empty()) return "unexpected argument '" + parsed->positional[0] + "'";
+  std::map<std::string, std::string> opts;
+  for (const auto& [name, value] : parsed->values) opts[name] = value;
+  a->sweep = opts.count("sweep") && opts["sweep"] == "true";
+  opts.erase("sweep");
 
   const bool explicit_shape = opts.count("layers") || opts.count("kv-heads") ||
                               opts.count("head-dim") || opts.count("kv-lora-rank");
@@ -210,7 +206,11 @@ std::string ParseArgs(int argc, char** argv, PlanArgs* a) {
     m.layer_dtypes.assign(m.num_layers, DType::kFp16);
   } else {
     a->model = opts.count("preset") ? opts["preset"] : "llama-3.1-8b";
-    if (!PresetLayout(a->model, &m)) return "unknown preset '" + a->model + "'";
+    if (!PresetLayout(a->model, &m)) {
+      std::string known;
+      for (const std::string& n : PresetNames()) known += (known.empty() ? "" : ", ") + n;
+      return "unknown preset '" + a->model + "' (known presets: " + known + ")";
+    }
     a->in.params = PresetParams(a->model);
   }
   if (opts.count("params-b")) {
@@ -469,11 +469,10 @@ int Sweep(const PlanArgs& a) {
 
 }  // namespace
 
-const char* PlanUsage() { return kUsage; }
-
 int PlanMain(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0 ||
+        std::strcmp(argv[i], "--helpfull") == 0) {
       return PlanHelp(stdout);
     }
   }

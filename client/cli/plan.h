@@ -9,9 +9,6 @@ namespace kvbank {
 // written.
 int PlanMain(int argc, char** argv);
 
-// One line of usage for the CLI's usage text.
-const char* PlanUsage();
-
 }  // namespace kvbank
 
 #endif  // KVBANK_CLIENT_CLI_PLAN_H_

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "proto/convert.h"
 
 namespace kvbank::rpc {
@@ -60,7 +61,8 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
     }
     if (!PresetLayout(spec.preset(), &m, storage->value_or(DType::kBf16))) {
       return absl::InvalidArgumentError(
-          absl::StrCat("spec.preset: unknown preset '", spec.preset(), "'"));
+          absl::StrCat("spec.preset: unknown preset '", spec.preset(),
+                       "' (known presets: ", absl::StrJoin(PresetNames(), ", "), ")"));
     }
   } else {
     m.kind = kind.value_or(AttentionKind::kGqa);

@@ -26,11 +26,31 @@
 
 namespace kvbank {
 
+// TLS to a kvbankd started with --tls-cert. Each PEM may be given as text (*_pem) or as a file
+// (*_path, read by Connect); the text wins when both are set.
+struct ClientTlsOptions {
+  // CAs that sign the server's certificate; both empty: the system's default roots.
+  std::string root_ca_pem;
+  std::string root_ca_path;
+  // The client's certificate chain and private key, for a server with --tls-client-ca (mutual
+  // TLS); give both or neither.
+  std::string cert_chain_pem;
+  std::string cert_chain_path;
+  std::string private_key_pem;
+  std::string private_key_path;
+  // When not empty: the name the server's certificate is checked against instead of the target's
+  // host (tests whose certificate names another host).
+  std::string server_name_override;
+};
+
 struct ClientOptions {
   absl::Duration call_deadline = absl::Seconds(30);    // unary calls
   absl::Duration stream_deadline = absl::Minutes(10);  // appends and fetches
   uint64_t chunk_bytes = uint64_t{1} << 20;            // payload bytes per append message
   std::string bearer_token;  // sent as "authorization: Bearer <token>" when not empty
+  // Set: the connection uses TLS. Unset: plaintext, in which the bearer token travels in clear
+  // text (fine on loopback, not across a network).
+  std::optional<ClientTlsOptions> tls;
 };
 
 class Client {
@@ -135,7 +155,8 @@ class Client {
   };
 
   // Connects lazily: the first call opens the channel. `target` is a gRPC target
-  // ("host:port", "dns:///name:port", "unix:/path").
+  // ("host:port", "dns:///name:port", "unix:/path"). INVALID_ARGUMENT, naming the file, when a
+  // TLS file cannot be read or holds no PEM block, or when only one of cert and key is given.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
                                                          ClientOptions options = {});
   ~Client();
@@ -235,7 +256,11 @@ class Client {
   absl::StatusOr<std::vector<AttendOutput>> Attend(const std::string& model,
                                                    const std::vector<AttendQuery>& queries);
 
-  // True when grpc.health.v1 reports SERVING within the deadline.
+  // OK when grpc.health.v1 reports SERVING within the deadline; else why not, from the last
+  // try: UNAVAILABLE with gRPC's reason (connection refused, TLS handshake failed) or a server
+  // that answers but is draining, DEADLINE_EXCEEDED when nothing answered at all.
+  absl::Status CheckServing(absl::Duration deadline);
+  // CheckServing(deadline).ok().
   bool WaitForServing(absl::Duration deadline);
 
  private:
