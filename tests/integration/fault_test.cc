@@ -43,7 +43,8 @@
 #include "tests/integration/server_fixture.h"
 
 #ifndef KVBANK_FAULT_CLIENT_PATH
-#error "KVBANK_FAULT_CLIENT_PATH must name the fault_client binary (tests/integration/CMakeLists.txt)"
+#error \
+    "KVBANK_FAULT_CLIENT_PATH must name the fault_client binary (tests/integration/CMakeLists.txt)"
 #endif
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -63,7 +64,7 @@ namespace {
 constexpr uint64_t kKiB = 1024;
 constexpr uint64_t kMiB = kKiB * 1024;
 constexpr uint32_t kLayers = 2, kKvHeads = 2, kHeadDim = 32, kBlockTokens = 16;
-constexpr uint64_t kRowBytes = kHeadDim * 2;                                // one head, fp16
+constexpr uint64_t kRowBytes = kHeadDim * 2;                                    // one head, fp16
 constexpr uint64_t kTokenBytes = uint64_t{kLayers} * 2 * kKvHeads * kRowBytes;  // 512
 constexpr uint64_t kServerChunkBytes = 16 * kKiB;  // --chunk-bytes: fetches take many messages
 
@@ -307,8 +308,7 @@ int ExpectTargets(Client& admin, const std::string& model, const std::vector<Tar
       continue;
     }
     const uint64_t len = t.ref.length();
-    bool same = info->length == len &&
-                info->layer_lengths == std::vector<uint64_t>(kLayers, len) &&
+    bool same = info->length == len && info->layer_lengths == std::vector<uint64_t>(kLayers, len) &&
                 info->num_blocks == CeilDiv(len, kBlockTokens);
     EXPECT_TRUE(same) << "length " << info->length << " (want " << len << "), layer lengths ["
                       << absl::StrJoin(info->layer_lengths, ",") << "], blocks "
@@ -443,9 +443,10 @@ TEST_F(FaultTest, KilledAppendsLeaveNoPartialStateAndLeakNoBlocks) {
   const Client::ModelStats st = AwaitPool(*admin_, model, 0);
   EXPECT_EQ(st.blocks_used, 0u) << PoolLine(st);
   EXPECT_EQ(st.blocks_free + st.blocks_cached, st.blocks_total) << PoolLine(st);
-  std::cerr << "[fault] append kill loop: " << points.Line() << "; sequences found changed: "
-            << partial << "; after freeing everything: " << PoolLine(st)
-            << " (leaked " << st.blocks_used << ")\n";
+  std::cerr << "[fault] append kill loop: " << points.Line()
+            << "; sequences found changed: " << partial
+            << "; after freeing everything: " << PoolLine(st) << " (leaked " << st.blocks_used
+            << ")\n";
 }
 
 // 1b. A client SIGKILLed in the middle of a fetch: nothing changes, and the blocks the fetch
@@ -499,9 +500,9 @@ TEST_F(FaultTest, KilledFetchesChangeNothingAndLeakNoBlocks) {
     const uint32_t l1 = l0 + 1 + static_cast<uint32_t>(rng.Next() % (kLayers - l0));
     const uint64_t bytes = (t1 - t0) * (l1 - l0) * 2 * kKvHeads * kRowBytes;
     const uint64_t total = std::max<uint64_t>(1, CeilDiv(bytes, kServerChunkBytes));
-    auto child = ChildClient::Start({"fetch", server_->target(), model, absl::StrCat(t.id),
-                                     absl::StrCat(t0), absl::StrCat(t1), absl::StrCat(l0),
-                                     absl::StrCat(l1)});
+    auto child =
+        ChildClient::Start({"fetch", server_->target(), model, absl::StrCat(t.id), absl::StrCat(t0),
+                            absl::StrCat(t1), absl::StrCat(l0), absl::StrCat(l1)});
     ASSERT_NE(child, nullptr);
     ASSERT_TRUE(child->WaitUntil([&] { return child->ready(); }, absl::Now() + absl::Seconds(20)))
         << "fault_client did not connect";
@@ -562,8 +563,8 @@ TEST_F(FaultTest, KilledFetchesChangeNothingAndLeakNoBlocks) {
   EXPECT_EQ(st.blocks_free + st.blocks_cached, st.blocks_total) << PoolLine(st);
   // The freed-under-a-fetch case means something only when the fetch still held the blocks.
   EXPECT_GT(held_freed_blocks, 0) << "no paused fetch held its sequence's blocks past Free";
-  std::cerr << "[fault] fetch kill loop: " << points.Line() << "; sequences found changed: "
-            << partial << "; " << freed_under_fetch
+  std::cerr << "[fault] fetch kill loop: " << points.Line()
+            << "; sequences found changed: " << partial << "; " << freed_under_fetch
             << " sequences freed under a paused fetch (" << held_freed_blocks
             << " of them still held by it before the kill); after freeing everything: "
             << PoolLine(st) << " (leaked " << st.blocks_used << ")\n";
