@@ -219,7 +219,7 @@ struct KillPoints {
 // layer lengths, bytes), the append's blocks go back, and after everything is freed the pool is
 // whole again. Every tenth append is let commit, to show the same checks see a change.
 TEST_F(FaultTest, KilledAppendsLeaveNoPartialStateAndLeakNoBlocks) {
-  const int64_t iterations = Knob("KVBANK_FAULT_KILLS", 100, 25);
+  const int64_t iterations = Knob("KVBANK_FAULT_KILLS", 100, 100);
   ASSERT_NO_FATAL_FAILURE(Start());
   const std::string model = "kill-append";
   auto info = admin_->EnsureModel(SmallLayout(model), 16 * kMiB);
@@ -317,7 +317,7 @@ TEST_F(FaultTest, KilledAppendsLeaveNoPartialStateAndLeakNoBlocks) {
 // holds go back once the server notices, also when the sequence was freed under the fetch.
 // Every tenth fetch is let complete and its bytes compared.
 TEST_F(FaultTest, KilledFetchesChangeNothingAndLeakNoBlocks) {
-  const int64_t iterations = Knob("KVBANK_FAULT_KILLS", 100, 25);
+  const int64_t iterations = Knob("KVBANK_FAULT_KILLS", 100, 100);
   ASSERT_NO_FATAL_FAILURE(Start());
   const std::string model = "kill-fetch";
   auto info = admin_->EnsureModel(SmallLayout(model), 40 * kMiB);
