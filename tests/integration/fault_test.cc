@@ -274,6 +274,8 @@ TEST_F(FaultTest, KilledAppendsLeaveNoPartialStateAndLeakNoBlocks) {
       ASSERT_TRUE(child->WaitUntil([&] { return child->done(); }, absl::Now() + absl::Seconds(30)));
       EXPECT_EQ(child->done_line(), "0 0 0") << "the append let commit failed";
       child->Reap();
+      EXPECT_TRUE(WIFEXITED(child->wait_status()) && WEXITSTATUS(child->wait_status()) == 0)
+          << "fault_client wait status " << child->wait_status();
       Random payload_rng(payload_seed);
       t.ref.Append(0, kLayers, n, payload_rng);
       ++points.completed;
@@ -378,6 +380,8 @@ TEST_F(FaultTest, KilledFetchesChangeNothingAndLeakNoBlocks) {
                 absl::StrCat("0 ", bytes, " ", Fnv(t.ref.Payload(l0, l1, t0, t1))))
           << "fetch of tokens [" << t0 << ", " << t1 << ") layers [" << l0 << ", " << l1 << ")";
       child->Reap();
+      EXPECT_TRUE(WIFEXITED(child->wait_status()) && WEXITSTATUS(child->wait_status()) == 0)
+          << "fault_client wait status " << child->wait_status();
       ++points.completed;
     } else if (i % 10 == 4 && total >= 4) {
       // The sequence is freed while the paused fetch still streams it; the fetch's references
