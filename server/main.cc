@@ -83,8 +83,9 @@ ABSL_FLAG(int64_t, max_connection_idle_ms, 600000,
           "a connection with no call for this long is closed (0: never)");
 ABSL_FLAG(int64_t, keepalive_time_ms, 60000,
           "ping idle connections this often; one that does not answer within 20 s is closed");
-ABSL_FLAG(std::string, grpc_memory_bytes, "512MiB",
-          "bound on the memory gRPC may take for connections and messages in flight");
+ABSL_FLAG(std::string, grpc_memory_bytes, "256MiB",
+          "bound on the memory gRPC may take for connections and messages in flight (past it, "
+          "gRPC reads less and sheds connections)");
 ABSL_FLAG(std::string, hash_algorithm, "sha256",
           "prefix hash: sha256 | xxh3_128 (not safe "
           "against hostile tenants)");
@@ -366,6 +367,7 @@ int Main(int argc, char** argv) {
   std::thread reaper([&] {
     const absl::Duration every = absl::Milliseconds(absl::GetFlag(FLAGS_lease_check_ms));
     bool accepting = true;
+    absl::Time last_trim = absl::Now();
     while (!stop.WaitForNotificationWithTimeout(every)) {
       // Health reports a listener that cannot take connections (out of descriptors).
       if (bool now = (*listener)->accepting(); now != accepting) {
@@ -380,6 +382,13 @@ int Main(int argc, char** argv) {
         std::cerr << "kvbankd: " << n << " lease(s) expired; their sequences were freed\n";
       }
       registry->ExpireCache(absl::Now());
+      // The heap is kept large on purpose (see mallopt above), so a burst (many large messages
+      // at once, refused or not) would keep its memory for good: give it back once nothing is
+      // in flight, at most once a second.
+      if (calls.in_flight() == 0 && absl::Now() - last_trim > absl::Seconds(1)) {
+        malloc_trim(0);
+        last_trim = absl::Now();
+      }
     }
   });
 

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "proto/convert.h"
+#include "server/core/quote.h"
 
 namespace kvbank::rpc {
 
@@ -56,13 +57,13 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
                              spec.head_dim() || spec.head_dim_v() || kind.has_value() ||
                              spec.kv_lora_rank() || spec.rope_dim();
     if (shape_given) {
-      return absl::InvalidArgumentError(absl::StrCat("spec: give either preset ('", spec.preset(),
-                                                     "') or the shape fields, not both"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spec: give either preset (", Quote(spec.preset()), ") or the shape fields, not both"));
     }
     if (!PresetLayout(spec.preset(), &m, storage->value_or(DType::kBf16))) {
       return absl::InvalidArgumentError(
-          absl::StrCat("spec.preset: unknown preset '", spec.preset(),
-                       "' (known presets: ", absl::StrJoin(PresetNames(), ", "), ")"));
+          absl::StrCat("spec.preset: unknown preset ", Quote(spec.preset()),
+                       " (known presets: ", absl::StrJoin(PresetNames(), ", "), ")"));
     }
   } else {
     m.kind = kind.value_or(AttentionKind::kGqa);
