@@ -13,7 +13,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <iostream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -195,9 +194,11 @@ void Listener::Run() {
         if (AcceptOne(fds[i].fd)) continue;
         if (errno == EMFILE || errno == ENFILE) {
           if (absl::Now() - last_complaint > absl::Seconds(10)) {
-            std::cerr << "kvbankd: out of file descriptors: closing new connections at once "
-                         "until some are free (raise the limit or lower --max-connections)"
-                      << std::endl;
+            // write(2), not iostreams: nothing here may need a descriptor or much memory.
+            static constexpr char kMessage[] =
+                "kvbankd: out of file descriptors: closing new connections at once until some "
+                "are free (raise the limit or lower --max-connections)\n";
+            (void)!write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
             last_complaint = absl::Now();
           }
           backoff_ms = 20;

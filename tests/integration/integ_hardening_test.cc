@@ -143,6 +143,12 @@ TEST_F(HardeningTest, MatchWithMillionsOfQueriesIsRefused) {
 // files" and never accepted again. kvbankd's listener closes what it cannot keep, reports
 // NOT_SERVING meanwhile, and takes new connections as soon as descriptors are free.
 TEST_F(HardeningTest, ListenerSurvivesDescriptorExhaustion) {
+#if defined(__SANITIZE_ADDRESS__)
+  // UBSan's vptr check opens a pipe to test whether memory is readable: with no descriptor left
+  // it reports a valid object as one with an invalid vptr and stops the server.
+  GTEST_SKIP() << "descriptor exhaustion is not testable under the sanitizers: their runtime "
+                  "needs descriptors of its own";
+#endif
   // 256 descriptors in all, and a cap above them so that accept itself runs out.
   auto server = ServerProcess::Start({"--models=", "--no-auth", "--max-connections=1000"},
                                      absl::Seconds(20), /*nofile=*/256);
