@@ -27,6 +27,7 @@
 #include "kvbank/client.h"
 #include "server/core/model_registry.h"
 #include "server/rpc/service.h"
+#include "server/rpc/serving.h"
 
 namespace kvbank {
 namespace {
@@ -239,14 +240,9 @@ int Main(int argc, char** argv) {
   auto model = registry->Ensure(mc);
   if (!model.ok()) return 1;
   rpc::KvBankService service(registry, rpc::ServiceOptions{});
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(rpc::kMaxMessageBytes);
-  auto server = builder.BuildAndStart();
-  auto client = Client::Connect("127.0.0.1:" + std::to_string(port));
+  auto serving = rpc::Serving::Start(&service, rpc::ServingOptions{});  // as kvbankd serves
+  if (!serving.ok()) return 1;
+  auto client = Client::Connect("127.0.0.1:" + std::to_string((*serving)->port()));
   if (!client.ok() || !(*client)->WaitForServing(absl::Seconds(10))) return 1;
 
   const int rounds = quick ? 50 : 400;
@@ -292,7 +288,7 @@ int Main(int argc, char** argv) {
     std::printf("%-14u %10llu %12.1f %14.1f %12.1f\n", n, (unsigned long long)cached, med,
                 med / tcp, med / empty_rpc);
   }
-  server->Shutdown();
+  (*serving)->Stop();
   return 0;
 }
 

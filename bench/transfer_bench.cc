@@ -48,6 +48,7 @@
 #include "kvbank/client.h"
 #include "server/core/model_registry.h"
 #include "server/rpc/service.h"
+#include "server/rpc/serving.h"
 
 namespace kvbank {
 namespace {
@@ -210,29 +211,20 @@ class InProcessServer {
     options.defaults.pool_bytes = pool_bytes;
     options.chunk_bytes = chunk_bytes;
     service_ = std::make_unique<rpc::KvBankService>(registry_, options);
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(service_.get());
-    builder.SetMaxReceiveMessageSize(rpc::kMaxMessageBytes);
-    builder.SetMaxSendMessageSize(rpc::kMaxMessageBytes);
+    rpc::ServingOptions serving;  // as kvbankd serves, on its own listener
     if (lookahead_bytes > 0) {
-      builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, lookahead_bytes);
+      serving.channel_args.emplace_back(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, lookahead_bytes);
     }
-    server_ = builder.BuildAndStart();
-    if (server_ == nullptr || port_ == 0) Die("cannot start the in-process kvbank server");
+    auto started = rpc::Serving::Start(service_.get(), std::move(serving));
+    if (!started.ok()) Die("cannot start the in-process kvbank server");
+    serving_ = *std::move(started);
   }
-  ~InProcessServer() {
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    server_->Wait();
-  }
-  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string target() const { return "127.0.0.1:" + std::to_string(serving_->port()); }
 
  private:
   std::shared_ptr<ModelRegistry> registry_;
   std::unique_ptr<rpc::KvBankService> service_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
+  std::unique_ptr<rpc::Serving> serving_;  // stopped before the service goes
 };
 
 // ---- the benchmark

@@ -29,13 +29,11 @@
 #include "google/protobuf/text_format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
-#include "grpcpp/resource_quota.h"
 #include "server/core/pool_memory.h"
 #include "server/flags.h"
 #include "server/rpc/drain.h"
-#include "server/rpc/listener.h"
 #include "server/rpc/service.h"
+#include "server/rpc/serving.h"
 #include "server/rpc/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
@@ -285,83 +283,39 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  // Descriptors: gRPC 1.51 stops accepting for good after one EMFILE, so take all the process
-  // may have and cap connections well below it (server/rpc/listener.h).
-  const uint64_t fd_limit = rpc::RaiseDescriptorLimit();
-  constexpr uint64_t kReservedFds = 64;  // pools, logs, gRPC's own pipes and epoll
-  uint64_t max_connections = absl::GetFlag(FLAGS_max_connections);
-  if (max_connections == 0) {
-    if (fd_limit <= 2 * kReservedFds) {
-      return Fail(absl::StrCat("the descriptor limit (", fd_limit, ") is too low: raise it"));
-    }
-    max_connections = fd_limit - kReservedFds;
-  } else if (max_connections + kReservedFds > fd_limit) {
-    std::cerr << "kvbankd: warning: --max-connections " << max_connections << " needs "
-              << max_connections + kReservedFds << " descriptors and the limit is " << fd_limit
-              << ": past it, new connections are closed at once until descriptors are free"
-              << std::endl;
-  }
   auto grpc_memory = ParseBytes(absl::GetFlag(FLAGS_grpc_memory_bytes));
   if (!grpc_memory.ok() || *grpc_memory < (uint64_t{64} << 20)) {
     return Fail("--grpc-memory-bytes must be a byte size of at least 64MiB");
   }
   options.stream_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stream_idle_timeout_ms));
 
-  auto listener = rpc::Listener::Bind(absl::GetFlag(FLAGS_listen));
-  if (!listener.ok()) {
-    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen), ": ",
-                             listener.status().message()));
-  }
-  const int port = (*listener)->port();
-
   rpc::KvBankService service(registry, options, auth);
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  auto acceptor = builder.experimental().AddExternalConnectionAcceptor(
-      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, *credentials);
-  builder.RegisterService(&service);
+  rpc::ServingOptions serving_options;
+  serving_options.listen = absl::GetFlag(FLAGS_listen);
+  serving_options.credentials = *credentials;
+  serving_options.max_connections = absl::GetFlag(FLAGS_max_connections);
+  serving_options.grpc_memory_bytes = *grpc_memory;
+  serving_options.max_connection_idle =
+      absl::Milliseconds(absl::GetFlag(FLAGS_max_connection_idle_ms));
+  serving_options.keepalive_time = absl::Milliseconds(absl::GetFlag(FLAGS_keepalive_time_ms));
   auto counter = std::make_unique<rpc::CallCounter>();
   const rpc::CallCounter& calls = *counter;
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::move(counter));
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  builder.SetMaxReceiveMessageSize(rpc::kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(rpc::kMaxMessageBytes);
-  // Memory for connections and messages in flight is bounded: under pressure gRPC shrinks its
-  // flow-control windows and reads less from the sockets.
-  grpc::ResourceQuota quota("kvbankd");
-  quota.Resize(*grpc_memory);
-  builder.SetResourceQuota(quota);
-  if (int64_t idle = absl::GetFlag(FLAGS_max_connection_idle_ms); idle > 0) {
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, static_cast<int>(idle));
+  serving_options.interceptors.push_back(std::move(counter));
+  auto serving = rpc::Serving::Start(&service, std::move(serving_options));
+  if (!serving.ok()) {
+    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen), ": ",
+                             serving.status().message()));
   }
-  if (int64_t ping = absl::GetFlag(FLAGS_keepalive_time_ms); ping > 0) {
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(ping));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
-  }
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    return Fail(absl::StrCat("cannot start serving on ", absl::GetFlag(FLAGS_listen)));
-  }
-  (*listener)->Start(std::move(acceptor), max_connections);
+  const int port = (*serving)->port();
   std::cerr << "kvbankd: serving kvbank.v1 on " << absl::GetFlag(FLAGS_listen) << " (port " << port
-            << "; at most " << max_connections << " connections, descriptor limit " << fd_limit
-            << ")" << std::endl;
+            << "; at most " << (*serving)->max_connections() << " connections, descriptor limit "
+            << (*serving)->descriptor_limit() << ")" << std::endl;
   if (std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     const std::string tmp = pf + ".tmp";
     std::ofstream(tmp) << port << "\n";
     std::rename(tmp.c_str(), pf.c_str());  // readers never see a half-written file
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  // Health names the service too, for probes that ask for kvbank.v1.KvBank by name.
-  const std::string kService = v1::KvBank::service_full_name();
-  auto set_serving = [&](bool serving) {
-    if (health == nullptr) return;
-    health->SetServingStatus(serving);
-    health->SetServingStatus(kService, serving);
-  };
-  set_serving(true);
 
   absl::Notification stop;
   std::thread reaper([&] {
@@ -370,9 +324,9 @@ int Main(int argc, char** argv) {
     absl::Time last_trim = absl::Now();
     while (!stop.WaitForNotificationWithTimeout(every)) {
       // Health reports a listener that cannot take connections (out of descriptors).
-      if (bool now = (*listener)->accepting(); now != accepting) {
+      if (bool now = (*serving)->listener().accepting(); now != accepting) {
         accepting = now;
-        set_serving(now);
+        (*serving)->SetServing(now);
         std::cerr << "kvbankd: health: "
                   << (now ? "SERVING (accepting connections again)"
                           : "NOT_SERVING (cannot accept connections)")
@@ -403,7 +357,7 @@ int Main(int argc, char** argv) {
   stop.Notify();  // the reaper (and its health updates) end before health shuts down
   reaper.join();
   service.BeginDrain();
-  if (health != nullptr) health->Shutdown();
+  (*serving)->ShutdownHealth();
   uint64_t in_flight = 0, unacked = 0;
   for (;;) {
     in_flight = calls.in_flight();
@@ -416,11 +370,8 @@ int Main(int argc, char** argv) {
               << unacked << " byte(s) not acknowledged; cancelling" << std::endl;
   }
   // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
-  // is left and close the connections now. A graceful GOAWAY would wait for idle clients to
-  // answer its ping, up to 20 s.
-  (*listener)->Stop();
-  server->Shutdown(std::chrono::system_clock::now());
-  server->Wait();
+  // is left and close the connections now.
+  (*serving)->Stop();
   std::cerr << "kvbankd: stopped" << std::endl;
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51
   // sometimes waits ~10 s for one of its internal threads.

@@ -1,0 +1,99 @@
+#include "server/rpc/serving.h"
+
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
+#include "server/rpc/service.h"
+
+namespace kvbank::rpc {
+
+absl::StatusOr<std::unique_ptr<Serving>> Serving::Start(grpc::Service* service,
+                                                        ServingOptions options) {
+  std::unique_ptr<Serving> s(new Serving());
+  // gRPC 1.51 stops accepting for good after one EMFILE, so take every descriptor the process may
+  // have and cap connections well below the limit (listener.h).
+  s->descriptor_limit_ = RaiseDescriptorLimit();
+  s->max_connections_ = options.max_connections;
+  if (s->max_connections_ == 0) {
+    if (s->descriptor_limit_ <= 2 * kReservedDescriptors) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the descriptor limit (", s->descriptor_limit_, ") is too low: raise it"));
+    }
+    s->max_connections_ = s->descriptor_limit_ - kReservedDescriptors;
+  } else if (s->max_connections_ + kReservedDescriptors > s->descriptor_limit_) {
+    std::cerr << "kvbankd: warning: --max-connections " << s->max_connections_ << " needs "
+              << s->max_connections_ + kReservedDescriptors << " descriptors and the limit is "
+              << s->descriptor_limit_
+              << ": past it, new connections are closed at once until descriptors are free"
+              << std::endl;
+  }
+  auto listener = Listener::Bind(options.listen);
+  if (!listener.ok()) return listener.status();
+  s->listener_ = *std::move(listener);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  auto credentials =
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials();
+  auto acceptor = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, credentials);
+  builder.RegisterService(service);
+  if (!options.interceptors.empty()) {
+    builder.experimental().SetInterceptorCreators(std::move(options.interceptors));
+  }
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Under memory pressure gRPC shrinks its flow-control windows, reads less from the sockets
+  // and sheds connections: a burst of large messages cannot take the server's memory.
+  grpc::ResourceQuota quota("kvbankd");
+  quota.Resize(options.grpc_memory_bytes);
+  builder.SetResourceQuota(quota);
+  if (options.max_connection_idle > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                               int(absl::ToInt64Milliseconds(options.max_connection_idle)));
+  }
+  if (options.keepalive_time > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               int(absl::ToInt64Milliseconds(options.keepalive_time)));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+  }
+  for (const auto& [name, value] : options.channel_args) builder.AddChannelArgument(name, value);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr) {
+    return absl::InternalError(absl::StrCat("gRPC could not start serving on ", options.listen));
+  }
+  s->listener_->Start(std::move(acceptor), s->max_connections_);
+  s->SetServing(true);
+  return s;
+}
+
+Serving::~Serving() { Stop(); }
+
+void Serving::SetServing(bool serving) {
+  if (server_ == nullptr) return;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);
+  health->SetServingStatus(v1::KvBank::service_full_name(), serving);
+}
+
+void Serving::ShutdownHealth() {
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->Shutdown();
+  }
+}
+
+void Serving::Stop() {
+  if (stopped_ || server_ == nullptr) return;  // stopped, or never started
+  stopped_ = true;
+  listener_->Stop();
+  // Cancel what is left and close the connections now: a graceful GOAWAY would wait for idle
+  // clients to answer its ping, up to 20 s.
+  server_->Shutdown(std::chrono::system_clock::now());
+  server_->Wait();
+}
+
+}  // namespace kvbank::rpc

@@ -1,0 +1,72 @@
+// A gRPC server for kvbank.v1.KvBank as kvbankd runs it: on kvbankd's own listener (listener.h),
+// with the message-size limits, a bound on gRPC's memory, idle-connection and keepalive settings,
+// health (answering for "" and kvbank.v1.KvBank) and reflection. kvbankd and the benchmarks that
+// serve in-process start it the same way, so a benchmark measures what kvbankd does.
+#ifndef KVBANK_SERVER_RPC_SERVING_H_
+#define KVBANK_SERVER_RPC_SERVING_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/support/server_interceptor.h"
+#include "server/rpc/listener.h"
+
+namespace kvbank::rpc {
+
+struct ServingOptions {
+  std::string listen = "127.0.0.1:0";  // port 0: the system picks one (Serving::port)
+  std::shared_ptr<grpc::ServerCredentials> credentials;  // null: plaintext
+  // Most connections open at once; 0: the descriptor limit less a reserve.
+  uint64_t max_connections = 0;
+  // gRPC's memory for connections and messages in flight (its ResourceQuota).
+  uint64_t grpc_memory_bytes = uint64_t{256} << 20;
+  // Zero: off.
+  absl::Duration max_connection_idle = absl::Minutes(10);
+  absl::Duration keepalive_time = absl::Seconds(60);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // Extra channel arguments (benchmark experiments).
+  std::vector<std::pair<std::string, int>> channel_args;
+};
+
+// Descriptors kept out of the connection cap: pools, logs, gRPC's own pipes and epoll.
+inline constexpr uint64_t kReservedDescriptors = 64;
+
+// Not thread-safe: one owner starts and stops it. Health and the server may be used from any
+// thread.
+class Serving {
+ public:
+  // Raises the descriptor limit, binds the listener (FAILED_PRECONDITION naming a port in use),
+  // builds and starts the server with `service` (which must outlive this) and starts accepting.
+  static absl::StatusOr<std::unique_ptr<Serving>> Start(grpc::Service* service,
+                                                        ServingOptions options);
+  ~Serving();  // Stop()s
+
+  int port() const { return listener_->port(); }
+  uint64_t max_connections() const { return max_connections_; }
+  uint64_t descriptor_limit() const { return descriptor_limit_; }
+  grpc::Server* server() const { return server_.get(); }
+  const Listener& listener() const { return *listener_; }
+  // Health of "" and of kvbank.v1.KvBank. No effect once the health service is shut down.
+  void SetServing(bool serving);
+  // The drain: health answers NOT_SERVING from now on, for good.
+  void ShutdownHealth();
+  // Stops accepting, cancels what is left and closes every connection now; waits for the
+  // server's threads. Idempotent.
+  void Stop();
+
+ private:
+  Serving() = default;
+  std::unique_ptr<Listener> listener_;
+  std::unique_ptr<grpc::Server> server_;
+  uint64_t max_connections_ = 0;
+  uint64_t descriptor_limit_ = 0;
+  bool stopped_ = false;
+};
+
+}  // namespace kvbank::rpc
+
+#endif  // KVBANK_SERVER_RPC_SERVING_H_
