@@ -215,6 +215,10 @@ class AppendTxn {
   // Staged memory: the storage-format checks of a piece whose bytes are all staged, then its
   // move into the blocks.
   absl::Status FlushPiece(const StagedPiece& piece);
+  // Makes write_table_[index] a block only this transaction holds (copying it, the copy swapped
+  // in at commit) unless it is one already; RowCodec's MakePrivate. RESOURCE_EXHAUSTED when the
+  // pool or the tenant's quota has no block for the copy.
+  absl::Status MakePrivate(uint64_t index);
 
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;
