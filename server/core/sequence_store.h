@@ -195,7 +195,9 @@ class AppendTxn {
   // memory that is not direct (a GPU) they are staged, and each piece of whole layers moves
   // once its last byte is in (StagedPiece).
   // INVALID_ARGUMENT when they would run past payload_bytes(), or hold NaN / Inf on the way to a
-  // converted layer; the transaction must then be dropped (it undoes everything).
+  // converted layer; RESOURCE_EXHAUSTED when rows that outgrow an fp8 block's scale need a copy
+  // of the block to rescale and the pool or the tenant's quota has no block for it. The
+  // transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
   // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived; ABORTED when
   // the sequence was freed meanwhile; INTERNAL when the device failed. The transaction is
