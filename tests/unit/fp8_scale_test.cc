@@ -259,5 +259,29 @@ TEST(Fp8Scale, DecodeRowsThatOutgrowTheScaleRescaleTheBlock) {
   }
 }
 
+// A rescale needs a block for the private copy: with the pool full the append fails with
+// RESOURCE_EXHAUSTED and changes nothing; with a block free again the same append goes in.
+TEST(Fp8Scale, RescaleWithThePoolFullFailsCleanly) {
+  constexpr uint32_t kSeed = 77;
+  std::printf("seed %u\n", kSeed);
+  const ModelLayout m = Model(kShapes[0], DType::kFp8E4M3, DType::kFp32);
+  QuantStore store(m, 4);
+  const uint64_t a = store.NewSeq(), b = store.NewSeq();
+  Ref ra(m), rb(m);
+  ASSERT_TRUE(store.Append(a, 17, ra.Add(17, SmallThenLarge(kSeed, 16, 17)), 0).ok());
+  ASSERT_TRUE(store.Append(b, 32, rb.Add(32, SmallThenLarge(kSeed + 1, 16, 32)), 0).ok());
+  const std::vector<uint8_t> before = store.Fetch(a, DType::kFp8E4M3);
+  Ref next = ra;
+  const std::vector<uint8_t> payload = next.Add(1, SmallThenLarge(kSeed + 2, 16, 0));
+  const absl::Status full = store.Append(a, 1, payload, 0);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_TRUE(store.Fetch(a, DType::kFp8E4M3) == before) << "a refused append changed the block";
+  EXPECT_EQ(store->CheckInvariants(), "");
+  ASSERT_TRUE(store->Free(b).ok());
+  ASSERT_TRUE(store.Append(a, 1, payload, 0).ok());
+  EXPECT_EQ(CountOutOfBounds(store, a, next, 2.0), 0u);
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
 }  // namespace
 }  // namespace kvbank
