@@ -2,8 +2,8 @@
 // blocks whose layers store another dtype: converting, quantizing to int8 / fp8 on the way in,
 // dequantizing on the way out. What a pool the CPU cannot address (the CUDA backend) runs on
 // each staged piece of a transfer (whole layers, each a payload of its own); the host backend
-// streams chunks through the server's RowCodec instead, which writes the same bytes when it is
-// given the whole payload in one call.
+// streams chunks through the server's RowCodec instead, which writes the same bytes however the
+// payload is chunked.
 //
 // Rows: one row = head_dim (K) or head_dim_v (V) values of one (layer, K/V part, kv head, token);
 // the payload is laid out as PayloadLayout::Make(blocks, l0, l1, n, wire) says:

@@ -97,7 +97,7 @@ absl::Status RowCodec::EncodeUnit(const Row& r, uint64_t rows, const uint8_t* sr
     at.begin += skip * r.dim * wire_bytes_;
     return NonFiniteError(at, static_cast<uint64_t>(bad) % r.dim);
   }
-  if (rows == 1 && !kernels::qmath::IsFp8DType(blocks_.layers[r.layer].dtype)) {
+  if (!kernels::qmath::IsFp8DType(blocks_.layers[r.layer].dtype)) {  // one row
     EncodeRow(r, src);
     return absl::OkStatus();
   }
