@@ -72,21 +72,22 @@ __device__ inline void CopyBytes(uint8_t* dst, const uint8_t* src, uint64_t n, u
   }
 }
 
-// Phase 1 of the encode: the scale of every (K/V, head, block) segment whose row 0 the payload
-// holds, from the absolute maximum of that head's rows in the payload in that block (x headroom
-// when fewer than block_tokens). One CUDA block per segment; max |x| is exact and
-// order-independent on finite input, so any reduction tree gives AbsMax's result.
+// Phase 1 of the encode: the scale of every (K/V, head, block) group the payload touches, by
+// Fp8GroupScale from the absolute maximum of that head's rows in the payload in that block; a
+// block the payload continues and whose scale changes gets its earlier rows requantized here.
+// One CUDA block per group; max |x| is exact and order-independent on finite input, so any
+// reduction tree gives AbsMax's result.
 __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload) {
   __shared__ float warp_max[kWarps];
+  __shared__ float scales[2];  // the stored scale and the new one
   const uint32_t wb = DTypeBytes(wire);
   for (uint32_t li = blockIdx.y; li < m.num_layers; li += gridDim.y) {
     const LayerView v = m.layers[li];
     if (!IsFp8DType(v.dtype)) continue;  // uniform over the CUDA block
     const uint64_t bt = v.block_tokens;
-    // Sequence blocks [b0, b1) start inside the payload's tokens.
-    const uint64_t b0 = (m.token_begin + bt - 1) / bt;
+    // Sequence blocks [b0, b1) hold the payload's tokens.
+    const uint64_t b0 = m.token_begin / bt;
     const uint64_t b1 = (m.token_begin + m.num_tokens + bt - 1) / bt;
-    if (b1 <= b0) continue;
     const uint64_t nb = b1 - b0;
     const uint64_t segments = uint64_t{v.KvParts()} * v.num_kv_heads * nb;
     const uint64_t k_part = uint64_t{v.num_kv_heads} * m.num_tokens * v.head_dim * wb;
@@ -96,8 +97,10 @@ __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload
       const uint32_t kv = static_cast<uint32_t>(kvh / v.num_kv_heads);
       const uint32_t h = static_cast<uint32_t>(kvh % v.num_kv_heads);
       const uint32_t dim = kv ? v.head_dim_v : v.head_dim;
-      const uint64_t t = b * bt - m.token_begin;  // payload token of the block's row 0
-      const uint64_t rows = m.num_tokens - t < bt ? m.num_tokens - t : bt;
+      // Block rows [row, row + rows) come from payload tokens [t, t + rows).
+      const uint64_t row = b * bt < m.token_begin ? m.token_begin - b * bt : 0;
+      const uint64_t t = b * bt + row - m.token_begin;
+      const uint64_t rows = m.num_tokens - t < bt - row ? m.num_tokens - t : bt - row;
       const uint8_t* src = payload + m.layer_offset[li] + (kv ? k_part : 0) +
                            (uint64_t{h} * m.num_tokens + t) * dim * wb;
       const uint64_t len = rows * dim;
@@ -111,16 +114,27 @@ __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload
         mx = o > mx ? o : mx;
       }
       if ((threadIdx.x & 31u) == 0) warp_max[threadIdx.x / 32] = mx;
+      uint8_t* block = m.pool + uint64_t(m.block_table[b]) * m.block_bytes;
+      float* scale_slot = reinterpret_cast<float*>(block + v.Fp8Scale(kv, h));
       __syncthreads();
       if (threadIdx.x == 0) {
         float amax = 0.0f;
         for (unsigned w = 0; w < blockDim.x / 32; ++w)
           amax = warp_max[w] > amax ? warp_max[w] : amax;
-        if (rows < bt) amax = MulRn(amax, kFp8ScaleHeadroom);
-        uint8_t* block = m.pool + uint64_t(m.block_table[b]) * m.block_bytes;
-        *reinterpret_cast<float*>(block + v.Fp8Scale(kv, h)) = Fp8ScaleFor(amax, v.dtype);
+        scales[0] = *scale_slot;
+        scales[1] = Fp8GroupScale(amax, scales[0], row, rows, bt, v.dtype);
       }
-      __syncthreads();  // warp_max is reused by the next segment
+      __syncthreads();
+      const float stored = scales[0], scale = scales[1];
+      if (row > 0 && scale != stored) {  // uniform over the CUDA block
+        uint8_t* codes = block + (kv ? v.VRow(h, 0) : v.KRow(h, 0));
+        const float inv = RecipRn(scale);
+        for (uint64_t i = threadIdx.x; i < row * dim; i += blockDim.x) {
+          codes[i] = EncodeFp8(DecodeFp8(codes[i], stored, v.dtype), inv, v.dtype);
+        }
+      }
+      if (threadIdx.x == 0) *scale_slot = scale;
+      __syncthreads();  // warp_max and scales are reused by the next segment
     }
   }
 }

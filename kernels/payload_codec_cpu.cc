@@ -3,6 +3,7 @@
 // is one call of a quant.h codec.
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels/payload_codec.h"
 #include "kernels/quant.h"
@@ -55,6 +56,20 @@ uint64_t RowOffset(const Run& r) {
 
 }  // namespace
 
+void EncodeFp8Group(const void* src, DType wire, uint64_t row, uint64_t rows, uint32_t dim,
+                    float scale, DType fp8, uint8_t* head_rows, uint8_t* scale_slot) {
+  float stored;
+  std::memcpy(&stored, scale_slot, sizeof(stored));
+  if (row > 0 && scale != stored) {
+    // scale / stored is a power of two: the codes move by whole exponents (Fp8GroupScale).
+    std::vector<float> values(row * dim);
+    DecodeFp8(head_rows, fp8, values.size(), stored, values.data(), DType::kFp32);
+    EncodeFp8(values.data(), DType::kFp32, values.size(), scale, fp8, head_rows);
+  }
+  std::memcpy(scale_slot, &scale, sizeof(scale));
+  EncodeFp8(src, wire, rows * dim, scale, fp8, head_rows + row * dim);
+}
+
 void EncodePayloadCpu(const PayloadMap& m, DType wire, const uint8_t* payload) {
   if (!qmath::IsElementDType(wire) || m.num_tokens == 0) return;
   ForEachRun(m, DTypeBytes(wire), [&](const Run& r) {
@@ -70,17 +85,13 @@ void EncodePayloadCpu(const PayloadMap& m, DType wire, const uint8_t* payload) {
         break;
       case DType::kFp8E4M3:
       case DType::kFp8E5M2: {
-        uint8_t* scale_at = r.block + v.Fp8Scale(r.kv, r.head);
-        float scale;
-        if (r.row == 0) {  // the payload holds the block's row 0: this run sets the scale
-          float amax = AbsMax(src, wire, n);
-          if (r.rows < v.block_tokens) amax *= kFp8ScaleHeadroom;
-          scale = Fp8ScaleFor(amax, v.dtype);
-          std::memcpy(scale_at, &scale, sizeof(scale));
-        } else {
-          std::memcpy(&scale, scale_at, sizeof(scale));
-        }
-        EncodeFp8(src, wire, n, scale, v.dtype, dst);
+        uint8_t* scale_slot = r.block + v.Fp8Scale(r.kv, r.head);
+        float stored;  // meaningful only when earlier transfers filled rows [0, r.row)
+        std::memcpy(&stored, scale_slot, sizeof(stored));
+        const float scale = qmath::Fp8GroupScale(AbsMax(src, wire, n), stored, r.row, r.rows,
+                                                 v.block_tokens, v.dtype);
+        uint8_t* head_rows = r.block + (r.kv == 0 ? v.KRow(r.head, 0) : v.VRow(r.head, 0));
+        EncodeFp8Group(src, wire, r.row, r.rows, r.dim, scale, v.dtype, head_rows, scale_slot);
         break;
       }
       default:

@@ -12,8 +12,8 @@
 // and for fp8 (one scale per (K/V, head) per block, over all the block's rows of that head):
 //   scale = Fp8ScaleFor(AbsMax(src, in_dtype, rows * head_dim), fp8);
 //   EncodeFp8(src, in_dtype, rows * head_dim, scale, fp8, block + v.KRow(h, 0));
-// NOTE: a block filled by several appends keeps the scale of its first one unless the caller
-// recomputes it (decode, new amax, encode); values past scale * fmax saturate.
+// NOTE: values past scale * fmax saturate; a block filled by several appends needs its scale
+// revised as rows come (qmath::Fp8GroupScale, which the block codecs of payload_codec.h follow).
 // The "scale-free" e5m2 mode (vLLM's fp8_e5m2 without scales) is EncodeFp8 with scale 1.
 //
 // Rounding is round-to-nearest-even everywhere. The codecs never produce NaN or Inf from finite

@@ -187,6 +187,33 @@ KVBANK_HD inline float Fp8ScaleFor(float amax, DType fp8) {
   return s > kFloatMinNormal ? s : kFloatMinNormal;
 }
 
+// The fp8 scale rule, one for every codec that writes blocks (the host RowCodec, the whole-payload
+// codecs on the CPU and the GPU). A group is one (layer, K/V part, kv head, block): its rows share
+// one scale. An append brings rows [row, row + rows) of a group, `amax` their largest magnitude;
+// `stored` is the group's scale when row > 0 (earlier appends brought rows [0, row)). The target
+// is Fp8ScaleFor(amax) when the block's rows are all in (row + rows == block_tokens), else
+// Fp8ScaleFor(amax * kFp8ScaleHeadroom), room for decode rows to come.
+//   row == 0:  the target; so a block that one append fills gets its exact scale.
+//   row > 0:   `stored` while it covers amax (Fp8ScaleFor(amax) <= stored); else the smallest
+//              stored * 2^k that reaches the target, and the caller requantizes rows [0, row)
+//              to it: a power-of-two ratio moves their codes by whole exponents, exactly unless
+//              they fall below the normal range. So no finite row ever saturates.
+// The result is finite and positive.
+constexpr float kFp8ScaleHeadroom = 4.0f;
+
+KVBANK_HD inline float Fp8GroupScale(float amax, float stored, uint64_t row, uint64_t rows,
+                                     uint64_t block_tokens, DType fp8) {
+  const float target =
+      Fp8ScaleFor(row + rows < block_tokens ? MulRn(amax, kFp8ScaleHeadroom) : amax, fp8);
+  // A stored scale that is not a positive finite float (a block no transfer has filled) is
+  // replaced, never doubled.
+  if (row == 0 || !(stored > 0.0f && stored <= kFloatMax)) return target;
+  if (Fp8ScaleFor(amax, fp8) <= stored) return stored;
+  float s = stored;
+  while (s < target) s = MulRn(s, 2.0f);  // at most ~280 doublings: both are finite floats
+  return s;
+}
+
 // x * inv_scale encoded; inv_scale = RecipRn(scale).
 KVBANK_HD inline uint8_t EncodeFp8(float x, float inv_scale, DType fp8) {
   const float y = MulRn(x, inv_scale);

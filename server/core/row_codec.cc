@@ -4,17 +4,11 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/payload_codec.h"
 #include "kernels/quant.h"
+#include "kernels/quant_math.h"
 
 namespace kvbank {
-
-namespace {
-// An fp8 block's scale is set when its first row is written, from the rows of that head at hand.
-// When the whole block is at hand (prefill) the scale is exact; when it is not (decode appends a
-// token at a time) it leaves this much headroom for the rows still to come, which saturate past
-// it. fp8's error is relative, so headroom costs only range at the bottom.
-constexpr float kFp8Headroom = 4.0f;
-}  // namespace
 
 RowCodec::RowCodec(const BlockLayout& blocks, const PayloadLayout& payload, DType wire,
                    uint8_t* pool, const int32_t* block_table, uint64_t token_begin)
@@ -81,36 +75,72 @@ uint8_t* RowCodec::BlockOf(const Row& r, uint32_t* block_row) const {
   return pool_ + uint64_t(block_table_[pos / bt]) * blocks_.block_bytes;
 }
 
-void RowCodec::EncodeRow(const Row& r, const uint8_t* src, uint64_t lookahead) {
+RowCodec::Row RowCodec::Skip(Row r, uint64_t rows) const {
+  r.token += rows - 1;
+  r.begin += (rows - 1) * r.dim * wire_bytes_;
+  return Next(r);
+}
+
+uint64_t RowCodec::UnitRows(const Row& r) const {
+  if (!kernels::qmath::IsFp8DType(blocks_.layers[r.layer].dtype)) return 1;
+  const uint64_t bt = blocks_.block_tokens;
+  return std::min(bt - (token_begin_ + r.token) % bt, payload_.num_tokens - r.token);
+}
+
+absl::Status RowCodec::EncodeUnit(const Row& r, uint64_t rows, const uint8_t* src) {
+  // An fp8 group's scale covers all its rows: they must be finite before any is encoded.
+  const int64_t bad = kernels::FindNonFinite(src, wire_, rows * r.dim);
+  if (bad >= 0) {  // name the row that holds it: the same head, bad / dim tokens on
+    const uint64_t skip = static_cast<uint64_t>(bad) / r.dim;
+    Row at = r;
+    at.token += skip;
+    at.begin += skip * r.dim * wire_bytes_;
+    return NonFiniteError(at, static_cast<uint64_t>(bad) % r.dim);
+  }
+  if (!kernels::qmath::IsFp8DType(blocks_.layers[r.layer].dtype)) {  // one row
+    EncodeRow(r, src);
+    return absl::OkStatus();
+  }
+  return EncodeFp8Group(r, rows, src);
+}
+
+void RowCodec::EncodeRow(const Row& r, const uint8_t* src) {
   const LayerView& v = blocks_.layers[r.layer];
   uint32_t row = 0;
   uint8_t* block = BlockOf(r, &row);
   uint8_t* dst = block + (r.kv == 0 ? v.KRow(r.head, row) : v.VRow(r.head, row));
-  switch (v.dtype) {
-    case DType::kInt8:
-      kernels::QuantizeInt8Rows(src, wire_, 1, r.dim, dst,
-                                reinterpret_cast<float*>(block + v.Int8Scale(r.kv, r.head, row)),
-                                block + v.Int8ZeroPoint(r.kv, r.head, row));
-      break;
-    case DType::kFp8E4M3:
-    case DType::kFp8E5M2: {
-      float scale;
-      uint8_t* scale_at = block + v.Fp8Scale(r.kv, r.head);
-      if (row == 0) {  // the block's first row of this head: set its scale
-        const uint64_t rows = 1 + lookahead;
-        float amax = kernels::AbsMax(src, wire_, rows * r.dim);
-        if (rows < v.block_tokens) amax *= kFp8Headroom;
-        scale = kernels::Fp8ScaleFor(amax, v.dtype);
-        std::memcpy(scale_at, &scale, sizeof(scale));
-      } else {
-        std::memcpy(&scale, scale_at, sizeof(scale));
-      }
-      kernels::EncodeFp8(src, wire_, r.dim, scale, v.dtype, dst);
-      break;
-    }
-    default:
-      kernels::ConvertElements(src, wire_, dst, v.dtype, r.dim);
+  if (v.dtype == DType::kInt8) {
+    kernels::QuantizeInt8Rows(src, wire_, 1, r.dim, dst,
+                              reinterpret_cast<float*>(block + v.Int8Scale(r.kv, r.head, row)),
+                              block + v.Int8ZeroPoint(r.kv, r.head, row));
+  } else {
+    kernels::ConvertElements(src, wire_, dst, v.dtype, r.dim);
   }
+}
+
+absl::Status RowCodec::EncodeFp8Group(const Row& r, uint64_t rows, const uint8_t* src) {
+  const LayerView& v = blocks_.layers[r.layer];
+  uint32_t row = 0;
+  uint8_t* block = BlockOf(r, &row);
+  float stored;
+  std::memcpy(&stored, block + v.Fp8Scale(r.kv, r.head), sizeof(stored));
+  const float scale = kernels::qmath::Fp8GroupScale(kernels::AbsMax(src, wire_, rows * r.dim),
+                                                    stored, row, rows, v.block_tokens, v.dtype);
+  if (row > 0 && scale != stored) {
+    // The rescale rewrites rows [0, row), which readers may be reading and which an aborted
+    // append must leave as they were: it happens on a private copy.
+    if (make_private_ == nullptr) {
+      return absl::InternalError("an fp8 rescale needs a private block and the codec has none");
+    }
+    if (absl::Status s = make_private_((token_begin_ + r.token) / blocks_.block_tokens); !s.ok()) {
+      return s;
+    }
+    block = BlockOf(r, &row);
+  }
+  kernels::EncodeFp8Group(src, wire_, row, rows, r.dim, scale, v.dtype,
+                          block + (r.kv == 0 ? v.KRow(r.head, 0) : v.VRow(r.head, 0)),
+                          block + v.Fp8Scale(r.kv, r.head));
+  return absl::OkStatus();
 }
 
 void RowCodec::DecodeRow(const Row& r, uint8_t* dst) const {
@@ -137,55 +167,33 @@ void RowCodec::DecodeRow(const Row& r, uint8_t* dst) const {
 }
 
 absl::Status RowCodec::Write(uint64_t offset, absl::Span<const uint8_t> data) {
-  auto check = [&](const Row& r, const uint8_t* src) -> absl::Status {
-    const int64_t bad = kernels::FindNonFinite(src, wire_, r.dim);
-    return bad < 0 ? absl::OkStatus() : NonFiniteError(r, bad);
-  };
   uint64_t at = offset;
-  if (!carry_.empty()) {  // finish the row begun by the last call
+  if (!carry_.empty()) {  // finish the unit begun by an earlier call
     const Row r = RowAt(at - carry_.size());
-    const size_t need = uint64_t{r.dim} * wire_bytes_ - carry_.size();
-    const size_t take = std::min(need, data.size());
+    const uint64_t rows = UnitRows(r);
+    const uint64_t need = rows * r.dim * wire_bytes_ - carry_.size();
+    const size_t take = std::min<uint64_t>(need, data.size());
     carry_.insert(carry_.end(), data.begin(), data.begin() + take);
     data.remove_prefix(take);
     at += take;
     if (take < need) return absl::OkStatus();
-    if (absl::Status s = check(r, carry_.data()); !s.ok()) return s;
-    EncodeRow(r, carry_.data(), 0);
+    const absl::Status s = EncodeUnit(r, rows, carry_.data());
     carry_.clear();
+    if (!s.ok()) return s;
   }
   if (data.empty()) return absl::OkStatus();
   Row r = RowAt(at);
   while (!data.empty()) {
-    const uint64_t row_bytes = uint64_t{r.dim} * wire_bytes_;
-    if (data.size() < row_bytes) {
+    const uint64_t rows = UnitRows(r);
+    const uint64_t bytes = rows * r.dim * wire_bytes_;
+    if (data.size() < bytes) {
       carry_.assign(data.begin(), data.end());
       break;
     }
-    if (absl::Status s = check(r, data.data()); !s.ok()) return s;
-    // Rows of the same head that follow in this chunk and land in the same block.
-    const uint32_t block_row =
-        static_cast<uint32_t>((token_begin_ + r.token) % blocks_.block_tokens);
-    const uint64_t same_head = payload_.num_tokens - r.token - 1;
-    const uint64_t same_block = blocks_.block_tokens - block_row - 1;
-    const uint64_t in_data = data.size() / row_bytes - 1;
-    const uint64_t lookahead = std::min({same_head, same_block, in_data});
-    if (lookahead > 0 && block_row == 0 && IsQuantized(blocks_.layers[r.layer].dtype)) {
-      // The scale covers these rows too: they must be finite before any of them is encoded.
-      const int64_t bad =
-          kernels::FindNonFinite(data.data(), wire_, (lookahead + 1) * uint64_t{r.dim});
-      if (bad >= 0) {  // name the row that holds it: the same head, bad / dim tokens on
-        const uint64_t skip = static_cast<uint64_t>(bad) / r.dim;
-        Row at = r;
-        at.token += skip;
-        at.begin += skip * row_bytes;
-        return check(at, data.data() + skip * row_bytes);
-      }
-    }
-    EncodeRow(r, data.data(), lookahead);
-    data.remove_prefix(row_bytes);
-    at += row_bytes;
-    if (at < payload_.total_bytes) r = Next(r);
+    if (absl::Status s = EncodeUnit(r, rows, data.data()); !s.ok()) return s;
+    data.remove_prefix(bytes);
+    at += bytes;
+    if (at < payload_.total_bytes) r = Skip(r, rows);
   }
   return absl::OkStatus();
 }

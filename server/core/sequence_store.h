@@ -195,7 +195,9 @@ class AppendTxn {
   // memory that is not direct (a GPU) they are staged, and each piece of whole layers moves
   // once its last byte is in (StagedPiece).
   // INVALID_ARGUMENT when they would run past payload_bytes(), or hold NaN / Inf on the way to a
-  // converted layer; the transaction must then be dropped (it undoes everything).
+  // converted layer; RESOURCE_EXHAUSTED when rows that outgrow an fp8 block's scale need a copy
+  // of the block to rescale and the pool or the tenant's quota has no block for it. The
+  // transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
   // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived; ABORTED when
   // the sequence was freed meanwhile; INTERNAL when the device failed. The transaction is
@@ -215,6 +217,10 @@ class AppendTxn {
   // Staged memory: the storage-format checks of a piece whose bytes are all staged, then its
   // move into the blocks.
   absl::Status FlushPiece(const StagedPiece& piece);
+  // Makes write_table_[index] a block only this transaction holds (copying it, the copy swapped
+  // in at commit) unless it is one already; RowCodec's MakePrivate. RESOURCE_EXHAUSTED when the
+  // pool or the tenant's quota has no block for the copy.
+  absl::Status MakePrivate(uint64_t index);
 
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;

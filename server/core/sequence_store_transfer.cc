@@ -112,9 +112,20 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   const uint64_t first = pos / bt;
   const uint64_t need = CeilDiv(pos + spec.num_tokens, bt);
   const uint64_t have = s->blocks.size();
+  // A converted append that continues an fp8 block may rescale it, rewriting rows readers see
+  // (kernels/quant_math.h, Fp8GroupScale). On direct memory the codec copies the block when that
+  // happens (AppendTxn::MakePrivate); staged memory cannot tell before the kernel runs, so the
+  // block is copied now.
+  bool rescalable = false;
+  if (wire->mode == Mode::kConvert && pos % bt != 0 && !pool_->memory().direct()) {
+    for (uint32_t l = l0; l < l1; ++l) {
+      rescalable = rescalable || layout_.layer_dtypes[l] == DType::kFp8E4M3 ||
+                   layout_.layer_dtypes[l] == DType::kFp8E5M2;
+    }
+  }
   std::vector<size_t> cow;
   for (uint64_t i = first; i < std::min(have, need); ++i) {
-    if (!pool_->Writable(s->blocks[i].id())) cow.push_back(i);
+    if (!pool_->Writable(s->blocks[i].id()) || (i == first && rescalable)) cow.push_back(i);
   }
   const uint64_t fresh = need > have ? need - have : 0;
   auto blocks = pool_->Allocate(cow.size() + fresh, s->tenant_id);
@@ -154,6 +165,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   Configure(*wire, l0, l1, pos, spec.num_tokens, txn->write_table_.data(), &txn->payload_,
             &txn->job_, &txn->codec_);
   if (!pool_->memory().direct()) txn->pieces_ = SplitForStaging(txn->payload_, txn->job_);
+  if (txn->codec_ != nullptr) {
+    AppendTxn* t = txn.get();
+    txn->codec_->SetMakePrivate([t](uint64_t index) { return t->MakePrivate(index); });
+  }
   return txn;
 }
 
@@ -346,6 +361,30 @@ absl::Status AppendTxn::ValidateStorageFormat(uint32_t l0, uint32_t l1, const ui
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status AppendTxn::MakePrivate(uint64_t index) {
+  // Blocks past the sequence's own are the transaction's (new_blocks_), and so are the copies.
+  if (index >= write_table_.size() - new_blocks_.size()) return absl::OkStatus();
+  for (const auto& [i, block] : replacements_) {
+    if (i == index) return absl::OkStatus();
+  }
+  SequenceStore& st = *store_;
+  absl::MutexLock lock(&st.mu_);
+  auto blocks = st.pool_->Allocate(1, seq_->tenant_id);
+  if (!blocks.ok()) return blocks.status();
+  BlockRef copy = std::move((*blocks)[0]);
+  // NOTE: the source is the sequence's block, held while the append is in flight; its rows past
+  // the sequence's length are this append's, copied along with the rest.
+  const int32_t src = write_table_[index], dst = copy.id();
+  if (absl::Status c =
+          st.pool_->memory().CopyBlocks({&src, 1}, {&dst, 1}, st.block_layout().block_bytes);
+      !c.ok()) {
+    return c;
+  }
+  write_table_[index] = dst;
+  replacements_.emplace_back(index, std::move(copy));
   return absl::OkStatus();
 }
 

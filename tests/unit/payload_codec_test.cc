@@ -89,7 +89,9 @@ TEST(PayloadCodecTest, MatchesRowCodecWholePayload) {
       const std::vector<uint8_t> payload = CodecPayload(p.b, pl, c.wire, rng);
       ASSERT_EQ(payload.size(), pl.total_bytes);
       RowCodec codec(p.b, pl, c.wire, pool_row.data(), p.table.data(), pos);
-      ASSERT_TRUE(codec.Write(0, payload).ok());
+      codec.SetMakePrivate([](uint64_t) { return absl::OkStatus(); });  // no reader here
+      const absl::Status written = codec.Write(0, payload);
+      ASSERT_TRUE(written.ok()) << written;
       const PayloadMap m = CodecMap(p, pl, pos, pool_ker.data(), p.b.layers.data() + c.l0,
                                     pl.layer_offset.data(), p.table.data());
       EncodePayloadCpu(m, c.wire, payload.data());
@@ -127,7 +129,9 @@ TEST(PayloadCodecTest, MatchesRowCodecWholePayload) {
 
 // The fp8 scale rule, computed here from the values: a block's scale is set by the transfer that
 // holds its row 0, from that head's rows in it, with 4x headroom when they are fewer than a block;
-// a later transfer into the block keeps it.
+// a later transfer into the block keeps it while it covers the new rows, else doubles it until it
+// reaches the new rows' scale (with headroom while the block is not full) and requantizes the rows
+// already there, which then decode to the same values. RowCodec stores the same bytes.
 TEST(PayloadCodecTest, Fp8ScaleRule) {
   std::mt19937_64 rng(kSeed + 1);
   for (DType fp8 : {DType::kFp8E4M3, DType::kFp8E5M2}) {
@@ -135,7 +139,7 @@ TEST(PayloadCodecTest, Fp8ScaleRule) {
     ASSERT_EQ(ValidateLayout(layout), "");
     const BlockLayout b = ComputeBlockLayout(layout);
     const LayerView& v = b.layers[0];
-    std::vector<uint8_t> pool(4 * b.block_bytes, 0);
+    std::vector<uint8_t> pool(4 * b.block_bytes, 0), pool_row(pool.size(), 0);
     const std::vector<int32_t> table = {2, 0, 3};
     auto scale_of = [&](int32_t blk, uint32_t kv, uint32_t h) {
       float s;
@@ -155,10 +159,10 @@ TEST(PayloadCodecTest, Fp8ScaleRule) {
       }
       return m;
     };
-    auto transfer = [&](uint64_t pos, uint64_t n) {
+    auto transfer = [&](uint64_t pos, uint64_t n, float sigma = 3.0f) {
       const PayloadLayout pl = PayloadLayout::Make(b, 0, 1, n, DType::kFp32);
       std::vector<float> values(pl.total_bytes / 4);
-      std::normal_distribution<float> gauss(0.0f, 3.0f);
+      std::normal_distribution<float> gauss(0.0f, sigma);
       for (float& x : values) x = gauss(rng);
       std::vector<uint8_t> payload(pl.total_bytes);
       std::memcpy(payload.data(), values.data(), payload.size());
@@ -173,7 +177,22 @@ TEST(PayloadCodecTest, Fp8ScaleRule) {
       m.num_tokens = n;
       m.total_bytes = pl.total_bytes;
       EncodePayloadCpu(m, DType::kFp32, payload.data());
+      RowCodec codec(b, pl, DType::kFp32, pool_row.data(), table.data(), pos);
+      codec.SetMakePrivate([](uint64_t) { return absl::OkStatus(); });  // no reader here
+      for (size_t at = 0; at < payload.size(); at += 100) {  // in pieces: no effect on the bytes
+        const size_t len = std::min<size_t>(100, payload.size() - at);
+        EXPECT_TRUE(codec.Write(at, absl::MakeConstSpan(payload.data() + at, len)).ok());
+      }
+      EXPECT_EQ(FirstDiff(b, pool_row, pool), "") << "RowCodec differs from EncodePayloadCpu";
       return std::make_pair(pl, payload);
+    };
+    // Block `blk`'s rows [0, rows) of (kv, h) as fp32.
+    auto decoded = [&](int32_t blk, uint32_t kv, uint32_t h, uint32_t rows) {
+      std::vector<float> out(rows * v.head_dim);
+      const uint8_t* block = pool.data() + blk * b.block_bytes;
+      DecodeFp8(block + (kv == 0 ? v.KRow(h, 0) : v.VRow(h, 0)), fp8, out.size(),
+                scale_of(blk, kv, h), out.data(), DType::kFp32);
+      return out;
     };
     // Tokens [0, 5): block 0 row 0 with 5 rows -> headroom.
     const auto [pl1, p1] = transfer(0, 5);
@@ -191,6 +210,38 @@ TEST(PayloadCodecTest, Fp8ScaleRule) {
         EXPECT_EQ(scale_of(2, kv, h), kept[kv * 2 + h]);
         EXPECT_EQ(scale_of(0, kv, h), Fp8ScaleFor(amax(pl2, p2, kv, h, 11, 27), fp8));
         EXPECT_EQ(scale_of(3, kv, h), Fp8ScaleFor(4.0f * amax(pl2, p2, kv, h, 27, 36), fp8));
+      }
+    }
+    // Tokens [41, 44): block 2 (rows 9..11) with values 1000x larger: rescaled by a power of two.
+    for (uint32_t i = 0; i < 4; ++i) kept[i] = scale_of(3, i / 2, i % 2);
+    std::vector<std::vector<float>> before;
+    for (uint32_t i = 0; i < 4; ++i) before.push_back(decoded(3, i / 2, i % 2, 9));
+    const auto [pl3, p3] = transfer(41, 3, 3000.0f);
+    for (uint32_t kv = 0; kv < 2; ++kv) {
+      for (uint32_t h = 0; h < 2; ++h) {
+        const float want = Fp8ScaleFor(4.0f * amax(pl3, p3, kv, h, 0, 3), fp8);
+        const float got = scale_of(3, kv, h);
+        ASSERT_GT(want, kept[kv * 2 + h]) << "the new rows must outgrow the scale";
+        EXPECT_GE(got, want);
+        EXPECT_LT(got / 2, want) << "the smallest doubling that reaches it";
+        int e = 0;
+        EXPECT_EQ(std::frexp(got / kept[kv * 2 + h], &e), 0.5f) << "a power-of-two ratio";
+        // Earlier rows keep their values exactly unless they fall below the normal range of the
+        // new scale, where they round to its subnormal step.
+        const bool e4 = fp8 == DType::kFp8E4M3;
+        const double normal = got * (e4 ? 0x1p-6 : 0x1p-14),
+                     half_step = got * (e4 ? 0x1p-10 : 0x1p-17);
+        const std::vector<float> after = decoded(3, kv, h, 9);
+        for (size_t i = 0; i < after.size(); ++i) {
+          const float x = before[kv * 2 + h][i];
+          if (std::fabs(x) >= normal) {
+            EXPECT_EQ(after[i], x) << "row " << i / v.head_dim << " element " << i % v.head_dim;
+          } else {
+            // Ties are likely: x is on the old, finer grid.
+            EXPECT_LE(std::fabs(double(after[i]) - x), half_step * (1 + 0x1p-20))
+                << "row " << i / v.head_dim;
+          }
+        }
       }
     }
   }

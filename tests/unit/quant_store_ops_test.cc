@@ -78,13 +78,11 @@ TEST(QuantStoreTest, NonFiniteInputIsRefusedAndChangesNothing) {
             QuantStore store(m);
             const uint64_t id = store.NewSeq();
             Ref ref(m);
-            ASSERT_TRUE(
-                store.Append(id, 7, ref.Add(7, Uniform(seed), Ref::Arrival::kWhole), 0).ok());
+            ASSERT_TRUE(store.Append(id, 7, ref.Add(7, Uniform(seed)), 0).ok());
             const Snapshot before = Capture(store, id);
 
             Ref next = ref;
-            std::vector<uint8_t> payload =
-                next.Add(w.tokens, Uniform(seed + 1), Ref::Arrival::kWhole);
+            std::vector<uint8_t> payload = next.Add(w.tokens, Uniform(seed + 1));
             const uint32_t kv = next.parts() - 1, h = m.num_kv_heads - 1, i = 5;
             const uint64_t at = PayloadOffset(m, w.tokens, in, w.layer, kv, h, w.token, i);
             qmath::StoreFromFloat(payload.data() + at, in, 0, bad);
@@ -113,9 +111,7 @@ TEST(QuantStoreTest, NonFiniteInputIsRefusedAndChangesNothing) {
             ExpectSame(store, before, Capture(store, id));
 
             // Still usable: the clean payload goes in and reads back within bounds.
-            const std::vector<uint8_t> clean =
-                ref.Add(w.tokens, Uniform(seed + 1),
-                        w.chunk ? Ref::Arrival::kChunked : Ref::Arrival::kWhole);
+            const std::vector<uint8_t> clean = ref.Add(w.tokens, Uniform(seed + 1));
             ASSERT_TRUE(store.Append(id, w.tokens, clean, w.chunk).ok());
             ASSERT_NO_FATAL_FAILURE(store.ExpectWithinBounds(id, ref));
             if (testing::Test::HasFailure()) return;  // one case's messages are enough
@@ -143,7 +139,7 @@ TEST(QuantStoreTest, PayloadsAtAnyAddressStoreTheSame) {
       SCOPED_TRACE(m.name);
       QuantStore store(m);
       Ref ref(m);
-      const std::vector<uint8_t> payload = ref.Add(21, Uniform(seed), Ref::Arrival::kWhole);
+      const std::vector<uint8_t> payload = ref.Add(21, Uniform(seed));
       for (size_t chunk : {size_t{0}, size_t{333}}) {
         std::vector<uint8_t> want;
         for (size_t shift : {0, 1, 2, 3}) {
@@ -244,7 +240,7 @@ TEST(QuantStoreTest, ForkAndTruncateCopyOnWrite) {
       QuantStore store(m);
       const uint64_t a = store.NewSeq();
       Ref ra(m);
-      ASSERT_TRUE(store.Append(a, 17, ra.Add(17, Uniform(seed), Ref::Arrival::kWhole), 0).ok());
+      ASSERT_TRUE(store.Append(a, 17, ra.Add(17, Uniform(seed)), 0).ok());
       const Snapshot parent = Capture(store, a);
       auto forked = store->Fork(a, absl::ZeroDuration());
       ASSERT_TRUE(forked.ok()) << forked.status();
@@ -254,8 +250,8 @@ TEST(QuantStoreTest, ForkAndTruncateCopyOnWrite) {
       // Blocks 0 and 1 are shared, the partial block 2 copied.
       EXPECT_EQ(store->Stats().pool.used, 4u);
 
-      ASSERT_TRUE(store.Append(b, 5, rb.Add(5, Uniform(seed + 1), Ref::Arrival::kWhole), 0).ok());
-      ASSERT_TRUE(store.Append(a, 4, ra.Add(4, Uniform(seed + 2), Ref::Arrival::kWhole), 0).ok());
+      ASSERT_TRUE(store.Append(b, 5, rb.Add(5, Uniform(seed + 1)), 0).ok());
+      ASSERT_TRUE(store.Append(a, 4, ra.Add(4, Uniform(seed + 2)), 0).ok());
       ASSERT_NO_FATAL_FAILURE(store.ExpectWithinBounds(a, ra));
       ASSERT_NO_FATAL_FAILURE(store.ExpectWithinBounds(b, rb));
       EXPECT_EQ(store->Stats().pool.used, 2u + 1 + 2);
@@ -265,8 +261,7 @@ TEST(QuantStoreTest, ForkAndTruncateCopyOnWrite) {
       const std::vector<uint8_t> b_before = store.Fetch(b, DType::kFp32);
       ASSERT_TRUE(store->Truncate(a, 10).ok());
       ra.Truncate(10);
-      ASSERT_TRUE(
-          store.Append(a, 6, ra.Add(6, Uniform(seed + 3, 0.5f), Ref::Arrival::kWhole), 0).ok());
+      ASSERT_TRUE(store.Append(a, 6, ra.Add(6, Uniform(seed + 3, 0.5f)), 0).ok());
       ASSERT_NO_FATAL_FAILURE(store.ExpectWithinBounds(a, ra));
       EXPECT_TRUE(store.Fetch(b, DType::kFp32) == b_before) << "B changed under A's write";
 
@@ -274,9 +269,7 @@ TEST(QuantStoreTest, ForkAndTruncateCopyOnWrite) {
       const std::vector<uint8_t> a_before = store.Fetch(a, DType::kFp32);
       ASSERT_TRUE(store->Truncate(b, 3).ok());
       rb.Truncate(3);
-      ASSERT_TRUE(
-          store.Append(b, 10, rb.Add(10, Uniform(seed + 4, 0.5f), Ref::Arrival::kChunked), 1000)
-              .ok());
+      ASSERT_TRUE(store.Append(b, 10, rb.Add(10, Uniform(seed + 4, 0.5f)), 1000).ok());
       ASSERT_NO_FATAL_FAILURE(store.ExpectWithinBounds(b, rb));
       EXPECT_TRUE(store.Fetch(a, DType::kFp32) == a_before) << "A changed under B's write";
       EXPECT_EQ(store->CheckInvariants(), "");
@@ -297,7 +290,7 @@ TEST(QuantStoreTest, PrefixSharingAndRoots) {
     QuantStore store(m);
     const uint64_t a = store.NewSeq(prompt);
     Ref ref(m);
-    const std::vector<uint8_t> payload = ref.Add(23, Uniform(seed), Ref::Arrival::kWhole);
+    const std::vector<uint8_t> payload = ref.Add(23, Uniform(seed));
     ASSERT_TRUE(store.Append(a, 23, payload, 0, prompt).ok());
     ASSERT_NO_FATAL_FAILURE(store.ExpectWithinBounds(a, ref));
     EXPECT_EQ(store->Stats().pool.used, 4u);
@@ -366,7 +359,7 @@ TEST(QuantStoreTest, TransferDTypes) {
     QuantStore store(m);
     const uint64_t id = store.NewSeq();
     Ref ref(m);
-    ASSERT_TRUE(store.Append(id, 9, ref.Add(9, Uniform(seed), Ref::Arrival::kWhole), 0).ok());
+    ASSERT_TRUE(store.Append(id, 9, ref.Add(9, Uniform(seed)), 0).ok());
     const Snapshot before = Capture(store, id);
 
     // Fetch: fp32 / fp16 / bf16 always; another quantized dtype than the range stores never.

@@ -97,11 +97,12 @@ inline float RoundTo(DType d, float x) {
   return x;
 }
 
-// The fp8 scale of one (layer, K/V, head, block): exact when the codec saw every row of the
-// append that started the block, else the largest it can be.
+// The fp8 scale of one (layer, K/V, head, block), and the scale that bounds its rows' error: the
+// same, or after a rescale the sum of every scale the block had (each requantization of a row may
+// add half a step of the new scale, on top of the error it had).
 struct Fp8Scale {
   float scale = 0;
-  bool exact = false;
+  double bound = 0;
 };
 
 // The input values of one sequence (floats exactly representable in the input dtype) and the fp8
@@ -110,10 +111,6 @@ class Ref {
  public:
   // gen(layer, kv, head, token, element) before rounding to the input dtype.
   using Gen = std::function<float(uint32_t, uint32_t, uint32_t, uint64_t, uint32_t)>;
-  // How an append reaches the codec: in one Write (the codec sees every row of a block it starts),
-  // or in chunks (it may see as little as the first row).
-  enum class Arrival { kWhole, kChunked };
-
   explicit Ref(const ModelLayout& m)
       : m_(m), parts_(m.kind == AttentionKind::kMla ? 1 : 2), rows_(Slots()), scale_(Slots()) {}
 
@@ -131,7 +128,7 @@ class Ref {
   }
 
   // Adds n tokens; returns their payload in `wire` (kvbank/layout.h order).
-  std::vector<uint8_t> Add(uint64_t n, const Gen& gen, Arrival arrival) {
+  std::vector<uint8_t> Add(uint64_t n, const Gen& gen) {
     const uint64_t t0 = len_, t1 = len_ + n, bt = m_.block_tokens;
     for (uint32_t l = 0; l < m_.num_layers; ++l) {
       const DType stored = m_.layer_dtypes[l];
@@ -144,31 +141,29 @@ class Ref {
             }
           }
           if (!qmath::IsFp8DType(stored)) continue;
-          // Blocks this append starts get their scale from its rows (kernels/quant.h,
-          // server/core/row_codec.cc): exact when the codec sees the whole block, else from the
-          // rows at hand times a headroom of 4 (as few as the first row).
+          // Every block this append touches, by the store's rule (kernels/quant_math.h), however
+          // the payload is cut: a block it starts gets the scale of its rows there, exact when
+          // they fill the block, else with a headroom of 4; a block it continues keeps its scale
+          // while that covers the new rows, else the scale doubles until it reaches what the
+          // rows so far would get.
           std::vector<Fp8Scale>& scales = scale_[Slot(l, kv, h)];
-          for (uint64_t b = (t0 + bt - 1) / bt; b * bt < t1; ++b) {
-            const uint64_t r0 = b * bt, r1 = std::min(t1, r0 + bt);
+          for (uint64_t b = t0 / bt; b * bt < t1; ++b) {
+            const uint64_t r0 = std::max(t0, b * bt), r1 = std::min(t1, b * bt + bt);
             float amax = 0;
             for (const float* x = Row(l, kv, h, r0); x < Row(l, kv, h, r0) + (r1 - r0) * Dim(kv);
                  ++x) {
               amax = std::max(amax, std::fabs(*x));
             }
-            Fp8Scale s;
-            if (arrival == Arrival::kWhole) {
-              s.scale = qmath::Fp8ScaleFor(r1 - r0 < bt ? amax * 4 : amax, stored);
-              s.exact = true;
-            } else {
-              s.scale = qmath::Fp8ScaleFor(amax * 4, stored);
-              float first = 0;
-              for (uint32_t i = 0; i < Dim(kv); ++i) {
-                first = std::max(first, std::fabs(Row(l, kv, h, r0)[i]));
-              }
-              if (first == 0) s.scale = std::max(s.scale, 1.0f);  // zero rows at hand: scale 1
-            }
+            const float want = qmath::Fp8ScaleFor(r1 - b * bt < bt ? amax * 4 : amax, stored);
             scales.resize(b + 1);
-            scales[b] = s;
+            Fp8Scale& s = scales[b];
+            if (r0 == b * bt) {
+              s.scale = want;
+              s.bound = want;
+            } else if (qmath::Fp8ScaleFor(amax, stored) > s.scale) {
+              while (s.scale < want) s.scale *= 2;
+              s.bound += s.scale;
+            }
           }
         }
       }
@@ -225,8 +220,8 @@ class Ref {
 
 // The most |x' - x| may be for element i of an input row (`row`, `dim` values) stored as `stored`.
 // `want` is row[i], or for fp8 the value it saturates to.
-double Bound(DType stored, DType input, const float* row, uint32_t dim, uint32_t i, float fp8_scale,
-             double want) {
+double Bound(DType stored, DType input, const float* row, uint32_t dim, uint32_t i,
+             double fp8_scale, double want) {
   const double x = std::fabs(want);
   switch (stored) {
     case DType::kInt8: {
@@ -242,9 +237,9 @@ double Bound(DType stored, DType input, const float* row, uint32_t dim, uint32_t
       return scale / 2 + scale * 0x1p-12 + x * 0x1p-22;
     }
     case DType::kFp8E4M3:
-      return x * 0x1p-4 + double(fp8_scale) * 0x1p-10 + x * 0x1p-20;
+      return x * 0x1p-4 + fp8_scale * 0x1p-10 + x * 0x1p-20;
     case DType::kFp8E5M2:
-      return x * 0x1p-3 + double(fp8_scale) * 0x1p-17 + x * 0x1p-20;
+      return x * 0x1p-3 + fp8_scale * 0x1p-17 + x * 0x1p-20;
     case DType::kFp16:
       return input == DType::kFp16 ? 0 : x * 0x1p-11 + 0x1p-25;
     default:
@@ -352,10 +347,12 @@ class QuantStore {
           for (uint64_t t = 0; t < ref.length(); ++t) {
             const float* row = ref.Row(l, kv, h, t);
             Fp8Scale scale;
-            if (qmath::IsFp8DType(stored)) scale = ref.Fp8ScaleOf(l, kv, h, t / m_.block_tokens);
-            // With the scale known, values past scale * fmax must saturate to it exactly.
-            const double limit = scale.exact ? double(scale.scale) * qmath::Fp8Max(stored)
-                                             : std::numeric_limits<double>::infinity();
+            double limit = std::numeric_limits<double>::infinity();
+            if (qmath::IsFp8DType(stored)) {
+              scale = ref.Fp8ScaleOf(l, kv, h, t / m_.block_tokens);
+              // Values past scale * fmax would saturate to it: none may (counted below).
+              limit = double(scale.scale) * qmath::Fp8Max(stored);
+            }
             for (uint32_t i = 0; i < ref.Dim(kv); ++i, ++at) {
               ASSERT_LT(at * 4, got.size()) << "fetch too short";
               const float y = f[at];
@@ -364,7 +361,7 @@ class QuantStore {
               if (std::fabs(row[i]) > limit * (1 + 0x1p-20)) ++saturated;
               const double err = std::fabs(double(y) - want);
               const double bound =
-                  Bound(stored, m_.input_dtype, row, ref.Dim(kv), i, scale.scale, want);
+                  Bound(stored, m_.input_dtype, row, ref.Dim(kv), i, scale.bound, want);
               if (bound > 0) worst = std::max(worst, err / bound);
               if (!(err <= bound) && ++bad <= 5) {
                 ADD_FAILURE() << "layer " << l << " (" << DTypeName(stored) << ") "
@@ -380,6 +377,7 @@ class QuantStore {
     EXPECT_EQ(at * 4, got.size());
     EXPECT_EQ(bad, 0u) << "elements out of bounds";
     EXPECT_EQ(nonfinite, 0u) << "NaN / Inf fetched from finite input";
+    EXPECT_EQ(saturated, 0u) << "finite values past their block's fp8 range";
     std::printf("  %s: %zu elements (%zu saturated fp8), worst error / bound %.3f\n",
                 m_.name.c_str(), at, saturated, worst);
     for (DType d : {DType::kFp16, DType::kBf16}) {
@@ -417,7 +415,6 @@ inline Ref::Gen Uniform(uint32_t seed, float scale = 1.0f) {
   auto rng = std::make_shared<std::mt19937>(seed);
   return [rng, scale](uint32_t l, uint32_t kv, uint32_t h, uint64_t, uint32_t i) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    // The outlier stays within fp8's headroom of 4 over any row's largest value (see Arrival).
     const float mag = scale * (0.25f + 0.5f * l + 0.3f * h + 0.1f * kv) * (i == 3 ? 2.5f : 1.0f);
     return u(*rng) * mag;
   };
