@@ -29,6 +29,8 @@ void AskForHugePages(uint8_t* data, size_t bytes) {
 #endif
 }
 
+constexpr uint64_t kMaxReserve = uint64_t{256} << 20;
+
 }  // namespace
 
 absl::Status FetchDecoder::Add(const grpc::ByteBuffer& message) {
@@ -90,7 +92,10 @@ absl::Status FetchDecoder::TakeHeader(const std::string& serialized) {
     }
     return absl::OkStatus();
   }
-  out_.payload.reserve(expected_);
+  // NOTE: payload_bytes is the server's word, not a checked size: at most kMaxReserve is taken
+  // up front; past that the vector grows as bytes arrive, so a header that claims more than is
+  // sent (2^62 bytes, say) costs no more memory than what is sent.
+  out_.payload.reserve(std::min(expected_, kMaxReserve));
   AskForHugePages(out_.payload.data(), out_.payload.capacity());
   return absl::OkStatus();
 }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -50,6 +51,9 @@ class SliceReader {
     }
     return true;
   }
+  // The message's slices, which hold the bytes Spans pointed into (a small slice holds its bytes
+  // inline, so spans into it die with the grpc::Slice; moving the vector keeps them alive).
+  std::vector<grpc::Slice> ReleaseSlices() && { return std::move(slices_); }
   // Copies the next n bytes to dst (skips them when dst is null); false when fewer are left.
   bool Copy(uint8_t* dst, uint64_t n) {
     while (n > 0) {

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Quick start, part 2: install what is missing, build, and run the whole test suite: the format
 # check, the release build's tests (unit, integration, python client, GPU tests that skip without
-# a device, benchmark smoke runs) and the same suite under AddressSanitizer + UBSan.
-# SKIP_SANITIZERS=1 skips the sanitizer pass (for a quick local run).
+# a device, benchmark smoke runs), the same suite under AddressSanitizer + UBSan, the unit and
+# integration tests under ThreadSanitizer (clang; its build also checks the lock annotations with
+# -Wthread-safety -Werror) and the fuzz targets for FUZZ_SECONDS each (scripts/fuzz.sh).
+# SKIP_SANITIZERS=1 skips the sanitizer, ThreadSanitizer and fuzz passes (for a quick local run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -15,4 +17,11 @@ if [ "${SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --preset asan-ubsan >/dev/null
   cmake --build --preset asan-ubsan -j "$jobs"
   ctest --preset asan-ubsan -j "$jobs"
+  # ThreadSanitizer: unit and integration tests. attention_test (label tsan-slow) runs only its
+  # threaded cases there (attention_threads_test): its single-threaded reference sweeps take
+  # minutes under TSan, and the release and ASan passes run them.
+  cmake --preset tsan >/dev/null
+  cmake --build --preset tsan -j "$jobs"
+  ctest --preset tsan -j "$jobs"
+  scripts/fuzz.sh "${FUZZ_SECONDS:-420}"
 fi

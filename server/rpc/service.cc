@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "proto/append_message.h"
 #include "proto/wire.h"
 #include "server/core/quote.h"
 
@@ -277,36 +278,13 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   }
 
  private:
-  // One AppendRequest: its header (field 1) is taken before its data (field 2) whatever their
-  // order, as protobuf's parse would; fields this server does not know are skipped.
+  // One AppendRequest (proto::DecodeAppendMessage): the first carries the header.
   absl::Status Handle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const absl::Status bad =
-        absl::InvalidArgumentError("append message is not a kvbank.v1.AppendRequest");
-    proto::SliceReader in(message_);
-    std::optional<v1::AppendHeader> header;
-    std::vector<absl::Span<const uint8_t>> data;  // into message_'s slices
-    bool had_data = false;
-    while (!in.done()) {
-      uint32_t field = 0, wire_type = 0;
-      uint64_t n = 0;
-      if (!in.Field(&field, &wire_type, &n)) return bad;
-      if (wire_type != 2) continue;
-      if (field == 1) {
-        if (header.has_value() || n > kMaxMessageBytes) return bad;
-        std::string serialized(n, '\0');
-        header.emplace();
-        if (!in.Copy(reinterpret_cast<uint8_t*>(serialized.data()), n) ||
-            !header->ParseFromString(serialized)) {
-          return bad;
-        }
-      } else if (field == 2) {
-        if (had_data) return bad;
-        had_data = true;
-        if (!in.Spans(n, &data)) return bad;
-      } else if (!in.Copy(nullptr, n)) {
-        return bad;
-      }
+    proto::AppendMessage m;  // its data spans point into message_'s slices
+    if (absl::Status s = proto::DecodeAppendMessage(message_, kMaxMessageBytes, &m); !s.ok()) {
+      return s;
     }
+    const std::optional<v1::AppendHeader>& header = m.header;
     if (txn_ == nullptr) {
       if (!header.has_value()) {
         return absl::InvalidArgumentError("the first append message must carry header");
@@ -315,7 +293,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
     }
-    for (absl::Span<const uint8_t> piece : data) {
+    for (absl::Span<const uint8_t> piece : m.data) {
       if (absl::Status s = txn_->Write(piece); !s.ok()) return s;
     }
     return absl::OkStatus();

@@ -203,5 +203,23 @@ TEST(FetchDecoder, RefusesBrokenStreams) {
   }
 }
 
+// A header may claim any payload_bytes: the decoder must not allocate what it says up front (a
+// claim of 2^62 bytes threw std::length_error out of reserve, which ended the process). The
+// stream then ends short, with the bytes that did arrive.
+TEST(FetchDecoder, SurvivesAHeaderThatClaimsAHugePayload) {
+  for (uint64_t claim : {uint64_t{3} << 30, uint64_t{1} << 62, ~uint64_t{0}}) {
+    SCOPED_TRACE(testing::Message() << "payload_bytes " << claim);
+    v1::FetchResponse m;
+    m.mutable_header()->set_dtype(v1::DTYPE_FP16);
+    m.mutable_header()->set_payload_bytes(claim);
+    m.set_data("0123456789");
+    FetchDecoder d;
+    ASSERT_TRUE(d.Add(Sliced(m.SerializeAsString(), {3})).ok());
+    auto r = std::move(d).Finish();
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal) << r.status();
+    EXPECT_NE(r.status().message().find("after 10 of"), std::string::npos) << r.status();
+  }
+}
+
 }  // namespace
 }  // namespace kvbank
