@@ -194,6 +194,24 @@ int ExpectTargets(Client& admin, const std::string& model, const std::vector<Tar
   return differ;
 }
 
+// After a kill: the pool holds exactly the blocks the targets use (what the dead client had
+// reserved or pinned is back), once the server has noticed. Fatal failure otherwise.
+void ExpectPoolHolds(Client& admin, const std::string& model, uint64_t used) {
+  const Client::ModelStats st = AwaitPool(admin, model, used);
+  ASSERT_EQ(st.blocks_used, used) << PoolLine(st);
+  ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total) << PoolLine(st);
+}
+
+// The end of a loop: frees every target and expects the pool to hold nothing (no leak).
+Client::ModelStats FreeAllAndAwaitEmpty(Client& admin, const std::string& model,
+                                        const std::vector<Target>& targets) {
+  for (const Target& t : targets) EXPECT_TRUE(admin.Free(model, t.id).ok());
+  const Client::ModelStats st = AwaitPool(admin, model, 0);
+  EXPECT_EQ(st.blocks_used, 0u) << PoolLine(st);
+  EXPECT_EQ(st.blocks_free + st.blocks_cached, st.blocks_total) << PoolLine(st);
+  return st;
+}
+
 // How far the killed calls had got, for the summary line.
 struct KillPoints {
   int by_count = 0, by_time = 0, completed = 0;
@@ -300,15 +318,10 @@ TEST_F(FaultTest, KilledAppendsLeaveNoPartialStateAndLeakNoBlocks) {
     const int differ = ExpectTargets(*admin_, model, targets);
     partial += differ;
     ASSERT_EQ(differ, 0);
-    const Client::ModelStats st = AwaitPool(*admin_, model, expected_used());
-    ASSERT_EQ(st.blocks_used, expected_used()) << PoolLine(st);
-    ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total) << PoolLine(st);
+    ASSERT_NO_FATAL_FAILURE(ExpectPoolHolds(*admin_, model, expected_used()));
   }
 
-  for (const Target& t : targets) ASSERT_TRUE(admin_->Free(model, t.id).ok());
-  const Client::ModelStats st = AwaitPool(*admin_, model, 0);
-  EXPECT_EQ(st.blocks_used, 0u) << PoolLine(st);
-  EXPECT_EQ(st.blocks_free + st.blocks_cached, st.blocks_total) << PoolLine(st);
+  const Client::ModelStats st = FreeAllAndAwaitEmpty(*admin_, model, targets);
   std::cerr << "[fault] append kill loop: " << points.Line()
             << "; sequences found changed: " << partial
             << "; after freeing everything: " << PoolLine(st) << " (leaked " << st.blocks_used
@@ -420,15 +433,10 @@ TEST_F(FaultTest, KilledFetchesChangeNothingAndLeakNoBlocks) {
     const int differ = ExpectTargets(*admin_, model, targets);
     partial += differ;
     ASSERT_EQ(differ, 0);
-    const Client::ModelStats st = AwaitPool(*admin_, model, expected_used());
-    ASSERT_EQ(st.blocks_used, expected_used()) << PoolLine(st);
-    ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total) << PoolLine(st);
+    ASSERT_NO_FATAL_FAILURE(ExpectPoolHolds(*admin_, model, expected_used()));
   }
 
-  for (const Target& t : targets) ASSERT_TRUE(admin_->Free(model, t.id).ok());
-  const Client::ModelStats st = AwaitPool(*admin_, model, 0);
-  EXPECT_EQ(st.blocks_used, 0u) << PoolLine(st);
-  EXPECT_EQ(st.blocks_free + st.blocks_cached, st.blocks_total) << PoolLine(st);
+  const Client::ModelStats st = FreeAllAndAwaitEmpty(*admin_, model, targets);
   // The freed-under-a-fetch case means something only when the fetch still held the blocks.
   EXPECT_GT(held_freed_blocks, 0) << "no paused fetch held its sequence's blocks past Free";
   std::cerr << "[fault] fetch kill loop: " << points.Line()
