@@ -206,6 +206,28 @@ TEST_F(HardeningTest, ConnectionsOverTheCapAreClosedAtOnce) {
   EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(15)));
 }
 
+// A connection without calls is closed after --max-connection-idle-ms (its descriptor and
+// buffers go back; a client that still wants it reconnects).
+TEST_F(HardeningTest, IdleConnectionsAreClosed) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--max-connection-idle-ms=300"}));
+  auto channel = NewChannel(server_->target());
+  auto stub = v1::KvBank::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(absl::Seconds(10)));
+  v1::ListModelsRequest req;
+  v1::ListModelsResponse resp;
+  ASSERT_TRUE(stub->ListModels(&ctx, req, &resp).ok());
+  ASSERT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  const absl::Time sent = absl::Now();
+  grpc_connectivity_state state = GRPC_CHANNEL_READY;
+  while (state == GRPC_CHANNEL_READY && channel->WaitForStateChange(state, In(absl::Seconds(10)))) {
+    state = channel->GetState(false);
+  }
+  EXPECT_NE(state, GRPC_CHANNEL_READY) << "the idle connection was never closed";
+  EXPECT_GE(absl::Now() - sent, absl::Milliseconds(250)) << "closed before it was idle";
+  EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(10)));
+}
+
 // gRPC sets SO_REUSEPORT: a second kvbankd on a served port started and took half of the new
 // connections. It must fail to start, naming the port.
 TEST_F(HardeningTest, SecondServerOnTheSamePortFailsNamingIt) {
