@@ -3,8 +3,8 @@
 # ninja, but no gRPC, Abseil or installed GoogleTest.
 #
 # Run from the repository root, with GoogleTest's source tree in ./.gtest and, to build the core
-# too, Abseil, OpenSSL and xxHash in ./.deps (both git-ignored; scripts/prepare-device-carry.sh
-# makes them; the device tool carries them with carry [".gtest", ".deps"]):
+# too, Abseil, OpenSSL and xxHash in ./.deps (both git-ignored; scripts/bundle-offline-deps.sh
+# makes them on a Debian machine, to be copied along with the tree):
 #   with .deps   the kernels, the core and every test labelled gpu: the kernel tests,
 #                gpu_pool_memory_test and the store's tests on cuda:0 (KVBANK_TEST_MEMORY=cuda).
 #                Should configuring with .deps fail, or not use its Abseil, the kernels only.
@@ -37,7 +37,7 @@ if [[ ! -f CMakeLists.txt || ! -d kernels ]]; then
   exit 2
 fi
 if [[ ! -f .gtest/CMakeLists.txt ]]; then
-  echo "run_on_device.sh: no GoogleTest source in $PWD/.gtest (scripts/prepare-device-carry.sh)" >&2
+  echo "run_on_device.sh: no GoogleTest source in $PWD/.gtest (scripts/bundle-offline-deps.sh)" >&2
   exit 2
 fi
 

@@ -1,4 +1,4 @@
-# Prefix-sharing unit tests (issue 3): prefix hash, prefix cache, KV events, model-based check.
+# Prefix-sharing unit tests: prefix hash, prefix cache, KV events, model-based check.
 # Core only, no gRPC. Included from tests/unit/CMakeLists.txt.
 find_package(nlohmann_json QUIET)
 

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Copies what the GPU device machine lacks into git-ignored folders of the repository, so that a
-# device run can carry them (the run tool's carry: [".gtest", ".deps"]) and build the core and its
-# GPU tests there, not only the kernels. The device machine has CUDA, CMake and ninja but no
-# GoogleTest, Abseil, OpenSSL headers or xxHash; this machine (Debian, x86-64) has them all
-# (scripts/install-deps.sh).
+# Bundles what an offline GPU machine lacks into git-ignored folders of the repository, so that
+# the working tree copied there with .gtest and .deps builds the core and its GPU tests, not only
+# the kernels. Such a machine has CUDA, CMake and ninja but no network, GoogleTest, Abseil,
+# OpenSSL headers or xxHash; a Debian x86-64 machine with scripts/install-deps.sh has them all.
 #
 #   .gtest             GoogleTest's source (/usr/src/googletest), built by the top-level CMakeLists
 #   .deps/absl/usr     Debian's Abseil: headers, shared libraries, CMake package config
@@ -14,17 +13,17 @@
 # which finds its files relative to itself, resolves inside the copy. tests/gpu/run_on_device.sh
 # passes the prefixes to CMake (CMAKE_PREFIX_PATH) when .deps/absl exists.
 #
-# Run from anywhere; replaces earlier copies; prints the sizes (what travels must stay well under
-# the device tool's 64 MiB).
+# Run from anywhere; replaces earlier copies; prints the sizes (the tree and the bundle together
+# are kept under 48 MiB, so that copying them stays quick).
 #
-#   scripts/prepare-device-carry.sh
+#   scripts/bundle-offline-deps.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-arch=x86_64-linux-gnu  # the device machine's; Debian's multiarch directory for it
+arch=x86_64-linux-gnu  # the GPU machine's; Debian's multiarch directory for it
 lib=/usr/lib/$arch
 if [[ "$(uname -m)" != x86_64 ]]; then
-  echo "prepare-device-carry.sh: this machine is $(uname -m); the device machine needs x86-64 libraries" >&2
+  echo "bundle-offline-deps.sh: this machine is $(uname -m); the GPU machine needs x86-64 libraries" >&2
   exit 2
 fi
 missing=()
@@ -33,7 +32,7 @@ for p in /usr/src/googletest/CMakeLists.txt /usr/include/absl "$lib/cmake/absl/a
   [[ -e "$p" ]] || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  echo "prepare-device-carry.sh: missing ${missing[*]} (run scripts/install-deps.sh)" >&2
+  echo "bundle-offline-deps.sh: missing ${missing[*]} (run scripts/install-deps.sh)" >&2
   exit 2
 fi
 
@@ -67,13 +66,13 @@ cp /usr/include/xxhash.h /usr/include/xxh3.h "$xxh/include/"
 cp -a "$lib"/libxxhash.so* "$xxh/lib/$arch/"
 
 du -sh .gtest .deps/*
-# What a device run sends: tracked files, untracked files git does not ignore, and the carry.
+# What is copied: tracked files, untracked files git does not ignore, and the bundle.
 tree_bytes=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null |
   tail -n 1 | cut -f 1)
-carry_bytes=$(du -sb .gtest .deps | awk '{s += $1} END {print s}')
-total=$((tree_bytes + carry_bytes))
-echo "working tree $((tree_bytes >> 10)) KiB + carry $((carry_bytes >> 10)) KiB = $((total >> 20)) MiB (limit 64 MiB)"
+bundle_bytes=$(du -sb .gtest .deps | awk '{s += $1} END {print s}')
+total=$((tree_bytes + bundle_bytes))
+echo "working tree $((tree_bytes >> 10)) KiB + bundle $((bundle_bytes >> 10)) KiB = $((total >> 20)) MiB (limit 48 MiB)"
 if ((total > 48 << 20)); then
-  echo "prepare-device-carry.sh: over 48 MiB; the device tool refuses more than 64 MiB" >&2
+  echo "bundle-offline-deps.sh: over 48 MiB with the tree; keep the copy small" >&2
   exit 1
 fi
