@@ -24,4 +24,7 @@ if [ "${SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --build --preset tsan -j "$jobs"
   ctest --preset tsan -j "$jobs"
   scripts/fuzz.sh "${FUZZ_SECONDS:-420}"
+  # The CUDA code (kernels, cuda:N pool memory) under the GPU and store tests, on an emulated CUDA
+  # runtime: index math, barriers and copy bounds are checked on a machine without a GPU.
+  tools/cuda_emu/run.sh
 fi

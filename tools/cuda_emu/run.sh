@@ -3,7 +3,7 @@
 # cuda:N pool memory (server/core/cuda_memory.cc) built against an emulated CUDA runtime, under
 # the GPU tests and the store tests with KVBANK_TEST_MEMORY=cuda. For a machine without a GPU: it
 # checks index math, barriers, warp-op participation, pointer kinds and copy bounds, not speed,
-# the GPU's memory model or nvcc's code generation (see README.md). Not part of CI.
+# the GPU's memory model or nvcc's code generation (see README.md). scripts/test.sh runs it.
 #
 #   tools/cuda_emu/run.sh [ubsan] [TEST ...]     TEST: gpu_pool_memory_test, store_retention_test, ...
 #
@@ -23,7 +23,8 @@ tests=("$@")
 if [[ ${#tests[@]} == 0 ]]; then
   tests=(gpu_block_copy_test gpu_quant_test gpu_payload_codec_test gpu_attention_test
          gpu_pool_memory_test store_sequence_store_test store_quant_store_test
-         store_quant_store_ops_test store_storage_format_test store_retention_test)
+         store_quant_store_ops_test store_storage_format_test store_retention_test
+         store_fp8_scale_test store_store_tenancy_test)
 fi
 make -C "$here" -j"$(nproc)" BUILD="$build" "${san[@]}" "${tests[@]/#/$build/bin/}"
 rc=0
