@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -242,7 +243,9 @@ bool Listener::AcceptOne(int listen_fd) {
     return false;
   }
   accepting_.store(true, std::memory_order_release);
-  if (handed_.size() >= max_connections_) Sweep();
+  // Closed connections are forgotten lazily: at the cap, and whenever the list has doubled since
+  // the last sweep (so it stays within twice the open connections, at O(1) a connection).
+  if (handed_.size() >= max_connections_ || handed_.size() >= next_sweep_) Sweep();
   if (handed_.size() >= max_connections_) {
     close(fd);
     refused_over_cap_.fetch_add(1, std::memory_order_relaxed);
@@ -272,6 +275,7 @@ void Listener::Sweep() {
     if (ino != 0 && SocketInode(fd) == ino) open.emplace_back(fd, ino);
   }
   handed_ = std::move(open);
+  next_sweep_ = std::max<size_t>(2 * handed_.size(), 1024);
   open_.store(handed_.size(), std::memory_order_relaxed);
 }
 

@@ -35,7 +35,7 @@ struct ListenerStats {
   uint64_t refused_over_cap = 0;  // closed at once: max_connections were open
   uint64_t refused_no_fds = 0;    // closed at once: no descriptor was left for them
   uint64_t open = 0;              // connections handed to gRPC that are still open (a bound:
-                                  // closed ones are noticed lazily, when the cap is near)
+                                  // closed ones are noticed lazily, at most twice the open ones)
 };
 
 // Thread-safe after Start; Start and Stop are called once each, from one thread.
@@ -88,6 +88,7 @@ class Listener {
   // descriptor still open on the same inode is the same connection.
   std::vector<std::pair<int, ino_t>> handed_;
   absl::Time last_sweep_ = absl::InfinitePast();
+  size_t next_sweep_ = 1024;  // sweep once handed_ has this many entries
   std::atomic<uint64_t> accepted_{0}, refused_over_cap_{0}, refused_no_fds_{0}, open_{0};
 };
 
