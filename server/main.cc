@@ -164,6 +164,15 @@ absl::StatusOr<std::vector<v1::ModelSpec>> StartupModels() {
 }
 
 int Main(int argc, char** argv) {
+  // SIGTERM and SIGINT are taken by the main thread with sigwait, so every other thread must
+  // have them blocked; threads inherit the mask, and gRPC starts its own as soon as credentials
+  // are made, so the mask is set first. (A thread with them unblocked may be picked to take the
+  // signal, and its default action ends the process without a drain.)
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   // Payload messages are ~1 MiB: keep glibc from mapping and unmapping each one (page faults on
   // every message cost more than the copy itself).
   mallopt(M_MMAP_THRESHOLD, 64 << 20);
@@ -275,13 +284,6 @@ int Main(int argc, char** argv) {
               << r->model->pool().num_blocks() * r->model->layout().block_tokens << " tokens), "
               << r->model->pool().memory().name() << " memory\n";
   }
-
-  // Signals are taken by one thread with sigwait; every other thread has them blocked.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   auto grpc_memory = ParseBytes(absl::GetFlag(FLAGS_grpc_memory_bytes));
   if (!grpc_memory.ok() || *grpc_memory < (uint64_t{64} << 20)) {

@@ -3,16 +3,20 @@
 // before the fix it guards (a crash, a listener that never accepted again, a second server that
 // took half the connections, blocks held until the client went away).
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <csignal>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -240,6 +244,44 @@ TEST_F(HardeningTest, SecondServerOnTheSamePortFailsNamingIt) {
       absl::StrContains(second.status().message(), "port " + port + " on 127.0.0.1 is in use"))
       << second.status();
   EXPECT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(10)));
+}
+
+// SIGTERM must reach the thread that drains. gRPC's own threads (started when the credentials
+// were made) had SIGTERM unblocked, so the kernel could hand the signal to one of them and its
+// default action ended kvbankd mid-call: clients saw "Connection reset by peer" instead of a drain.
+// Every thread but the main one (which takes the signals with sigwait) must block them.
+TEST_F(HardeningTest, OnlyTheMainThreadTakesTerminationSignals) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=llama-3.1-8b", "--pool-bytes=64MiB"}));
+  ASSERT_TRUE(NewConnectionServes(server_->target(), absl::Seconds(10)));
+  auto c = NewClient();
+  (void)StatsOf(*c, "llama-3.1-8b");  // a call, so the threads serving calls exist
+  const pid_t pid = server_->pid();
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  DIR* dir = opendir(tasks.c_str());
+  ASSERT_NE(dir, nullptr) << tasks;
+  int checked = 0;
+  const uint64_t wanted = (uint64_t{1} << (SIGTERM - 1)) | (uint64_t{1} << (SIGINT - 1));
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.' || std::string(e->d_name) == std::to_string(pid)) continue;
+    std::ifstream status(absl::StrCat(tasks, "/", e->d_name, "/status"));
+    std::string line, name;
+    uint64_t blocked = 0;
+    bool found = false;
+    while (std::getline(status, line)) {
+      if (absl::StartsWith(line, "Name:"))
+        name = std::string(absl::StripAsciiWhitespace(line.substr(5)));
+      if (absl::StartsWith(line, "SigBlk:")) {
+        blocked = std::stoull(line.substr(7), nullptr, 16);
+        found = true;
+      }
+    }
+    if (!found) continue;  // the thread ended while it was read
+    ++checked;
+    EXPECT_EQ(blocked & wanted, wanted)
+        << "thread " << e->d_name << " (" << name << ") of kvbankd does not block SIGTERM/SIGINT";
+  }
+  closedir(dir);
+  EXPECT_GT(checked, 0) << "kvbankd has no threads besides the main one";
 }
 
 // An append that sends its header (reserving every block it needs) and then nothing held the
