@@ -105,7 +105,7 @@ std::unique_ptr<SequenceStore> MakeStore(const ModelLayout& layout, uint64_t poo
   auto pool = Check(BlockPool::Create(std::move(b), pool_bytes, device), "BlockPool::Create");
   // Touches every block once so the timed loops never take a page fault in the pool (device
   // memory is touched when it is allocated).
-  if (pool->memory().direct()) std::memset(pool->base(), 0, pool->pool_bytes());
+  if (pool->memory().kind() != MemoryKind::kCuda) std::memset(pool->base(), 0, pool->pool_bytes());
   StoreOptions opts;
   return std::make_unique<SequenceStore>(layout, std::move(pool), opts);
 }

@@ -157,7 +157,7 @@ class BlockPool {
   // Drops every cached, unpinned block; an AllCleared event when all cached blocks went.
   size_t ClearCache();
 
-  // Start of block `id`'s bytes (a device pointer when the memory is not direct()). Stable for
+  // Start of block `id`'s bytes (a device pointer on cuda:N memory). Stable for
   // the pool's lifetime.
   uint8_t* BlockData(int32_t id) const { return base() + uint64_t(id) * layout_.block_bytes; }
   uint8_t* base() const { return memory_->base(); }

@@ -77,14 +77,28 @@ class CachedStaging final : public StagingBuffer {
   const std::pair<uint8_t*, uint64_t> buffer_;
 };
 
-// Host memory: mmap'd once, unmapped at the end. The host kind is read and written by the store
-// directly; the calls below are what both host kinds run (the staged kind for every move).
+// Host memory: mmap'd once, unmapped at the end. The host kind streams transfers; the
+// host-staged kind stages them as cuda:N does, through the whole-payload calls below.
 class HostMemory final : public PoolMemory {
  public:
   HostMemory(bool staged, uint8_t* base, uint64_t bytes)
       : PoolMemory(staged ? MemoryKind::kHostStaged : MemoryKind::kHost,
                    staged ? "host-staged" : "host", base, bytes) {}
   ~HostMemory() override { munmap(base(), bytes()); }
+
+  absl::StatusOr<std::unique_ptr<PayloadWriter>> BeginWrite(
+      const BlockLayout& blocks, TransferSpec spec,
+      PayloadWriter::MakePrivate make_private) override {
+    if (kind() == MemoryKind::kHostStaged) {
+      return NewStagedWriter(this, blocks, std::move(spec), std::move(make_private));
+    }
+    return NewStreamingWriter(this, blocks, std::move(spec), std::move(make_private));
+  }
+  absl::StatusOr<std::unique_ptr<PayloadReader>> BeginRead(const BlockLayout& blocks,
+                                                           TransferSpec spec) override {
+    if (kind() == MemoryKind::kHostStaged) return NewStagedReader(this, blocks, std::move(spec));
+    return NewStreamingReader(this, blocks, std::move(spec));
+  }
 
   absl::StatusOr<std::unique_ptr<StagingBuffer>> Stage(uint64_t bytes) override {
     auto b = staging_->Take(bytes);

@@ -1,19 +1,21 @@
-// Where a block pool's bytes live, and the moves the store makes on them.
+// Where a block pool's bytes live, and every move of them: transfers (BeginWrite / BeginRead),
+// block and row copies, attention. Nothing else reads or writes pool bytes.
 //
 // Three kinds:
-//   host         host memory (mmap'd, prefaulted) that the store reads and writes itself:
-//                appends and fetches stream chunk by chunk straight between the payload and the
-//                blocks (the default, and the only kind on a machine without a GPU).
+//   host         host memory (mmap'd, prefaulted): transfers stream chunk by chunk straight
+//                between the payload and the blocks (the default, and the only kind on a machine
+//                without a GPU).
 //   cuda:N       device memory (cudaMalloc) on GPU N. A transfer's payload is staged in a
-//                page-locked host buffer, a piece of whole layers at a time (the store cuts
-//                it: PoolOptions::staging_bytes), copied asynchronously on the memory's stream, and
+//                page-locked host buffer, a piece of whole layers at a time
+//                (TransferSpec::staging_bytes), copied asynchronously on the memory's stream, and
 //                scattered / gathered / quantized / dequantized by kernels on the device;
 //                attention runs there too.
 //   host-staged  host memory driven exactly like cuda:N (staged payloads, every move through
-//                the calls below) with the CPU kernels in place of the CUDA ones. It runs the
-//                device data path on a machine without a GPU, which is how the tests cover it.
+//                the whole-payload calls below) with the CPU kernels in place of the CUDA ones. It
+//                runs the device data path on a machine without a GPU, which is how the tests
+//                cover it.
 //
-// The store calls these with host-side descriptions (PayloadJob, RowCopy lists, attention
+// The store calls these with host-side descriptions (TransferSpec, RowCopy lists, attention
 // params whose arrays are host memory) and the memory moves whatever it needs to the device.
 // Every call is synchronous: when it returns the bytes are where they were asked to be.
 #ifndef KVBANK_SERVER_CORE_POOL_MEMORY_H_
@@ -30,6 +32,7 @@
 #include "kernels/attention.h"
 #include "kernels/block_copy.h"
 #include "kvbank/layout.h"
+#include "server/core/transfer.h"
 
 namespace kvbank {
 
@@ -75,10 +78,21 @@ class PoolMemory {
   // Start of the blocks: a host pointer, or a device pointer for cuda:N.
   uint8_t* base() const { return base_; }
   uint64_t bytes() const { return bytes_; }
-  // True for host: the store may read and write the bytes itself, streaming. False: every move
-  // goes through the calls below, with payloads staged (in pieces of whole layers).
-  bool direct() const { return kind_ == MemoryKind::kHost; }
+  // A writer of `spec`'s payload into the blocks of a pool laid out as `blocks` (which must
+  // outlive it): streaming on host memory, staged otherwise (transfer.h). The blocks the table
+  // names for the payload's rows must be ones only this transfer writes.
+  virtual absl::StatusOr<std::unique_ptr<PayloadWriter>> BeginWrite(
+      const BlockLayout& blocks, TransferSpec spec, PayloadWriter::MakePrivate make_private) {
+    return NewStagedWriter(this, blocks, std::move(spec), std::move(make_private));
+  }
+  // A reader of `spec`'s payload from the blocks; the blocks must stay as they are while it
+  // lives (the caller holds references on them).
+  virtual absl::StatusOr<std::unique_ptr<PayloadReader>> BeginRead(const BlockLayout& blocks,
+                                                                   TransferSpec spec) {
+    return NewStagedReader(this, blocks, std::move(spec));
+  }
 
+  // The whole-payload moves staged transfers are made of (and what tests of a memory kind call).
   // A staging buffer of `bytes` (RESOURCE_EXHAUSTED when none can be had).
   virtual absl::StatusOr<std::unique_ptr<StagingBuffer>> Stage(uint64_t bytes) = 0;
   // payload (host, job.map.total_bytes) -> blocks.

@@ -1,6 +1,6 @@
 // Internal to server/core: the record of one sequence, shared by the SequenceStore's files
 // (sequence_store.cc, sequence_store_transfer.cc, sequence_store_prefix.cc,
-// sequence_store_attend.cc). Not part of any API.
+// sequence_store_attend.cc, sequence_store_retention.cc). Not part of any API.
 #ifndef KVBANK_SERVER_CORE_SEQUENCE_H_
 #define KVBANK_SERVER_CORE_SEQUENCE_H_
 
@@ -12,12 +12,13 @@
 #include "absl/time/time.h"
 #include "kvbank/prefix_hash.h"
 #include "server/core/block_pool.h"
+#include "server/core/block_table.h"
 #include "server/core/sequence_store.h"
 
 namespace kvbank {
 
-// One request's KV. Guarded by SequenceStore::mu_, except that an append in flight writes payload
-// bytes into blocks only it may write (rows past the lengths, or its own new blocks).
+// One request's KV: metadata only. Guarded by SequenceStore::mu_; payload bytes move outside it,
+// into blocks only the moving transfer may write (rows past the lengths, or its own new blocks).
 struct Sequence {
   uint64_t id = 0;
   std::string tenant;
@@ -27,14 +28,14 @@ struct Sequence {
   std::string lora;                  // for events
   uint8_t priority = 50;
   std::vector<BlockHash> hashes;    // hash of each leading full block with known token ids
-  std::vector<BlockRef> blocks;     // block table: logical block i -> physical block
+  BlockTable table;                 // logical block i -> physical block (block_table.h)
   std::vector<uint64_t> layer_len;  // tokens written per layer
   std::vector<uint32_t> token_ids;  // known token ids, positions [0, size)
   uint64_t cached_tokens = 0;
   absl::Duration lease_ttl = absl::ZeroDuration();
   absl::Time lease_deadline = absl::InfiniteFuture();
-  // An AppendTxn is open: the lease does not run out meanwhile (ExpireLeases, Find) and is
-  // renewed when the transaction ends.
+  // An AppendTxn is open (or its commit is compacting the sequence outside the lock): the lease
+  // does not run out meanwhile (ExpireLeases, Find) and is renewed when the transaction ends.
   bool append_in_flight = false;
   bool removed = false;  // freed or expired; blocks go when the append in flight ends
   RetentionPolicy retention;

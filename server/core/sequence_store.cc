@@ -97,11 +97,9 @@ SequenceInfo SequenceStore::Info(const Sequence& s) const {
   i.id = s.id;
   i.length = s.Length();
   i.layer_lengths = s.layer_len;
-  i.num_blocks = s.blocks.size();
+  i.num_blocks = s.table.held();
   i.cached_tokens = s.cached_tokens;
   i.lease_ttl = s.lease_ttl;
-  i.num_blocks =
-      std::count_if(s.blocks.begin(), s.blocks.end(), [](const BlockRef& b) { return b.valid(); });
   i.compactions = s.generation;
   return i;
 }
@@ -142,12 +140,8 @@ uint64_t SequenceStore::Remove(SeqPtr s, std::string reason) {
     tombstones_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
-  const uint64_t n = s->blocks.size();
-  if (!s->append_in_flight) {
-    // Tail first: cached blocks then age tail-first, so eviction takes a chain's tail before
-    // its head (the head is what other prompts share).
-    while (!s->blocks.empty()) s->blocks.pop_back();
-  }  // else the transaction releases them when it ends
+  const uint64_t n = s->table.size();
+  if (!s->append_in_flight) s->table.Clear();  // else the transaction releases them when it ends
   return n;
 }
 
@@ -205,13 +199,15 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   for (const BlockHash& h : hashes) {
     BlockRef b = pool_->Lookup(h, s->tenant_id);
     if (!b.valid()) break;
-    s->blocks.push_back(std::move(b));
+    s->table.Append(std::move(b));
     s->hashes.push_back(h);
   }
-  s->cached_tokens = s->blocks.size() * uint64_t{layout_.block_tokens};
+  s->cached_tokens = s->table.size() * uint64_t{layout_.block_tokens};
   for (uint64_t& l : s->layer_len) l = s->cached_tokens;
   s->retention = o.retention;
-  Retain(*s);
+  // A sliding window releases now; a heavy-hitter compaction copies rows, which the next
+  // append's commit does outside the lock.
+  if (o.retention.kind == RetentionPolicy::Kind::kSlidingWindow) Retain(*s);
   Account(*s);
   TenantCounters& c = tenant_counters_[o.tenant];
   c.query_tokens += o.prompt.size();
@@ -221,55 +217,82 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
 
 absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl::Duration> lease,
                                                  const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
-  auto found = Find(id, tenant);
-  if (!found.ok()) return found.status();
-  Sequence& parent = **found;
-  absl::Duration ttl = parent.lease_ttl;
-  if (lease.has_value()) {
-    auto resolved = ResolveLease(lease);
-    if (!resolved.ok()) return resolved.status();
-    ttl = *resolved;
-  }
-  if (absl::Status a = AdmitSequence(parent.tenant); !a.ok()) return a;
+  // Planned under the lock (the parent as it is now: its full blocks shared, its partial ones
+  // allocated for copies), copied outside it, inserted under it again. The fork is the parent
+  // as it was when planned, whatever the parent does meanwhile.
   const uint64_t bt = layout_.block_tokens;
-  const uint64_t full = parent.Length() / bt;  // blocks full in every layer: shared
-  const uint64_t max_len = *std::max_element(parent.layer_len.begin(), parent.layer_len.end());
-  const uint64_t partial = CeilDiv(max_len, bt) - full;  // blocks some layer has rows in: copied
-  auto copies = pool_->Allocate(partial, parent.tenant_id);
-  if (!copies.ok()) return copies.status();
+  absl::Duration ttl;
+  Sequence snapshot;  // the parent's metadata; its table holds the shared full blocks
+  std::vector<BlockRef> copies, sources;
   std::vector<kernels::RowCopy> rows;
-  for (uint64_t j = 0; j < partial; ++j) {
-    const uint64_t i = full + j;
-    for (uint32_t l = 0; l < layout_.num_layers; ++l) {
-      const uint64_t len = parent.layer_len[l];
-      const uint64_t n = len <= i * bt ? 0 : std::min<uint64_t>(len - i * bt, bt);
-      // Only rows below the lengths: an append in flight may be writing the rows past them.
-      for (uint32_t r = 0; r < n; ++r) {
-        rows.push_back({parent.blocks[i].id(), (*copies)[j].id(), r, r, l});
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = Find(id, tenant);
+    if (!found.ok()) return found.status();
+    Sequence& parent = **found;
+    ttl = parent.lease_ttl;
+    if (lease.has_value()) {
+      auto resolved = ResolveLease(lease);
+      if (!resolved.ok()) return resolved.status();
+      ttl = *resolved;
+    }
+    if (absl::Status a = AdmitSequence(parent.tenant); !a.ok()) return a;
+    const uint64_t full = parent.Length() / bt;  // blocks full in every layer: shared
+    const uint64_t max_len = *std::max_element(parent.layer_len.begin(), parent.layer_len.end());
+    const uint64_t partial = CeilDiv(max_len, bt) - full;  // blocks some layer has rows in: copied
+    auto allocated = pool_->Allocate(partial, parent.tenant_id);
+    if (!allocated.ok()) return allocated.status();
+    copies = *std::move(allocated);
+    for (uint64_t j = 0; j < partial; ++j) {
+      const uint64_t i = full + j;
+      // Held while copied: shared, so an append to the parent meanwhile copies it first.
+      sources.push_back(pool_->Share(parent.table.at(i)));
+      for (uint32_t l = 0; l < layout_.num_layers; ++l) {
+        const uint64_t len = parent.layer_len[l];
+        const uint64_t n = len <= i * bt ? 0 : std::min<uint64_t>(len - i * bt, bt);
+        // Only rows below the lengths: an append in flight may be writing the rows past them.
+        for (uint32_t r = 0; r < n; ++r) {
+          rows.push_back({parent.table.at(i).id(), copies[j].id(), r, r, l});
+        }
       }
     }
+    for (uint64_t i = 0; i < full; ++i) {
+      snapshot.table.Append(parent.table.hole(i) ? BlockRef() : pool_->Share(parent.table.at(i)));
+    }
+    snapshot.tenant = parent.tenant;
+    snapshot.root = parent.root;
+    snapshot.extra_keys = parent.extra_keys;
+    snapshot.lora = parent.lora;
+    snapshot.priority = parent.priority;
+    snapshot.hashes = parent.hashes;
+    snapshot.retention = parent.retention;
+    snapshot.scores = parent.scores;
+    snapshot.publishable = parent.publishable;
+    snapshot.layer_len = parent.layer_len;
+    snapshot.token_ids = parent.token_ids;
+    snapshot.cached_tokens = parent.cached_tokens;
+    Renew(parent);
   }
   if (absl::Status c = pool_->memory().CopyRows(block_layout(), rows); !c.ok()) return c;
+  sources.clear();
 
-  SeqPtr child = Insert(ttl, parent.tenant);
-  child->root = parent.root;
-  child->extra_keys = parent.extra_keys;
-  child->lora = parent.lora;
-  child->priority = parent.priority;
-  child->hashes = parent.hashes;
-  child->retention = parent.retention;
-  child->scores = parent.scores;
-  child->publishable = parent.publishable;
-  child->layer_len = parent.layer_len;
-  child->token_ids = parent.token_ids;
-  child->cached_tokens = parent.cached_tokens;
-  for (uint64_t i = 0; i < full; ++i) {
-    child->blocks.push_back(parent.blocks[i].valid() ? pool_->Share(parent.blocks[i]) : BlockRef());
-  }
-  for (BlockRef& copy : *copies) child->blocks.push_back(std::move(copy));
+  absl::MutexLock lock(&mu_);
+  if (absl::Status a = AdmitSequence(snapshot.tenant); !a.ok()) return a;
+  SeqPtr child = Insert(ttl, snapshot.tenant);
+  child->root = snapshot.root;
+  child->extra_keys = std::move(snapshot.extra_keys);
+  child->lora = std::move(snapshot.lora);
+  child->priority = snapshot.priority;
+  child->hashes = std::move(snapshot.hashes);
+  child->retention = snapshot.retention;
+  child->scores = std::move(snapshot.scores);
+  child->publishable = snapshot.publishable;
+  child->layer_len = std::move(snapshot.layer_len);
+  child->token_ids = std::move(snapshot.token_ids);
+  child->cached_tokens = snapshot.cached_tokens;
+  child->table = std::move(snapshot.table);
+  for (BlockRef& copy : copies) child->table.Append(std::move(copy));
   Account(*child);
-  Renew(parent);
   return Info(*child);
 }
 
@@ -289,7 +312,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
         absl::StrCat("num_tokens ", num_tokens, " is past the end: the sequence holds ", len));
   }
   if (const uint64_t tail = CeilDiv(num_tokens, layout_.block_tokens);
-      tail > 0 && !s.blocks[tail - 1].valid()) {
+      tail > 0 && s.table.hole(tail - 1)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot truncate to ", num_tokens, " tokens: the sliding window released that block"));
   }
@@ -299,7 +322,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   // Blocks past the end are dropped tail first; a block cut in two keeps its place in the index
   // (it is immutable) but leaves the sequence's hash chain, and is copied before any write.
   const uint64_t keep = CeilDiv(num_tokens, layout_.block_tokens);
-  while (s.blocks.size() > keep) s.blocks.pop_back();
+  s.table.Truncate(keep);
   if (s.scores.size() > num_tokens) s.scores.resize(num_tokens);
   s.hashes.resize(std::min<uint64_t>(s.hashes.size(), num_tokens / layout_.block_tokens));
   Account(s);
@@ -411,13 +434,16 @@ std::string SequenceStore::CheckInvariants() const {
   absl::MutexLock lock(&mu_);
   for (const auto& [id, s] : live_) {
     const uint64_t max_len = *std::max_element(s->layer_len.begin(), s->layer_len.end());
-    if (s->blocks.size() != CeilDiv(max_len, layout_.block_tokens) && !s->append_in_flight) {
-      return absl::StrCat("sequence ", id, " has ", s->blocks.size(), " blocks for ", max_len,
+    if (s->table.size() != CeilDiv(max_len, layout_.block_tokens) && !s->append_in_flight) {
+      return absl::StrCat("sequence ", id, " has ", s->table.size(), " blocks for ", max_len,
                           " tokens");
     }
-    for (const BlockRef& b : s->blocks) {
-      if (!b.valid() && s->retention.kind == RetentionPolicy::Kind::kSlidingWindow) continue;
-      if (!b.valid() || pool_->RefCount(b.id()) == 0) {
+    for (size_t i = 0; i < s->table.size(); ++i) {
+      if (s->table.hole(i)) {
+        if (s->retention.kind == RetentionPolicy::Kind::kSlidingWindow) continue;
+        return absl::StrCat("sequence ", id, " has a hole at block ", i, " but no sliding window");
+      }
+      if (pool_->RefCount(s->table.at(i).id()) == 0) {
         return absl::StrCat("sequence ", id, " holds a dead block reference");
       }
     }

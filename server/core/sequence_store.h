@@ -24,7 +24,6 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool_memory.h"
-#include "server/core/row_codec.h"
 
 namespace kvbank {
 
@@ -153,26 +152,6 @@ struct FetchSpec {
 class SequenceStore;
 struct Sequence;
 
-// A run of whole layers of a payload that moves through a staging buffer in one piece, on memory
-// that is not direct (PoolOptions::staging_bytes bounds it unless one layer is larger). Each
-// piece is a payload of its own over the same tokens: its job's arrays start at its first layer.
-// Not copyable: job.map points into the piece's own vectors.
-struct StagedPiece {
-  StagedPiece() = default;
-  StagedPiece(StagedPiece&&) = default;
-  StagedPiece& operator=(StagedPiece&&) = default;
-  StagedPiece(const StagedPiece&) = delete;
-  StagedPiece& operator=(const StagedPiece&) = delete;
-
-  uint64_t begin = 0;  // payload bytes [begin, end)
-  uint64_t end = 0;
-  uint32_t layer_begin = 0;  // model layers [layer_begin, layer_end)
-  uint32_t layer_end = 0;
-  PayloadJob job;
-  std::vector<uint64_t> layer_offset;  // job.map.layer_offset, from the piece's first byte
-  std::vector<uint64_t> scale_offset;  // job.map.scale_offset (storage format)
-};
-
 // An append in flight. Payload bytes arrive in order through Write (any chunking) straight into
 // blocks no reader can see; Commit makes them visible at once. Destroying an uncommitted
 // transaction (error, cancel) releases everything it took: the sequence is exactly as before.
@@ -188,20 +167,19 @@ class AppendTxn {
   AppendTxn(const AppendTxn&) = delete;
   AppendTxn& operator=(const AppendTxn&) = delete;
 
-  uint64_t payload_bytes() const { return payload_.total_bytes; }
-  uint64_t bytes_written() const { return written_; }
-  DType dtype() const { return dtype_; }  // of the payload
-  // Copies (or converts, or quantizes) the next `data.size()` payload bytes into the pool; on
-  // memory that is not direct (a GPU) they are staged, and each piece of whole layers moves
-  // once its last byte is in (StagedPiece).
+  uint64_t payload_bytes() const { return writer_->spec().payload.total_bytes; }
+  uint64_t bytes_written() const { return writer_->written(); }
+  DType dtype() const { return writer_->spec().dtype; }  // of the payload
+  // Copies (or converts, or quantizes) the next `data.size()` payload bytes into the pool
+  // (PayloadWriter::Write: streamed on host memory, staged in pieces of whole layers otherwise).
   // INVALID_ARGUMENT when they would run past payload_bytes(), or hold NaN / Inf on the way to a
   // converted layer; RESOURCE_EXHAUSTED when rows that outgrow an fp8 block's scale need a copy
   // of the block to rescale and the pool or the tenant's quota has no block for it. The
   // transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
-  // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived; ABORTED when
-  // the sequence was freed meanwhile; INTERNAL when the device failed. The transaction is
-  // finished either way.
+  // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived, or a
+  // storage-format payload holds a bad scale or code; ABORTED when the sequence was freed
+  // meanwhile; INTERNAL when the device failed. The transaction is finished either way.
   absl::StatusOr<SequenceInfo> Commit();
 
  private:
@@ -209,37 +187,21 @@ class AppendTxn {
   AppendTxn() = default;
   // Ends the transaction without publishing: drops its blocks, clears the in-flight mark.
   void Abort();
-  // Storage-format appends: the scales of layers [l0, l1) are finite (and positive for fp8) and
-  // no fp8 code is NaN or Inf. INVALID_ARGUMENT naming the first bad one. Reads the blocks, or
-  // when `staged` is set the staged payload bytes that start at payload byte `staged_begin`.
-  absl::Status ValidateStorageFormat(uint32_t l0, uint32_t l1, const uint8_t* staged,
-                                     uint64_t staged_begin) const;
-  // Staged memory: the storage-format checks of a piece whose bytes are all staged, then its
-  // move into the blocks.
-  absl::Status FlushPiece(const StagedPiece& piece);
-  // Makes write_table_[index] a block only this transaction holds (copying it, the copy swapped
-  // in at commit) unless it is one already; RowCodec's MakePrivate. RESOURCE_EXHAUSTED when the
-  // pool or the tenant's quota has no block for the copy.
-  absl::Status MakePrivate(uint64_t index);
+  // PayloadWriter::MakePrivate: makes logical block `index` one only this transaction holds
+  // (copying it outside the store's lock; the copy is swapped in at commit) unless it is one
+  // already, and answers its id. RESOURCE_EXHAUSTED when the pool or the tenant's quota has no
+  // block for the copy.
+  absl::StatusOr<int32_t> MakePrivate(uint64_t index);
 
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;
   AppendSpec spec_;
   uint32_t layer_end_ = 0;
-  uint64_t position_ = 0;  // sequence position of payload token 0
-  PayloadLayout payload_;
-  DType dtype_ = DType::kFp16;
-  PayloadJob job_;                   // the payload over the blocks (job_.convert: conversions)
-  std::unique_ptr<RowCodec> codec_;  // conversions on direct (host) memory, streamed
-  std::vector<StagedPiece> pieces_;  // memory that is not direct: the payload's pieces,
-  size_t piece_ = 0;                 // the one being staged,
-  std::unique_ptr<StagingBuffer> staging_;  // and its bytes (sized for the largest piece)
-  uint64_t checked_ = 0;              // staged conversions: payload elements found finite so far
-  bool storage_format_ = false;       // elements and scales arrive as stored
-  std::vector<int32_t> write_table_;  // block table the payload is written through
-  std::vector<BlockRef> new_blocks_;  // appended to the table at commit
+  uint64_t position_ = 0;                  // sequence position of payload token 0
+  uint64_t own_blocks_ = 0;                // the sequence's table size when the append began
+  std::unique_ptr<PayloadWriter> writer_;  // the payload over write_table (TransferSpec::table)
+  std::vector<BlockRef> new_blocks_;       // appended to the table at commit
   std::vector<std::pair<size_t, BlockRef>> replacements_;  // copy-on-write: table[i] <- block
-  uint64_t written_ = 0;
   bool done_ = false;
 };
 
@@ -247,35 +209,29 @@ class AppendTxn {
 // they stay as they were (writers copy on write) until the reader is destroyed. Not thread-safe.
 class FetchReader {
  public:
-  uint64_t payload_bytes() const { return payload_.total_bytes; }
+  uint64_t payload_bytes() const { return reader_->spec().payload.total_bytes; }
   uint64_t token_begin() const { return token_begin_; }
-  uint64_t num_tokens() const { return payload_.num_tokens; }
-  uint32_t layer_begin() const { return payload_.layer_begin; }
-  uint32_t layer_end() const { return payload_.layer_end; }
-  DType dtype() const { return dtype_; }  // of the payload
+  uint64_t num_tokens() const { return reader_->spec().payload.num_tokens; }
+  uint32_t layer_begin() const { return reader_->spec().payload.layer_begin; }
+  uint32_t layer_end() const { return reader_->spec().payload.layer_end; }
+  DType dtype() const { return reader_->spec().dtype; }  // of the payload
   // Copies (or dequantizes) payload bytes [offset, offset + out.size()) into `out`. Any order;
-  // in order is cheapest on memory that is not direct (each piece of whole layers is read from
-  // the device once). INTERNAL when the device fails; never fails on host memory.
+  // in order is cheapest on staged memory (each piece of whole layers is read from the device
+  // once). INTERNAL when the device fails; never fails on host memory.
   // REQUIRES: offset + out.size() <= payload_bytes().
-  absl::Status Read(uint64_t offset, absl::Span<uint8_t> out);
+  absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) { return reader_->Read(offset, out); }
 
  private:
   friend class SequenceStore;
   FetchReader() = default;
   uint64_t token_begin_ = 0;
-  PayloadLayout payload_;
-  DType dtype_ = DType::kFp16;
-  PayloadJob job_;
-  std::unique_ptr<RowCodec> codec_;  // direct memory, some layer stores another dtype than dtype_
-  PoolMemory* memory_ = nullptr;     // memory that is not direct: where pieces come from,
-  std::vector<StagedPiece> pieces_;  // the payload's pieces,
-  std::unique_ptr<StagingBuffer> staged_;  // the bytes of one (sized for the largest)
-  size_t loaded_ = SIZE_MAX;               // which piece staged_ holds
-  std::vector<BlockRef> refs_;  // blocks covering the range (first block of the range first)
-  std::vector<int32_t> table_;  // their ids, indexed from the sequence's block 0
+  std::vector<BlockRef> refs_;  // blocks covering the range: they stay as they are meanwhile
+  std::unique_ptr<PayloadReader> reader_;
 };
 
-// Thread-safe. Lock order: mu_, then BlockPool's lock. Payload copies run outside mu_.
+// Thread-safe. Lock order: mu_, then BlockPool's lock. mu_ guards metadata only (tables,
+// references, lengths, leases, publishing): every byte move (transfers, copy-on-write and fork
+// copies, compaction, attention) runs outside it, on blocks its caller holds references to.
 class SequenceStore {
  public:
   // `layout` must be valid (ValidateLayout) and match the pool's block layout. `events` is the
@@ -385,10 +341,20 @@ class SequenceStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes and publishes every block that became full in all layers with known token ids.
   void PublishFullBlocks(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Applies the sequence's retention policy after it grew.
-  void Retain(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Heavy-hitter retention: keeps tokens `keep` (ascending) in fresh blocks.
-  void Compact(Sequence& s, const std::vector<uint64_t>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Heavy-hitter retention's move of the kept tokens into fresh blocks: planned under mu_, the
+  // rows copied outside it, applied under it again (sequence_store_retention.cc).
+  struct Compaction {
+    std::vector<uint64_t> keep;  // token positions kept, ascending
+    std::vector<BlockRef> fresh;
+    std::vector<kernels::RowCopy> rows;
+    std::vector<BlockRef> sources;  // references on the blocks copied from, held for the copy
+  };
+  // Applies the sequence's retention policy after it grew: a sliding window releases blocks at
+  // once; heavy-hitter retention answers the compaction to run (none when there is nothing to
+  // do, or no room for it now: the next append tries again).
+  std::optional<Compaction> Retain(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The compaction's rows are copied: the sequence keeps only its kept tokens.
+  void ApplyCompaction(Sequence& s, Compaction c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What Stats reports of one tenant, kept up to date where it changes (under mu_).
   struct TenantCounters {
     uint64_t query_tokens = 0;
@@ -421,32 +387,22 @@ class SequenceStore {
   // its append in flight ends.
   // Takes `s` by value: callers often pass the map's own entry, which this erases.
   uint64_t Remove(SeqPtr s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  kernels::PayloadMap MakeMap(const PayloadLayout& p) const;
   // How a transfer of layers [l0, l1) travels: its dtype (DefaultWireDType when none is asked
-  // for) and whether it is a plain copy (every layer stores exactly that dtype), a conversion
-  // (appends: a layer's storage dtype or the model's input dtype; fetches: fp32 / fp16 / bf16),
-  // or the storage format (a quantized dtype every layer of the range stores: elements and
-  // scales as stored).
-  enum class Mode { kPlain, kConvert, kStorage };
-  struct Transfer {
+  // for) and mode (TransferMode: a plain copy when every layer stores exactly that dtype; a
+  // conversion for appends in a layer's storage dtype or the model's input dtype, and fetches in
+  // fp32 / fp16 / bf16; the storage format for a quantized dtype every layer of the range
+  // stores).
+  struct Plan {
     DType dtype;
-    Mode mode;
+    TransferMode mode;
   };
-  absl::StatusOr<Transfer> Plan(uint32_t l0, uint32_t l1, std::optional<DType> requested,
-                                bool append) const;
-  // Sets up a transfer's payload layout, job over `table` and (for conversions on direct memory)
-  // codec.
-  void Configure(const Transfer& t, uint32_t l0, uint32_t l1, uint64_t token_begin, uint64_t n,
-                 const int32_t* table, PayloadLayout* payload, PayloadJob* job,
-                 std::unique_ptr<RowCodec>* codec) const;
-  // Memory that is not direct: cuts the reader's payload into pieces and reads the first into a
-  // staging buffer the size of the largest (FetchReader::Read reads the others as it goes).
-  absl::Status StageFetch(FetchReader& r);
+  absl::StatusOr<Plan> PlanTransfer(uint32_t l0, uint32_t l1, std::optional<DType> requested,
+                                    bool append) const;
+  // The transfer of n tokens from token_begin, layers [l0, l1), through `table`.
+  TransferSpec MakeTransfer(const Plan& plan, uint32_t l0, uint32_t l1, uint64_t token_begin,
+                            uint64_t n, std::vector<int32_t> table) const;
   // INVALID_ARGUMENT unless [l0, l1) is a non-empty range of the model's layers.
   absl::Status CheckLayerRange(uint32_t l0, uint32_t l1) const;
-  // Memory that is not direct: `payload` (moved as `job`) cut into pieces of whole layers.
-  std::vector<StagedPiece> SplitForStaging(const PayloadLayout& payload,
-                                           const PayloadJob& job) const;
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it

@@ -1,4 +1,4 @@
-// SequenceStore: attention on the pool (Attend) and retention (sliding window, heavy hitters).
+// SequenceStore: attention on the pool (Attend). Retention is sequence_store_retention.cc.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -12,68 +12,6 @@
 #include "server/core/sequence_store.h"
 
 namespace kvbank {
-
-void SequenceStore::Retain(Sequence& s) {
-  const RetentionPolicy& p = s.retention;
-  const uint64_t bt = layout_.block_tokens;
-  const uint64_t n = s.Length();
-  if (n != *std::max_element(s.layer_len.begin(), s.layer_len.end())) return;  // layers differ
-  if (p.kind == RetentionPolicy::Kind::kSlidingWindow) {
-    if (n <= uint64_t{p.window} + p.sinks) return;
-    // Blocks wholly past the sinks and before the window hold no kept token.
-    const uint64_t first = CeilDiv(p.sinks, bt), end = (n - p.window) / bt;
-    for (uint64_t b = first; b < end && b < s.blocks.size(); ++b) s.blocks[b].Reset();
-  } else if (p.kind == RetentionPolicy::Kind::kHeavyHitter) {
-    if (n < uint64_t{p.budget} + bt) return;  // a block of slack: not a compaction per token
-    s.scores.resize(n, 0.0);
-    // The first token, the heaviest of the middle, the last `window`; ties go to the earlier.
-    std::vector<uint64_t> middle;
-    for (uint64_t t = 1; t < n - p.window; ++t) middle.push_back(t);
-    const size_t heavy = p.budget - 1 - p.window;
-    std::stable_sort(middle.begin(), middle.end(),
-                     [&](uint64_t a, uint64_t b) { return s.scores[a] > s.scores[b]; });
-    middle.resize(std::min(heavy, middle.size()));
-    std::vector<uint64_t> keep{0};
-    keep.insert(keep.end(), middle.begin(), middle.end());
-    for (uint64_t t = n - p.window; t < n; ++t) keep.push_back(t);
-    std::sort(keep.begin(), keep.end());
-    Compact(s, keep);
-  }
-}
-
-void SequenceStore::Compact(Sequence& s, const std::vector<uint64_t>& keep) {
-  const BlockLayout& b = block_layout();
-  const uint64_t bt = b.block_tokens;
-  auto fresh = pool_->Allocate(CeilDiv(keep.size(), bt), s.tenant_id);
-  if (!fresh.ok()) return;  // NOTE: no room to compact now; the next append tries again
-  // NOTE: copies budget x layers rows under mu_; bounded by the budget. Rows only (with their
-  // int8 scales): fp8 layers, whose scales are per block, never come here.
-  std::vector<kernels::RowCopy> rows;
-  rows.reserve(keep.size() * b.num_layers());
-  for (uint64_t j = 0; j < keep.size(); ++j) {
-    const uint64_t t = keep[j];
-    for (uint32_t l = 0; l < b.num_layers(); ++l) {
-      rows.push_back({s.blocks[t / bt].id(), (*fresh)[j / bt].id(), static_cast<uint32_t>(t % bt),
-                      static_cast<uint32_t>(j % bt), l});
-    }
-  }
-  if (!pool_->memory().CopyRows(b, rows).ok()) return;  // the next append tries again
-  std::vector<uint32_t> ids;
-  std::vector<double> scores;
-  for (uint64_t t : keep) {
-    if (t < s.token_ids.size()) ids.push_back(s.token_ids[t]);
-    scores.push_back(t < s.scores.size() ? s.scores[t] : 0.0);
-  }
-  s.token_ids = ids.size() == keep.size() ? ids : std::vector<uint32_t>();
-  s.scores = std::move(scores);
-  while (!s.blocks.empty()) s.blocks.pop_back();  // tail first; shared blocks stay as they were
-  s.blocks = *std::move(fresh);
-  for (uint64_t& l : s.layer_len) l = keep.size();
-  s.hashes.clear();
-  s.publishable = false;
-  s.cached_tokens = 0;
-  ++s.generation;
-}
 
 absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const AttendItem> items,
                                    absl::Span<float> out, absl::Span<float> lse) {
@@ -129,9 +67,9 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
       const uint64_t len = s.layer_len[items[i].layer];
       it.length = static_cast<uint32_t>(len);
       for (uint64_t b = 0; b < CeilDiv(len, m.block_tokens); ++b) {
-        // A block a sliding window released holds no attended token: any index will do.
-        it.indices.push_back(s.blocks[b].valid() ? s.blocks[b].id() : 0);
-        if (s.blocks[b].valid()) refs.push_back(pool_->Share(s.blocks[b]));
+        // A hole (released by a sliding window) holds no attended token: any index will do.
+        it.indices.push_back(s.table.hole(b) ? 0 : s.table.at(b).id());
+        if (!s.table.hole(b)) refs.push_back(pool_->Share(s.table.at(b)));
       }
       it.window = o.window;
       it.sinks = o.sinks;

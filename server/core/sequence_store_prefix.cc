@@ -27,10 +27,10 @@ void SequenceStore::PublishFullBlocks(Sequence& s) {
     info.lora = s.lora;
     info.priority = s.priority;
     s.hashes.push_back(info.hash);
-    if (!s.blocks[i].valid()) continue;  // released by a sliding window
+    if (s.table.hole(i)) continue;  // released by a sliding window
     // False when the block is already published (shared from the cache) or another block holds
     // the same hash: then this copy stays private and goes back to the free list when released.
-    pool_->Publish(s.blocks[i], info, s.tenant_id);
+    pool_->Publish(s.table.at(i), info, s.tenant_id);
   }
 }
 
@@ -58,25 +58,27 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
   if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
-  auto wire = Plan(l0, l1, dtype, /*append=*/false);
+  auto wire = PlanTransfer(l0, l1, dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::unique_ptr<FetchReader> r(new FetchReader());
+  std::vector<int32_t> table;
   for (const BlockHash& h : hashes) {
     BlockRef b = pool_->Peek(h, tenant_id);  // a read, not a reuse: eviction order stays
     if (!b.valid()) break;
-    r->table_.push_back(b.id());
+    table.push_back(b.id());
     r->refs_.push_back(std::move(b));
   }
   if (r->refs_.empty()) {
     return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
   }
   r->token_begin_ = 0;
-  r->dtype_ = wire->dtype;
-  Configure(*wire, l0, l1, 0, r->refs_.size() * uint64_t{layout_.block_tokens}, r->table_.data(),
-            &r->payload_, &r->job_, &r->codec_);
-  if (absl::Status st = StageFetch(*r); !st.ok()) return st;
-  CountFetch(tenant, r->payload_.total_bytes);
+  const uint64_t n = r->refs_.size() * uint64_t{layout_.block_tokens};
+  auto reader = pool_->memory().BeginRead(block_layout(),
+                                          MakeTransfer(*wire, l0, l1, 0, n, std::move(table)));
+  if (!reader.ok()) return reader.status();
+  r->reader_ = *std::move(reader);
+  CountFetch(tenant, r->payload_bytes());
   return r;
 }
 

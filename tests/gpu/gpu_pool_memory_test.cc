@@ -259,7 +259,6 @@ TEST_F(GpuPoolMemoryTest, DescribesItself) {
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ((*m)->kind(), MemoryKind::kCuda);
   EXPECT_EQ((*m)->name(), "cuda:0");
-  EXPECT_FALSE((*m)->direct());
   EXPECT_EQ((*m)->bytes(), uint64_t{1} << 20);
   EXPECT_TRUE(CudaBuiltIn());
   const std::vector<uint8_t> zero(1 << 20, 0);
