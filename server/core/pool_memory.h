@@ -78,6 +78,9 @@ class PoolMemory {
   // Start of the blocks: a host pointer, or a device pointer for cuda:N.
   uint8_t* base() const { return base_; }
   uint64_t bytes() const { return bytes_; }
+  // True when moves wait on a device (cuda:N, and host-staged, which runs that path on the
+  // CPU): a caller on a thread that must not block (a gRPC reaction) hands them to a worker.
+  bool waits_on_device() const { return kind_ != MemoryKind::kHost; }
   // A writer of `spec`'s payload into the blocks of a pool laid out as `blocks` (which must
   // outlive it): streaming on host memory, staged otherwise (transfer.h). The blocks the table
   // names for the payload's rows must be ones only this transfer writes.

@@ -106,6 +106,7 @@ KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOpt
       options_(std::move(options)),
       auth_(std::move(auth)),
       watchdog_(options_.stream_idle_timeout),
+      device_work_(std::make_unique<WorkQueue>(std::max(1u, options_.device_workers))),
       attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {}
 
 KvBankService::~KvBankService() = default;
@@ -251,9 +252,49 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   }
 
   void OnReadDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    stream_->Progress();
-    if (finished_) return;  // the idle timeout ended the call while this read waited
+    {
+      absl::MutexLock lock(&mu_);
+      stream_->Progress();
+      if (finished_) return;  // the idle timeout ended the call while this read waited
+      if (ok) {
+        message_decoded_ = proto::AppendMessage();  // its data spans point into message_'s slices
+        if (absl::Status s =
+                proto::DecodeAppendMessage(message_, kMaxMessageBytes, &message_decoded_);
+            !s.ok()) {
+          return Fail(s);
+        }
+        if (txn_ == nullptr && message_decoded_.header.has_value()) {
+          auto model = FindModel(*service_->registry_, message_decoded_.header->model());
+          on_device_ = model.ok() && (*model)->pool().memory().waits_on_device();
+        }
+      }
+      if (!on_device_) return Step(ok);
+    }
+    // The pool's memory waits on a device: the copies (and the commit's) run on a worker, and
+    // the next read starts from there. The worker holds a reference, so that the reactor
+    // outlives it even when the call ends meanwhile (the idle timeout).
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    service_->device_work_->Submit([this, ok] {
+      {
+        absl::MutexLock lock(&mu_);
+        if (!finished_) Step(ok);
+      }
+      Unref();
+    });
+  }
+
+  void OnDone() override {
+    stream_->Done();
+    Unref();
+  }
+
+ private:
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  // One message read (ok) or the end of the stream (!ok).
+  void Step(bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!ok) {
       // Half-close commits; a cancelled or broken call (client gone, deadline) never does.
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("append cancelled"));
@@ -268,22 +309,14 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       return End(s);
     }
     if (absl::Status s = Handle(); !s.ok()) return Fail(s);
+    message_decoded_ = proto::AppendMessage();
     message_.Clear();
     StartRead(&message_);
   }
 
-  void OnDone() override {
-    stream_->Done();
-    delete this;
-  }
-
- private:
-  // One AppendRequest (proto::DecodeAppendMessage): the first carries the header.
+  // One decoded AppendRequest (proto::DecodeAppendMessage): the first carries the header.
   absl::Status Handle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    proto::AppendMessage m;  // its data spans point into message_'s slices
-    if (absl::Status s = proto::DecodeAppendMessage(message_, kMaxMessageBytes, &m); !s.ok()) {
-      return s;
-    }
+    const proto::AppendMessage& m = message_decoded_;
     const std::optional<v1::AppendHeader>& header = m.header;
     if (txn_ == nullptr) {
       if (!header.has_value()) {
@@ -344,10 +377,14 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   // Reactions and the watchdog's idle callback; always uncontended but for that callback.
   absl::Mutex mu_;
   grpc::ByteBuffer message_ ABSL_GUARDED_BY(mu_);
+  proto::AppendMessage message_decoded_ ABSL_GUARDED_BY(mu_);
+  bool on_device_ ABSL_GUARDED_BY(mu_) = false;  // the model's memory waits on a device
   std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // gRPC's (until OnDone) and each queued worker step's: the last to go deletes the reactor.
+  std::atomic<int> refs_{1};
   // Last: its idle callback uses the members above.
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
 };
@@ -582,14 +619,44 @@ grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(Ctx* ctx, const Raw* raw,
 }
 
 grpc::ServerUnaryReactor* KvBankService::Fork(Ctx* ctx, const Raw* raw, Raw* out) {
-  return ServeSequence<v1::ForkRequest, v1::SequenceInfo>(
-      ctx, raw, out,
-      [](SequenceStore& m, const std::string& tenant, const v1::ForkRequest& req,
-         v1::SequenceInfo* resp) -> absl::Status {
-        auto lease = LeaseFromProto(req.lease_ttl_ms(), false);
-        if (!lease.ok()) return lease.status();
-        return Reply(m.Fork(req.sequence_id(), *lease, tenant), req.model(), resp);
-      });
+  // A fork copies the parent's partial blocks: on memory that waits on a device the copy runs on
+  // a worker, not in this reaction.
+  auto* call = new UnaryCall<v1::ForkRequest, v1::SequenceInfo>(out);
+  auto caller = Admit(*ctx);
+  if (!caller.ok()) {
+    call->Reply(caller.status());
+    return call;
+  }
+  if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) {
+    call->Reply(s);
+    return call;
+  }
+  const v1::ForkRequest& req = call->request;
+  if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) {
+    call->Reply(s);
+    return call;
+  }
+  auto model = FindModel(*registry_, req.model());
+  if (!model.ok()) {
+    call->Reply(model.status());
+    return call;
+  }
+  auto lease = LeaseFromProto(req.lease_ttl_ms(), false);
+  if (!lease.ok()) {
+    call->Reply(lease.status());
+    return call;
+  }
+  const bool on_device = (*model)->pool().memory().waits_on_device();
+  auto run = [call, store = *std::move(model), lease = *lease, tenant = caller->tenant] {
+    call->Reply(Reply(store->Fork(call->request.sequence_id(), lease, tenant),
+                      call->request.model(), &call->response));
+  };
+  if (on_device) {
+    device_work_->Submit(std::move(run));
+  } else {
+    run();
+  }
+  return call;
 }
 
 grpc::ServerUnaryReactor* KvBankService::Truncate(Ctx* ctx, const Raw* raw, Raw* out) {

@@ -24,6 +24,9 @@ struct ServiceOptions {
   // cores divided among the workers).
   uint32_t attend_workers = 2;
   uint32_t attend_kernel_threads = 0;
+  // Transfers on pool memory that waits on a device (cuda:N, host-staged), and forks there, run
+  // on this many worker threads, so that no gRPC reaction waits on a device copy.
+  uint32_t device_workers = 4;
   // A stream that waits this long on its client (an Append with no next message, a Fetch or
   // Watch whose client does not read) is cancelled and releases what it holds. Zero: never.
   absl::Duration stream_idle_timeout = absl::Seconds(60);
@@ -132,7 +135,9 @@ class KvBankService final : public internal::RawKvBankService {
   absl::Mutex watches_mu_;             // before any WatchReactor's own lock
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
   StreamWatchdog watchdog_;
-  std::unique_ptr<WorkQueue> attend_work_;  // last: joined (finishing its calls) first
+  // Last: joined (finishing their calls) first.
+  std::unique_ptr<WorkQueue> device_work_;
+  std::unique_ptr<WorkQueue> attend_work_;
 };
 
 }  // namespace kvbank::rpc
