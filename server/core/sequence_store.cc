@@ -210,8 +210,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   if (o.retention.kind == RetentionPolicy::Kind::kSlidingWindow) Retain(*s);
   Account(*s);
   TenantCounters& c = tenant_counters_[o.tenant];
-  c.query_tokens += o.prompt.size();
-  c.hit_tokens += s->cached_tokens;
+  c.prefix_query_tokens += o.prompt.size();
+  c.prefix_hit_tokens += s->cached_tokens;
   return Info(*s);
 }
 
@@ -369,16 +369,8 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
 
 TenantStats SequenceStore::TenantRow(const std::string& name, const TenantCounters& c) const {
   TenantStats t;
+  static_cast<Activity&>(t) = c;
   t.tenant = name;
-  t.prefix_query_tokens = c.query_tokens;
-  t.prefix_hit_tokens = c.hit_tokens;
-  t.sequences = c.sequences;
-  t.tokens_stored = c.tokens_stored;
-  t.appends = c.appends;
-  t.fetches = c.fetches;
-  t.bytes_appended = c.bytes_appended;
-  t.bytes_fetched = c.bytes_fetched;
-  t.leases_expired = c.leases_expired;
   t.max_sequences = c.max_sequences;
   const uint32_t id = pool_->InternTenant(name);
   t.blocks_referenced = pool_->TenantBlocks(id);
@@ -394,17 +386,9 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
     auto it = tenant_counters_.find(*tenant);
     const TenantStats t =
         TenantRow(*tenant, it == tenant_counters_.end() ? TenantCounters{} : it->second);
+    static_cast<Activity&>(st) = t;
     st.pool.total = pool_->num_blocks();
     st.pool.used = t.blocks_referenced;
-    st.sequences = t.sequences;
-    st.tokens_stored = t.tokens_stored;
-    st.appends = t.appends;
-    st.fetches = t.fetches;
-    st.bytes_appended = t.bytes_appended;
-    st.bytes_fetched = t.bytes_fetched;
-    st.leases_expired = t.leases_expired;
-    st.prefix_query_tokens = t.prefix_query_tokens;
-    st.prefix_hit_tokens = t.prefix_hit_tokens;
     st.tenants.push_back(t);
     return st;
   }
@@ -414,8 +398,8 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
     st.tokens_stored = tokens_stored_;
     for (const auto& [name, c] : tenant_counters_) {
       st.tenants.push_back(TenantRow(name, c));
-      st.prefix_query_tokens += c.query_tokens;
-      st.prefix_hit_tokens += c.hit_tokens;
+      st.prefix_query_tokens += c.prefix_query_tokens;
+      st.prefix_hit_tokens += c.prefix_hit_tokens;
     }
     st.leases_expired = leases_expired_;
   }

@@ -85,21 +85,26 @@ struct SequenceInfo {
   uint64_t compactions = 0;  // heavy-hitter retention: times the kept tokens were compacted
 };
 
-// One tenant's own figures in one model: nothing here depends on what other tenants do.
-struct TenantStats {
-  std::string tenant;
+// What a model's sequences did, counted as it happens: the figures Stats reports for the model
+// and for each tenant (every one kept per tenant and in all, nothing scans the sequences).
+struct Activity {
   uint64_t prefix_query_tokens = 0;  // prompt tokens looked up at create
   uint64_t prefix_hit_tokens = 0;    // of those, attached from the cache
-  uint64_t blocks_referenced = 0;    // blocks on the tenant's quota: referenced or pinned
   uint64_t sequences = 0;            // live
-  uint64_t tokens_stored = 0;        // sum of its live sequences' lengths
+  uint64_t tokens_stored = 0;        // sum of the live sequences' lengths
   uint64_t appends = 0;              // committed
   uint64_t fetches = 0;              // readers handed out (by sequence or by block hash)
   uint64_t bytes_appended = 0;
   uint64_t bytes_fetched = 0;
   uint64_t leases_expired = 0;
-  uint64_t max_blocks = 0;     // its block quota (0: none)
-  uint64_t max_sequences = 0;  // its live-sequence limit (0: only the model's max_sequences)
+};
+
+// One tenant's own figures in one model: nothing here depends on what other tenants do.
+struct TenantStats : Activity {
+  std::string tenant;
+  uint64_t blocks_referenced = 0;  // blocks on the tenant's quota: referenced or pinned
+  uint64_t max_blocks = 0;         // its block quota (0: none)
+  uint64_t max_sequences = 0;      // its live-sequence limit (0: only the model's max_sequences)
 };
 
 // Per-tenant limits in one model (0: none).
@@ -114,19 +119,10 @@ struct TenantLimits {
 // tenants holds its row only. pool.total is the pool's fixed size (configuration, not activity);
 // pool.free, cached, pinned and evictions are pool-wide and move with other tenants' work, so a
 // tenant view leaves them 0.
-struct StoreStats {
+struct StoreStats : Activity {
   bool tenant_view = false;
   PoolStats pool;
   std::vector<TenantStats> tenants;  // tenants with any activity or limit, by name
-  uint64_t prefix_query_tokens = 0;
-  uint64_t prefix_hit_tokens = 0;
-  uint64_t sequences = 0;
-  uint64_t tokens_stored = 0;
-  uint64_t appends = 0;
-  uint64_t fetches = 0;
-  uint64_t bytes_appended = 0;
-  uint64_t bytes_fetched = 0;
-  uint64_t leases_expired = 0;
 };
 
 struct AppendSpec {
@@ -356,16 +352,7 @@ class SequenceStore {
   // The compaction's rows are copied: the sequence keeps only its kept tokens.
   void ApplyCompaction(Sequence& s, Compaction c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What Stats reports of one tenant, kept up to date where it changes (under mu_).
-  struct TenantCounters {
-    uint64_t query_tokens = 0;
-    uint64_t hit_tokens = 0;
-    uint64_t sequences = 0;
-    uint64_t tokens_stored = 0;
-    uint64_t appends = 0;
-    uint64_t fetches = 0;
-    uint64_t bytes_appended = 0;
-    uint64_t bytes_fetched = 0;
-    uint64_t leases_expired = 0;
+  struct TenantCounters : Activity {
     uint64_t max_sequences = 0;  // 0: none
   };
   // RESOURCE_EXHAUSTED when `tenant` may not have one more live sequence (its own limit, then
