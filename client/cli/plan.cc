@@ -310,6 +310,17 @@ int RunPlot(const std::string& csv, const std::string& png, std::string* why) {
   if (const char* env = std::getenv("KVBANK_PLOT_SCRIPT")) {
     script = env;
   }
+  if (script.empty()) {
+    // Installed: <prefix>/bin/kvbank finds <prefix>/share/kvbank/plot_plan.py.
+    char exe[4096];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n > 0) {
+      std::string dir(exe, size_t(n));
+      dir = dir.substr(0, dir.rfind('/'));
+      const std::string installed = dir + "/../share/kvbank/plot_plan.py";
+      if (access(installed.c_str(), R_OK) == 0) script = installed;
+    }
+  }
 #ifdef KVBANK_PLOT_SCRIPT_PATH
   if (script.empty() && access(KVBANK_PLOT_SCRIPT_PATH, R_OK) == 0)
     script = KVBANK_PLOT_SCRIPT_PATH;
