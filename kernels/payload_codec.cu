@@ -44,9 +44,8 @@ __device__ inline RowAt LocateRow(const PayloadMap& m, const LayerView& v, uint3
   const uint64_t in_part = r - (a.kv ? k_rows : 0);
   a.head = static_cast<uint32_t>(in_part / m.num_tokens);
   const uint64_t t = in_part % m.num_tokens;
-  a.dim = a.kv ? v.head_dim_v : v.head_dim;
-  a.payload = m.layer_offset[li] + (a.kv ? k_rows * v.head_dim * wire_bytes : 0) +
-              in_part * a.dim * wire_bytes;
+  a.dim = v.Dim(a.kv);
+  a.payload = v.PayloadRow(m.layer_offset[li], m.num_tokens, wire_bytes, a.kv, a.head, t);
   const uint64_t pos = m.token_begin + t;
   a.row = static_cast<uint32_t>(pos % v.block_tokens);
   a.block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
@@ -85,24 +84,21 @@ __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload
     const LayerView v = m.layers[li];
     if (!IsFp8DType(v.dtype)) continue;  // uniform over the CUDA block
     const uint64_t bt = v.block_tokens;
-    // Sequence blocks [b0, b1) hold the payload's tokens.
+    // Sequence blocks [b0, b0 + nb) hold the payload's tokens.
     const uint64_t b0 = m.token_begin / bt;
-    const uint64_t b1 = (m.token_begin + m.num_tokens + bt - 1) / bt;
-    const uint64_t nb = b1 - b0;
+    const uint64_t nb = BlocksTouched(m.token_begin, m.num_tokens, bt);
     const uint64_t segments = uint64_t{v.KvParts()} * v.num_kv_heads * nb;
-    const uint64_t k_part = uint64_t{v.num_kv_heads} * m.num_tokens * v.head_dim * wb;
     for (uint64_t s = blockIdx.x; s < segments; s += gridDim.x) {
       const uint64_t kvh = s / nb;
       const uint64_t b = b0 + s % nb;
       const uint32_t kv = static_cast<uint32_t>(kvh / v.num_kv_heads);
       const uint32_t h = static_cast<uint32_t>(kvh % v.num_kv_heads);
-      const uint32_t dim = kv ? v.head_dim_v : v.head_dim;
+      const uint32_t dim = v.Dim(kv);
       // Block rows [row, row + rows) come from payload tokens [t, t + rows).
       const uint64_t row = b * bt < m.token_begin ? m.token_begin - b * bt : 0;
       const uint64_t t = b * bt + row - m.token_begin;
       const uint64_t rows = m.num_tokens - t < bt - row ? m.num_tokens - t : bt - row;
-      const uint8_t* src = payload + m.layer_offset[li] + (kv ? k_part : 0) +
-                           (uint64_t{h} * m.num_tokens + t) * dim * wb;
+      const uint8_t* src = payload + v.PayloadRow(m.layer_offset[li], m.num_tokens, wb, kv, h, t);
       const uint64_t len = rows * dim;
       float mx = 0.0f;
       for (uint64_t i = threadIdx.x; i < len; i += blockDim.x) {

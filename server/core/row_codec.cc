@@ -25,21 +25,15 @@ PayloadRow LocatePayloadRow(const BlockLayout& b, const PayloadLayout& p, uint64
   while (i + 1 < p.layer_offset.size() && p.layer_offset[i + 1] <= offset) ++i;
   PayloadRow r;
   r.layer = p.layer_begin + static_cast<uint32_t>(i);
-  const LayerView& v = b.layers[r.layer];
   uint64_t rel = offset - p.layer_offset[i];
   const uint64_t k_part = p.KPartBytes(b, r.layer);
   r.kv = rel < k_part ? 0 : 1;
-  uint64_t part_begin = p.layer_offset[i];
-  if (r.kv == 1) {
-    rel -= k_part;
-    part_begin += k_part;
-  }
-  r.dim = r.kv == 0 ? v.head_dim : v.head_dim_v;
-  const uint64_t row_bytes = uint64_t{r.dim} * p.ElemBytes(b, r.layer);
-  const uint64_t index = rel / row_bytes;
+  if (r.kv == 1) rel -= k_part;
+  r.dim = b.layers[r.layer].Dim(r.kv);
+  const uint64_t index = rel / p.RowBytes(b, r.layer, r.kv);  // [head][token] within the part
   r.head = static_cast<uint32_t>(index / p.num_tokens);
   r.token = index % p.num_tokens;
-  r.begin = part_begin + index * row_bytes;
+  r.begin = p.RowOffset(b, r.layer, r.kv, r.head, r.token);
   return r;
 }
 
@@ -52,19 +46,24 @@ absl::Status NonFiniteError(const PayloadRow& r, uint64_t element) {
 RowCodec::Row RowCodec::Next(const Row& r) const {
   const LayerView& v = blocks_.layers[r.layer];
   Row n = r;
-  n.begin = r.begin + uint64_t{r.dim} * wire_bytes_;
-  if (++n.token < payload_.num_tokens) return n;
-  n.token = 0;
-  if (++n.head < v.num_kv_heads) return n;
-  n.head = 0;
-  if (n.kv == 0 && v.has_v) {
-    n.kv = 1;
-    n.dim = v.head_dim_v;
+  if (++n.token == payload_.num_tokens) {
+    n.token = 0;
+    if (++n.head == v.num_kv_heads) {
+      n.head = 0;
+      if (n.kv == 0 && v.has_v) {
+        n.kv = 1;
+      } else {
+        n.kv = 0;
+        ++n.layer;
+      }
+    }
+  }
+  if (n.layer >= payload_.layer_end) {  // past the payload: only its offset means anything
+    n.begin = payload_.total_bytes;
     return n;
   }
-  n.kv = 0;
-  ++n.layer;
-  if (n.layer < blocks_.num_layers()) n.dim = blocks_.layers[n.layer].head_dim;
+  n.dim = blocks_.layers[n.layer].Dim(n.kv);
+  n.begin = payload_.RowOffset(blocks_, n.layer, n.kv, n.head, n.token);
   return n;
 }
 
@@ -77,7 +76,6 @@ uint8_t* RowCodec::BlockOf(const Row& r, uint32_t* block_row) const {
 
 RowCodec::Row RowCodec::Skip(Row r, uint64_t rows) const {
   r.token += rows - 1;
-  r.begin += (rows - 1) * r.dim * wire_bytes_;
   return Next(r);
 }
 
