@@ -625,9 +625,8 @@ absl::Status Client::FetchTensors(const std::string& model, uint64_t id, const F
   uint64_t k_off = 0, v_off = 0;
   for (uint32_t l = r->layer_begin; l < r->layer_end; ++l) {
     const uint64_t kb = p.KPartBytes(b, l), vb = p.VPartBytes(b, l);
-    const uint8_t* at = r->payload.data() + p.layer_offset[l - r->layer_begin];
-    std::memcpy(k.data() + k_off, at, kb);
-    if (vb) std::memcpy(v.data() + v_off, at + kb, vb);
+    std::memcpy(k.data() + k_off, r->payload.data() + p.RowOffset(b, l, 0, 0, 0), kb);
+    if (vb) std::memcpy(v.data() + v_off, r->payload.data() + p.RowOffset(b, l, 1, 0, 0), vb);
     k_off += kb;
     v_off += vb;
   }

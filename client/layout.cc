@@ -167,11 +167,11 @@ uint64_t PayloadLayout::ScaleBytes(const BlockLayout& b, uint32_t l) const {
   const LayerView& v = b.layers[l];
   const uint64_t rows = uint64_t{v.KvParts()} * v.num_kv_heads;
   switch (v.dtype) {
-    case DType::kInt8:
-      return rows * num_tokens * (4 + 1);
+    case DType::kInt8:  // a scale and a u8 zero point per row (PayloadInt8ScaleOffset)
+      return rows * num_tokens * (kPayloadScaleBytes + 1);
     case DType::kFp8E4M3:
-    case DType::kFp8E5M2:
-      return rows * num_blocks * 4;
+    case DType::kFp8E5M2:  // a scale per (row, block) (PayloadFp8ScaleOffset)
+      return rows * num_blocks * kPayloadScaleBytes;
     default:
       return 0;
   }
@@ -185,7 +185,7 @@ PayloadLayout PayloadLayout::MakeStorage(const BlockLayout& b, uint32_t l0, uint
   p.num_tokens = n;
   const uint64_t bt = b.block_tokens;
   p.first_block = token_begin / bt;
-  p.num_blocks = n == 0 ? 0 : (token_begin + n + bt - 1) / bt - p.first_block;
+  p.num_blocks = BlocksTouched(token_begin, n, bt);
   uint64_t off = 0;
   for (uint32_t l = l0; l < l1; ++l) {
     p.layer_offset.push_back(off);

@@ -37,8 +37,8 @@ __global__ void PayloadCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offs
     const uint32_t h = static_cast<uint32_t>(rem / m.num_tokens);
     const uint64_t t = rem % m.num_tokens;
     const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
-    const uint64_t row_begin = m.layer_offset[l] + (part ? k_rows * v.KRowBytes() : 0) +
-                               (uint64_t{h} * m.num_tokens + t) * row_bytes;
+    const uint64_t row_begin =
+        v.PayloadRow(m.layer_offset[l], m.num_tokens, v.elem_bytes, part, h, t);
     const uint64_t lo = row_begin > offset ? row_begin : offset;
     const uint64_t row_end = row_begin + row_bytes;
     const uint64_t hi = row_end < offset + len ? row_end : offset + len;
@@ -92,7 +92,7 @@ __global__ void ScaleCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offset
     if (int8) {
       entries = 2 * rows * n;  // f32 scales [kv][h][n], then u8 zero points [kv][h][n]
     } else if (v.dtype == DType::kFp8E4M3 || v.dtype == DType::kFp8E5M2) {
-      nb = (m.token_begin + n + v.block_tokens - 1) / v.block_tokens - m.first_block;
+      nb = BlocksTouched(m.token_begin, n, v.block_tokens);
       entries = rows * nb;  // f32 scales [kv][h][nb]
     }
     for (uint64_t e = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; e < entries;
@@ -104,18 +104,20 @@ __global__ void ScaleCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offset
         const uint64_t i = zp ? e - rows * n : e;
         const uint32_t kv = static_cast<uint32_t>(i / n / heads);
         const uint32_t h = static_cast<uint32_t>(i / n % heads);
-        const uint64_t pos = m.token_begin + i % n;
+        const uint64_t t = i % n;
+        const uint64_t pos = m.token_begin + t;
         const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);
         uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
-        width = zp ? 1 : 4;
-        at_payload = section + (zp ? rows * n * 4 : 0) + i * width;
+        width = zp ? 1 : kPayloadScaleBytes;
+        at_payload = zp ? v.PayloadInt8ZeroPoint(section, n, kv, h, t)
+                        : v.PayloadInt8Scale(section, n, kv, h, t);
         at_pool = block + (zp ? v.Int8ZeroPoint(kv, h, row) : v.Int8Scale(kv, h, row));
       } else {
         const uint32_t kv = static_cast<uint32_t>(e / nb / heads);
         const uint32_t h = static_cast<uint32_t>(e / nb % heads);
         uint8_t* block = m.pool + uint64_t(m.block_table[m.first_block + e % nb]) * m.block_bytes;
-        width = 4;
-        at_payload = section + e * 4;
+        width = kPayloadScaleBytes;
+        at_payload = v.PayloadFp8Scale(section, nb, kv, h, e % nb);
         at_pool = block + v.Fp8Scale(kv, h);
       }
       const uint64_t lo = at_payload > offset ? at_payload : offset;

@@ -36,13 +36,12 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
     const uint64_t layer_bytes = v.PayloadBytesPerToken() * m.num_tokens;
     if (layer_begin >= end) break;
     if (layer_begin + layer_bytes <= offset) continue;
-    for (int part = 0; part < (v.has_v ? 2 : 1); ++part) {
+    for (uint32_t part = 0; part < v.KvParts(); ++part) {
       const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
-      const uint64_t part_begin =
-          layer_begin + (part == 0 ? 0 : uint64_t{v.num_kv_heads} * m.num_tokens * v.KRowBytes());
       const uint64_t head_bytes = m.num_tokens * row_bytes;
       for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
-        const uint64_t head_begin = part_begin + h * head_bytes;
+        const uint64_t head_begin =
+            v.PayloadRow(layer_begin, m.num_tokens, v.elem_bytes, part, h, 0);
         if (head_begin >= end || head_begin + head_bytes <= offset) continue;
         // Start at the token holding byte `offset` (runs may begin at any token).
         uint64_t t = head_begin < offset ? (offset - head_begin) / row_bytes : 0;
@@ -50,7 +49,8 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
           const uint64_t pos = m.token_begin + t;
           const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);
           const uint64_t run = std::min<uint64_t>(v.block_tokens - row, m.num_tokens - t);
-          const uint64_t run_begin = head_begin + t * row_bytes;
+          const uint64_t run_begin =
+              v.PayloadRow(layer_begin, m.num_tokens, v.elem_bytes, part, h, t);
           if (run_begin >= end) break;
           if (run_begin + run * row_bytes > offset) {
             uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
@@ -77,13 +77,14 @@ void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8
       // f32 scales [kv][h][n], then u8 zero points [kv][h][n]; runs of tokens within a block are
       // contiguous on both sides.
       for (int zp = 0; zp < 2; ++zp) {
-        const uint64_t width = zp ? 1 : 4;
-        const uint64_t base =
-            section + (zp ? uint64_t{parts} * v.num_kv_heads * m.num_tokens * 4 : 0);
+        const uint64_t width = zp ? 1 : kPayloadScaleBytes;
         for (uint32_t kv = 0; kv < parts; ++kv) {
           for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
-            const uint64_t row_begin =
-                base + (uint64_t{kv} * v.num_kv_heads + h) * m.num_tokens * width;
+            auto at_payload = [&](uint64_t t) {
+              return zp ? v.PayloadInt8ZeroPoint(section, m.num_tokens, kv, h, t)
+                        : v.PayloadInt8Scale(section, m.num_tokens, kv, h, t);
+            };
+            const uint64_t row_begin = at_payload(0);
             if (row_begin >= end || row_begin + m.num_tokens * width <= offset) continue;
             for (uint64_t t = 0; t < m.num_tokens;) {
               const uint64_t pos = m.token_begin + t;
@@ -92,7 +93,7 @@ void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8
               uint8_t* block =
                   m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
               uint8_t* at = block + (zp ? v.Int8ZeroPoint(kv, h, row) : v.Int8Scale(kv, h, row));
-              CopyRun(at, run * width, row_begin + t * width, offset, buf, len, dir);
+              CopyRun(at, run * width, at_payload(t), offset, buf, len, dir);
               t += run;
             }
           }
@@ -100,18 +101,15 @@ void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8
       }
     } else if (v.dtype == DType::kFp8E4M3 || v.dtype == DType::kFp8E5M2) {
       // f32 scales [kv][h][num_blocks].
-      const uint64_t nb =
-          m.num_tokens == 0 ? 0
-                            : (m.token_begin + m.num_tokens + v.block_tokens - 1) / v.block_tokens -
-                                  m.first_block;
+      const uint64_t nb = BlocksTouched(m.token_begin, m.num_tokens, v.block_tokens);
       for (uint32_t kv = 0; kv < parts; ++kv) {
         for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
           for (uint64_t b = 0; b < nb; ++b) {
-            const uint64_t at_payload =
-                section + ((uint64_t{kv} * v.num_kv_heads + h) * nb + b) * 4;
-            if (at_payload >= end || at_payload + 4 <= offset) continue;
+            const uint64_t at_payload = v.PayloadFp8Scale(section, nb, kv, h, b);
+            if (at_payload >= end || at_payload + kPayloadScaleBytes <= offset) continue;
             uint8_t* block = m.pool + uint64_t(m.block_table[m.first_block + b]) * m.block_bytes;
-            CopyRun(block + v.Fp8Scale(kv, h), 4, at_payload, offset, buf, len, dir);
+            CopyRun(block + v.Fp8Scale(kv, h), kPayloadScaleBytes, at_payload, offset, buf, len,
+                    dir);
           }
         }
       }

@@ -44,9 +44,8 @@ __device__ inline RowAt LocateRow(const PayloadMap& m, const LayerView& v, uint3
   const uint64_t in_part = r - (a.kv ? k_rows : 0);
   a.head = static_cast<uint32_t>(in_part / m.num_tokens);
   const uint64_t t = in_part % m.num_tokens;
-  a.dim = a.kv ? v.head_dim_v : v.head_dim;
-  a.payload = m.layer_offset[li] + (a.kv ? k_rows * v.head_dim * wire_bytes : 0) +
-              in_part * a.dim * wire_bytes;
+  a.dim = v.Dim(a.kv);
+  a.payload = v.PayloadRow(m.layer_offset[li], m.num_tokens, wire_bytes, a.kv, a.head, t);
   const uint64_t pos = m.token_begin + t;
   a.row = static_cast<uint32_t>(pos % v.block_tokens);
   a.block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
@@ -85,24 +84,21 @@ __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload
     const LayerView v = m.layers[li];
     if (!IsFp8DType(v.dtype)) continue;  // uniform over the CUDA block
     const uint64_t bt = v.block_tokens;
-    // Sequence blocks [b0, b1) hold the payload's tokens.
+    // Sequence blocks [b0, b0 + nb) hold the payload's tokens.
     const uint64_t b0 = m.token_begin / bt;
-    const uint64_t b1 = (m.token_begin + m.num_tokens + bt - 1) / bt;
-    const uint64_t nb = b1 - b0;
+    const uint64_t nb = BlocksTouched(m.token_begin, m.num_tokens, bt);
     const uint64_t segments = uint64_t{v.KvParts()} * v.num_kv_heads * nb;
-    const uint64_t k_part = uint64_t{v.num_kv_heads} * m.num_tokens * v.head_dim * wb;
     for (uint64_t s = blockIdx.x; s < segments; s += gridDim.x) {
       const uint64_t kvh = s / nb;
       const uint64_t b = b0 + s % nb;
       const uint32_t kv = static_cast<uint32_t>(kvh / v.num_kv_heads);
       const uint32_t h = static_cast<uint32_t>(kvh % v.num_kv_heads);
-      const uint32_t dim = kv ? v.head_dim_v : v.head_dim;
+      const uint32_t dim = v.Dim(kv);
       // Block rows [row, row + rows) come from payload tokens [t, t + rows).
       const uint64_t row = b * bt < m.token_begin ? m.token_begin - b * bt : 0;
       const uint64_t t = b * bt + row - m.token_begin;
       const uint64_t rows = m.num_tokens - t < bt - row ? m.num_tokens - t : bt - row;
-      const uint8_t* src = payload + m.layer_offset[li] + (kv ? k_part : 0) +
-                           (uint64_t{h} * m.num_tokens + t) * dim * wb;
+      const uint8_t* src = payload + v.PayloadRow(m.layer_offset[li], m.num_tokens, wb, kv, h, t);
       const uint64_t len = rows * dim;
       float mx = 0.0f;
       for (uint64_t i = threadIdx.x; i < len; i += blockDim.x) {
@@ -139,8 +135,9 @@ __global__ void Fp8ScalesKernel(PayloadMap m, DType wire, const uint8_t* payload
   }
 }
 
-// Phase 2 of the encode: one warp per payload row. int8 rows get their parameters from
-// WarpInt8Params, as QuantizeInt8RowsCuda does; fp8 rows use the scale stored in their block.
+// Phase 2 of the encode: one warp per payload row, each element by EncodeStored (quant_math.h).
+// int8 rows get their parameters from WarpInt8Params, as QuantizeInt8RowsCuda does; fp8 rows use
+// the scale stored in their block.
 __global__ void EncodeRowsKernel(PayloadMap m, DType wire, const uint8_t* payload) {
   const unsigned lane = threadIdx.x & 31u;
   const uint64_t first = blockIdx.x * uint64_t{kWarps} + threadIdx.x / 32;
@@ -153,35 +150,29 @@ __global__ void EncodeRowsKernel(PayloadMap m, DType wire, const uint8_t* payloa
       const RowAt a = LocateRow(m, v, li, wb, r);
       const uint8_t* src = payload + a.payload;
       uint8_t* dst = a.block + a.pool;
+      if (v.dtype == wire) {
+        CopyBytes(dst, src, uint64_t{a.dim} * wb, lane, 32);
+        continue;
+      }
+      Int8RowParams int8;
+      float fp8_inv = 0.0f;
       if (v.dtype == DType::kInt8) {
-        const Int8RowParams p = WarpInt8Params(src, wire, a.dim, lane);
+        int8 = WarpInt8Params(src, wire, a.dim, lane);
         if (lane == 0) {
-          *reinterpret_cast<float*>(a.block + v.Int8Scale(a.kv, a.head, a.row)) = p.scale;
-          a.block[v.Int8ZeroPoint(a.kv, a.head, a.row)] = p.zero_point;
-        }
-        const float zp = float(p.zero_point);
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          dst[i] = p.constant ? p.constant_code
-                              : QuantizeInt8(LoadAsFloat(src, wire, i), p.inv_scale, zp);
+          *reinterpret_cast<float*>(a.block + v.Int8Scale(a.kv, a.head, a.row)) = int8.scale;
+          a.block[v.Int8ZeroPoint(a.kv, a.head, a.row)] = int8.zero_point;
         }
       } else if (IsFp8DType(v.dtype)) {
-        const float scale = *reinterpret_cast<const float*>(a.block + v.Fp8Scale(a.kv, a.head));
-        const float inv = RecipRn(scale);
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          dst[i] = EncodeFp8(LoadAsFloat(src, wire, i), inv, v.dtype);
-        }
-      } else if (v.dtype == wire) {
-        CopyBytes(dst, src, uint64_t{a.dim} * wb, lane, 32);
-      } else {
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          StoreFromFloat(dst, v.dtype, i, LoadAsFloat(src, wire, i));
-        }
+        fp8_inv = RecipRn(*reinterpret_cast<const float*>(a.block + v.Fp8Scale(a.kv, a.head)));
+      }
+      for (uint32_t i = lane; i < a.dim; i += 32) {
+        EncodeStored(dst, v.dtype, i, LoadAsFloat(src, wire, i), int8, fp8_inv);
       }
     }
   }
 }
 
-// One warp per payload row.
+// One warp per payload row, each element by DecodeStored (quant_math.h).
 __global__ void DecodeRowsKernel(PayloadMap m, DType wire, uint8_t* payload) {
   const unsigned lane = threadIdx.x & 31u;
   const uint64_t first = blockIdx.x * uint64_t{kWarps} + threadIdx.x / 32;
@@ -194,24 +185,20 @@ __global__ void DecodeRowsKernel(PayloadMap m, DType wire, uint8_t* payload) {
       const RowAt a = LocateRow(m, v, li, wb, r);
       const uint8_t* src = a.block + a.pool;
       uint8_t* dst = payload + a.payload;
-      if (v.dtype == DType::kInt8) {
-        const float scale =
-            *reinterpret_cast<const float*>(a.block + v.Int8Scale(a.kv, a.head, a.row));
-        const uint8_t zp = a.block[v.Int8ZeroPoint(a.kv, a.head, a.row)];
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          StoreFromFloat(dst, wire, i, DequantizeInt8(src[i], zp, scale));
-        }
-      } else if (IsFp8DType(v.dtype)) {
-        const float scale = *reinterpret_cast<const float*>(a.block + v.Fp8Scale(a.kv, a.head));
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          StoreFromFloat(dst, wire, i, DecodeFp8(src[i], scale, v.dtype));
-        }
-      } else if (v.dtype == wire) {
+      if (v.dtype == wire) {
         CopyBytes(dst, src, uint64_t{a.dim} * wb, lane, 32);
-      } else {
-        for (uint32_t i = lane; i < a.dim; i += 32) {
-          StoreFromFloat(dst, wire, i, LoadAsFloat(src, v.dtype, i));
-        }
+        continue;
+      }
+      float scale = 1.0f;
+      uint8_t zp = 0;
+      if (v.dtype == DType::kInt8) {
+        scale = *reinterpret_cast<const float*>(a.block + v.Int8Scale(a.kv, a.head, a.row));
+        zp = a.block[v.Int8ZeroPoint(a.kv, a.head, a.row)];
+      } else if (IsFp8DType(v.dtype)) {
+        scale = *reinterpret_cast<const float*>(a.block + v.Fp8Scale(a.kv, a.head));
+      }
+      for (uint32_t i = lane; i < a.dim; i += 32) {
+        StoreFromFloat(dst, wire, i, DecodeStored(src, v.dtype, i, scale, zp));
       }
     }
   }

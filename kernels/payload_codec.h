@@ -40,13 +40,39 @@ void EncodePayloadCpu(const PayloadMap& map, DType wire, const uint8_t* payload)
 // pool -> payload (map.total_bytes bytes, wire dtype). Host memory.
 void DecodePayloadCpu(const PayloadMap& map, DType wire, uint8_t* payload);
 
-// One fp8 group's share of a payload, as EncodePayloadCpu writes it (and the host RowCodec, which
-// decides `scale` first): rows [row, row + rows) of the group from src ([rows][dim] of `wire`).
-// head_rows: the group's row 0 in the block ([block_tokens][dim] codes); scale_slot: its f32
-// scale. scale: qmath::Fp8GroupScale's answer for these rows; when row > 0 and it differs from the
-// stored scale, rows [0, row) are requantized to it first. Host memory.
-void EncodeFp8Group(const void* src, DType wire, uint64_t row, uint64_t rows, uint32_t dim,
-                    float scale, DType fp8, uint8_t* head_rows, uint8_t* scale_slot);
+// ---- rows of one block: the one host codec --------------------------------------------------
+//
+// Rows [row, row + rows) of one (layer, K/V part, kv head) in one block: the unit that both host
+// codecs (EncodePayloadCpu / DecodePayloadCpu here, and the server's streaming RowCodec) hand to
+// the functions below, so that they store and return the same bytes. The element math is
+// quant.h's (quant_math.h per element, shared with the CUDA kernels).
+struct BlockRows {
+  const LayerView* v = nullptr;
+  uint8_t* block = nullptr;  // the block's first byte
+  uint32_t kv = 0;           // 0 = K, 1 = V
+  uint32_t head = 0;
+  uint32_t row = 0;  // first block row
+  uint64_t rows = 0;
+
+  uint32_t dim() const { return v->Dim(kv); }
+  // The block offset of block row `r` of this (K/V part, head).
+  uint64_t RowAt(uint32_t r) const { return kv == 0 ? v->KRow(head, r) : v->VRow(head, r); }
+};
+
+// fp8 layers: the scale the rows' group has once they are encoded: qmath::Fp8GroupScale of their
+// largest magnitude (src: [rows][dim] of `wire`) and the scale the block holds. When r.row > 0 and
+// the answer differs from StoredFp8Scale(r), EncodeRows requantizes rows [0, r.row) (a rescale
+// of rows earlier transfers stored).
+float Fp8ScaleForRows(const BlockRows& r, const void* src, DType wire);
+float StoredFp8Scale(const BlockRows& r);
+
+// src ([rows][dim] of `wire`, finite) -> the rows: converted (fp32 / fp16 / bf16), quantized per
+// row with the row's scale and zero point (int8), or encoded with `fp8_scale` (fp8:
+// Fp8ScaleForRows's answer for these rows, stored in the group's scale slot; other dtypes ignore
+// it). REQUIRES for fp8: the rows are all the group's rows this payload holds.
+void EncodeRows(const BlockRows& r, const void* src, DType wire, float fp8_scale);
+// The rows -> dst ([rows][dim] of `wire`).
+void DecodeRows(const BlockRows& r, void* dst, DType wire);
 
 }  // namespace kvbank::kernels
 

@@ -43,10 +43,8 @@ __global__ void QuantizeInt8RowsKernel(const void* src, DType sd, size_t rows, u
       scales[r] = p.scale;
       zero_points[r] = p.zero_point;
     }
-    const float zp = float(p.zero_point);
     for (uint32_t i = lane; i < dim; i += 32) {
-      q[base + i] = p.constant ? p.constant_code
-                               : QuantizeInt8(LoadAsFloat(src, sd, base + i), p.inv_scale, zp);
+      q[base + i] = QuantizeInt8(LoadAsFloat(src, sd, base + i), p);
     }
   }
 }

@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/quant_math.h"
 #include "kvbank/layout.h"
 
 namespace kvbank::kernels {
@@ -68,9 +69,7 @@ void DequantizeInt8Rows(const uint8_t* q, const float* scales, const uint8_t* ze
 float Fp8ScaleFor(float amax, DType fp8);
 
 // Whether an fp8 code is NaN (E4M3FN: S.1111.111) or Inf / NaN (E5M2: exponent 11111).
-inline bool Fp8IsNonFinite(uint8_t code, DType fp8) {
-  return fp8 == DType::kFp8E4M3 ? (code & 0x7f) == 0x7f : (code & 0x7c) == 0x7c;
-}
+using qmath::Fp8IsNonFinite;
 
 // The largest finite value of an fp8 format (448 or 57344).
 float Fp8Max(DType fp8);

@@ -106,11 +106,7 @@ float AbsMaxScalar(const void* src, DType dtype, size_t n) {
 template <DType S>
 inline void QuantizeSpanScalar(const void* src, size_t base, uint32_t i, uint32_t end,
                                const Int8RowParams& p, uint8_t* q) {
-  const float zp = float(p.zero_point);
-  for (; i < end; ++i) {
-    q[base + i] =
-        p.constant ? p.constant_code : QuantizeInt8(LoadAsFloat(src, S, base + i), p.inv_scale, zp);
-  }
+  for (; i < end; ++i) q[base + i] = QuantizeInt8(LoadAsFloat(src, S, base + i), p);
 }
 
 void QuantizeInt8RowsScalar(const void* src, DType sd, size_t rows, uint32_t dim, uint8_t* q,
@@ -243,31 +239,26 @@ KVBANK_AVX2 inline void Store8(void* p, size_t i, __m256 v) {
 // FloatToFp8E4M3 / FloatToFp8E5M2 on eight lanes (int32 codes in [0, 255]).
 template <DType F>
 KVBANK_AVX2 inline __m256i FloatToFp8x8(__m256 y) {
-  constexpr bool kE4 = F == DType::kFp8E4M3;
-  constexpr uint32_t kMantShift = kE4 ? 20 : 21;
-  constexpr uint32_t kRebias = kE4 ? (120u << 23) : (112u << 23);
-  constexpr uint32_t kMinNormal = kE4 ? 0x3c800000u : 0x38800000u;  // 2^-6, 2^-14
-  constexpr uint32_t kMaxBits = kE4 ? 0x43e00000u : 0x47600000u;    // 448, 57344
-  constexpr float kSubScale = kE4 ? 512.0f : 65536.0f;
+  constexpr Fp8Format f = Fp8FormatOf(F);
   const __m256i x = _mm256_castps_si256(y);
   const __m256i a = _mm256_and_si256(x, I32(0x7fffffffu));
   const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(x, I32(0x80000000u)), 24);
-  const __m256i u = _mm256_sub_epi32(a, I32(kRebias));
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, kMantShift), I32(1));
+  const __m256i u = _mm256_sub_epi32(a, I32(f.rebias));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, f.mant_shift), I32(1));
   const __m256i normal = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, I32((1u << (kMantShift - 1)) - 1)), lsb), kMantShift);
+      _mm256_add_epi32(_mm256_add_epi32(u, I32((1u << (f.mant_shift - 1)) - 1)), lsb),
+      f.mant_shift);
   const __m256 sub_f =
-      _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(kSubScale)),
+      _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(f.subnormal_scale)),
                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256i code = _mm256_blendv_epi8(normal, _mm256_cvttps_epi32(sub_f),
-                                    _mm256_cmpgt_epi32(I32(kMinNormal), a));
-  code =
-      _mm256_blendv_epi8(code, I32(kE4 ? 0x7eu : 0x7bu), _mm256_cmpgt_epi32(a, I32(kMaxBits - 1)));
-  if constexpr (kE4) {
-    code = _mm256_blendv_epi8(code, I32(0x7fu), _mm256_cmpgt_epi32(a, I32(0x7f7fffffu)));
+                                    _mm256_cmpgt_epi32(I32(f.min_normal_bits), a));
+  code = _mm256_blendv_epi8(code, I32(f.max_code), _mm256_cmpgt_epi32(a, I32(f.max_bits - 1)));
+  if constexpr (F == DType::kFp8E4M3) {  // Inf and NaN: NaN
+    code = _mm256_blendv_epi8(code, I32(f.nan_code), _mm256_cmpgt_epi32(a, I32(0x7f7fffffu)));
   } else {
-    code = _mm256_blendv_epi8(code, I32(0x7cu), _mm256_cmpeq_epi32(a, I32(0x7f800000u)));
-    code = _mm256_blendv_epi8(code, I32(0x7eu), _mm256_cmpgt_epi32(a, I32(0x7f800000u)));
+    code = _mm256_blendv_epi8(code, I32(kFp8E5M2InfCode), _mm256_cmpeq_epi32(a, I32(0x7f800000u)));
+    code = _mm256_blendv_epi8(code, I32(f.nan_code), _mm256_cmpgt_epi32(a, I32(0x7f800000u)));
   }
   return _mm256_or_si256(code, sign);
 }
@@ -280,13 +271,15 @@ KVBANK_AVX2 inline __m256 Fp8ToFloatx8(const uint8_t* p) {
         _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
     return _mm256_cvtph_ps(h);
   } else {
+    constexpr Fp8Format f = Fp8FormatOf(F);
     const __m256i c = LoadBytes8(p);
     const __m256i m7 = _mm256_and_si256(c, I32(0x7fu));
-    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(m7, 20), I32(120u << 23));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(m7), _mm256_set1_ps(0x1p-9f));
-    __m256i bits =
-        _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), _mm256_cmpgt_epi32(I32(8), m7));
-    bits = _mm256_blendv_epi8(bits, I32(0x7fc00000u), _mm256_cmpeq_epi32(m7, I32(0x7fu)));
+    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(m7, f.mant_shift), I32(f.rebias));
+    const __m256 sub =
+        _mm256_mul_ps(_mm256_cvtepi32_ps(m7), _mm256_set1_ps(1.0f / f.subnormal_scale));
+    __m256i bits = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub),
+                                      _mm256_cmpgt_epi32(I32(1u << (23 - f.mant_shift)), m7));
+    bits = _mm256_blendv_epi8(bits, I32(0x7fc00000u), _mm256_cmpeq_epi32(m7, I32(f.nan_code)));
     return _mm256_castsi256_ps(
         _mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(c, I32(0x80u)), 24)));
   }
@@ -424,8 +417,8 @@ KVBANK_AVX2 inline void RowMinMax(const void* src, size_t base, uint32_t dim, fl
 KVBANK_AVX2 inline __m256i QuantizeInt8x8(__m256 x, __m256 inv, __m256 zp) {
   __m256 t = _mm256_round_ps(_mm256_mul_ps(x, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   t = _mm256_add_ps(t, zp);
-  t = _mm256_max_ps(t, _mm256_setzero_ps());     // t > 0 ? t : 0
-  t = _mm256_min_ps(t, _mm256_set1_ps(255.0f));  // t < 255 ? t : 255
+  t = _mm256_max_ps(t, _mm256_setzero_ps());           // t > 0 ? t : 0
+  t = _mm256_min_ps(t, _mm256_set1_ps(kInt8CodeMax));  // t < max ? t : max
   return _mm256_cvttps_epi32(t);
 }
 

@@ -31,9 +31,7 @@
 namespace kvbank::kernels::qmath {
 
 constexpr float kFp16Max = 65504.0f;
-constexpr float kBf16Max = 3.38953139e38f;  // bits 0x7f7f0000
-constexpr float kFp8E4M3Max = 448.0f;
-constexpr float kFp8E5M2Max = 57344.0f;
+constexpr float kBf16Max = 3.38953139e38f;          // bits 0x7f7f0000
 constexpr float kFloatMinNormal = 1.17549435e-38f;  // FLT_MIN
 constexpr float kFloatMax = 3.40282347e38f;         // FLT_MAX
 
@@ -132,49 +130,90 @@ KVBANK_HD inline uint16_t FloatToBf16(float f, bool saturate) {
 
 // ---- fp8 --------------------------------------------------------------------------------------
 
+// The constants of an fp8 format, written once: the scalar conversions here and the AVX2 ones in
+// quant_cpu.cc read them from this table. Codes are given with the sign bit clear.
+struct Fp8Format {
+  float max;                 // largest finite value (448, 57344)
+  uint32_t max_bits;         // FloatBits(max): a magnitude at or past it saturates
+  uint8_t max_code;          // the code of max
+  uint8_t nan_code;          // what NaN encodes to
+  uint32_t min_normal_bits;  // FloatBits of the smallest normal (2^-6, 2^-14)
+  uint32_t rebias;           // (127 - bias) << 23: moves an fp32 exponent to the format's
+  uint32_t mant_shift;       // 23 - the format's mantissa bits
+  float subnormal_scale;     // 1 / the subnormal step (2^9, 2^16): code = rint(|x| * it)
+};
+KVBANK_HD constexpr Fp8Format Fp8FormatOf(DType fp8) {
+  return fp8 == DType::kFp8E4M3
+             ? Fp8Format{448.0f, 0x43e00000u, 0x7eu, 0x7fu, 0x3c800000u, 120u << 23, 20, 512.0f}
+             : Fp8Format{57344.0f,    0x47600000u, 0x7bu, 0x7eu,
+                         0x38800000u, 112u << 23,  21,    65536.0f};
+}
+constexpr float kFp8E4M3Max = Fp8FormatOf(DType::kFp8E4M3).max;
+constexpr float kFp8E5M2Max = Fp8FormatOf(DType::kFp8E5M2).max;
+// E5M2's Inf code (E4M3FN has none).
+constexpr uint8_t kFp8E5M2InfCode = 0x7cu;
+
 KVBANK_HD inline float Fp8E4M3ToFloat(uint8_t c) {
+  constexpr Fp8Format f = Fp8FormatOf(DType::kFp8E4M3);
+  constexpr float kStep = 1.0f / f.subnormal_scale;  // 2^-9, exact
   const uint32_t sign = uint32_t(c & 0x80u) << 24;
   const uint32_t m7 = c & 0x7fu;
-  if (m7 == 0x7fu) return BitsFloat(sign | 0x7fc00000u);
-  // Normal: rebias the exponent from 7 to 127. Subnormal (e == 0): m * 2^-9, exact. (No float
-  // subnormal appears on the way: x86 would take a slow microcode assist on one.)
-  const uint32_t mag = m7 >= 8u ? (m7 << 20) + (120u << 23) : FloatBits(MulRn(float(m7), 0x1p-9f));
+  if (m7 == f.nan_code) return BitsFloat(sign | 0x7fc00000u);
+  // Normal (exponent field != 0): rebias the exponent from 7 to 127. Subnormal: m * 2^-9, exact.
+  // (No float subnormal appears on the way: x86 would take a slow microcode assist on one.)
+  const uint32_t mag = m7 >= (1u << (23 - f.mant_shift)) ? (m7 << f.mant_shift) + f.rebias
+                                                         : FloatBits(MulRn(float(m7), kStep));
   return BitsFloat(sign | mag);
+}
+
+KVBANK_HD constexpr bool IsElementDType(DType d) {
+  return d == DType::kFp32 || d == DType::kFp16 || d == DType::kBf16;
+}
+KVBANK_HD constexpr bool IsFp8DType(DType d) {
+  return d == DType::kFp8E4M3 || d == DType::kFp8E5M2;
 }
 
 KVBANK_HD inline float Fp8E5M2ToFloat(uint8_t c) { return HalfToFloat(uint16_t(uint16_t(c) << 8)); }
 
 // Saturating: finite values past +-448 become +-448. NaN and Inf become NaN (no Inf in E4M3FN).
-KVBANK_HD inline uint8_t FloatToFp8E4M3(float f) {
-  const uint32_t x = FloatBits(f);
-  const uint32_t sign = (x >> 24) & 0x80u;
-  const uint32_t a = x & 0x7fffffffu;
-  if (a >= 0x7f800000u) return uint8_t(sign | 0x7fu);
-  if (a >= 0x43e00000u) return uint8_t(sign | 0x7eu);  // >= 448
-  if (a < 0x3c800000u) {                               // < 2^-6: subnormal m * 2^-9, m in [0, 8]
-    return uint8_t(sign | uint32_t(RintF(MulRn(BitsFloat(a), 512.0f))));
+KVBANK_HD inline uint8_t FloatToFp8E4M3(float x) {
+  constexpr Fp8Format f = Fp8FormatOf(DType::kFp8E4M3);
+  const uint32_t bits = FloatBits(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a >= 0x7f800000u) return uint8_t(sign | f.nan_code);
+  if (a >= f.max_bits) return uint8_t(sign | f.max_code);
+  if (a < f.min_normal_bits) {  // subnormal m * 2^-9, m in [0, 8]
+    return uint8_t(sign | uint32_t(RintF(MulRn(BitsFloat(a), f.subnormal_scale))));
   }
-  const uint32_t u = a - (120u << 23);
-  return uint8_t(sign | ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20));
+  const uint32_t u = a - f.rebias;
+  const uint32_t half = (1u << (f.mant_shift - 1)) - 1;
+  return uint8_t(sign | ((u + half + ((u >> f.mant_shift) & 1u)) >> f.mant_shift));
 }
 
 // Saturating: finite values past +-57344 become +-57344; Inf stays Inf, NaN becomes 0x7e.
-KVBANK_HD inline uint8_t FloatToFp8E5M2(float f) {
-  const uint32_t x = FloatBits(f);
-  const uint32_t sign = (x >> 24) & 0x80u;
-  const uint32_t a = x & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint8_t(sign | 0x7eu);
-  if (a == 0x7f800000u) return uint8_t(sign | 0x7cu);
-  if (a >= 0x47600000u) return uint8_t(sign | 0x7bu);  // >= 57344
-  if (a < 0x38800000u) {                               // < 2^-14: subnormal m * 2^-16, m in [0, 4]
-    return uint8_t(sign | uint32_t(RintF(MulRn(BitsFloat(a), 65536.0f))));
+KVBANK_HD inline uint8_t FloatToFp8E5M2(float x) {
+  constexpr Fp8Format f = Fp8FormatOf(DType::kFp8E5M2);
+  const uint32_t bits = FloatBits(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint8_t(sign | f.nan_code);
+  if (a == 0x7f800000u) return uint8_t(sign | kFp8E5M2InfCode);
+  if (a >= f.max_bits) return uint8_t(sign | f.max_code);
+  if (a < f.min_normal_bits) {  // subnormal m * 2^-16, m in [0, 4]
+    return uint8_t(sign | uint32_t(RintF(MulRn(BitsFloat(a), f.subnormal_scale))));
   }
-  const uint32_t u = a - (112u << 23);
-  return uint8_t(sign | ((u + 0xfffffu + ((u >> 21) & 1u)) >> 21));
+  const uint32_t u = a - f.rebias;
+  const uint32_t half = (1u << (f.mant_shift - 1)) - 1;
+  return uint8_t(sign | ((u + half + ((u >> f.mant_shift) & 1u)) >> f.mant_shift));
 }
 
-KVBANK_HD inline float Fp8Max(DType fp8) {
-  return fp8 == DType::kFp8E4M3 ? kFp8E4M3Max : kFp8E5M2Max;
+KVBANK_HD inline float Fp8Max(DType fp8) { return Fp8FormatOf(fp8).max; }
+
+// Whether an fp8 code is NaN (E4M3FN: S.1111.111) or Inf / NaN (E5M2: exponent 11111).
+KVBANK_HD inline bool Fp8IsNonFinite(uint8_t code, DType fp8) {
+  return fp8 == DType::kFp8E4M3 ? (code & 0x7fu) == Fp8FormatOf(fp8).nan_code
+                                : (code & kFp8E5M2InfCode) == kFp8E5M2InfCode;
 }
 
 // scale = amax / fmax, so the block's largest magnitude maps to the format's max. Zero (or NaN)
@@ -247,6 +286,9 @@ KVBANK_HD inline float DecodeFp8(uint8_t c, float scale, DType fp8) {
 //       q  = clamp(rint(x * (1 / scale)) + zp, 0, 255)
 //       x' = (q - zp) * scale
 //     |x' - x| <= scale / 2 (plus a few fp32 ulps of x).
+// uint8 codes run over [0, kInt8CodeMax]: 255 steps of `scale` span the row's range.
+constexpr float kInt8CodeMax = 255.0f;
+
 struct Int8RowParams {
   float scale = 0.0f;
   float inv_scale = 0.0f;  // 0 for constant rows (unused there)
@@ -266,10 +308,11 @@ KVBANK_HD inline Int8RowParams Int8ParamsFor(float mn, float mx) {
   }
   const double lo = mn < 0.0f ? double(mn) : 0.0;
   const double hi = mx > 0.0f ? double(mx) : 0.0;
-  float scale = float((hi - lo) / 255.0);
+  const double code_max = kInt8CodeMax;
+  float scale = float((hi - lo) / code_max);
   if (!(scale >= kFloatMinNormal)) scale = kFloatMinNormal;  // tiny ranges (and NaN rows)
   double z = rint(-lo / double(scale));
-  z = z < 255.0 ? z : 255.0;
+  z = z < code_max ? z : code_max;
   p.scale = scale;
   p.inv_scale = RecipRn(scale);
   p.zero_point = uint8_t(z > 0.0 ? z : 0.0);
@@ -281,8 +324,13 @@ KVBANK_HD inline Int8RowParams Int8ParamsFor(float mn, float mx) {
 KVBANK_HD inline uint8_t QuantizeInt8(float x, float inv_scale, float zero_point) {
   float t = RintF(MulRn(x, inv_scale)) + zero_point;
   t = t > 0.0f ? t : 0.0f;
-  t = t < 255.0f ? t : 255.0f;
+  t = t < kInt8CodeMax ? t : kInt8CodeMax;
   return uint8_t(t);
+}
+
+// x quantized with its row's parameters (every element of a constant row has the row's code).
+KVBANK_HD inline uint8_t QuantizeInt8(float x, const Int8RowParams& p) {
+  return p.constant ? p.constant_code : QuantizeInt8(x, p.inv_scale, float(p.zero_point));
 }
 
 // NOTE: (q - zp) * scale can exceed FLT_MAX by up to scale / 2 for rows reaching +-FLT_MAX, so
@@ -340,11 +388,32 @@ KVBANK_HD inline bool IsNonFinite(const void* p, DType d, size_t i) {
   return (b & e) == e;
 }
 
-KVBANK_HD constexpr bool IsElementDType(DType d) {
-  return d == DType::kFp32 || d == DType::kFp16 || d == DType::kBf16;
+// ---- one element of a stored row ---------------------------------------------------------------
+//
+// What every decoder and encoder of block rows computes per element, whatever the layer's storage
+// dtype; the CUDA row kernels call these, and the CPU codecs (quant_cpu.cc) compute the same
+// bytes in bulk.
+
+// Element i of a stored row of `storage` as a float: int8 with the row's scale and zero point,
+// fp8 with its group's scale, fp32 / fp16 / bf16 as stored (scale and zero_point unused).
+KVBANK_HD inline float DecodeStored(const uint8_t* row, DType storage, size_t i, float scale,
+                                    uint8_t zero_point) {
+  if (storage == DType::kInt8) return DequantizeInt8(row[i], zero_point, scale);
+  if (IsFp8DType(storage)) return DecodeFp8(row[i], scale, storage);
+  return LoadAsFloat(row, storage, i);
 }
-KVBANK_HD constexpr bool IsFp8DType(DType d) {
-  return d == DType::kFp8E4M3 || d == DType::kFp8E5M2;
+
+// x stored as element i of a row of `storage`: int8 with the row's parameters, fp8 with
+// fp8_inv_scale (RecipRn of its group's scale), fp32 / fp16 / bf16 converted (saturating).
+KVBANK_HD inline void EncodeStored(uint8_t* row, DType storage, size_t i, float x,
+                                   const Int8RowParams& int8, float fp8_inv_scale) {
+  if (storage == DType::kInt8) {
+    row[i] = QuantizeInt8(x, int8);
+  } else if (IsFp8DType(storage)) {
+    row[i] = EncodeFp8(x, fp8_inv_scale, storage);
+  } else {
+    StoreFromFloat(row, storage, i, x);
+  }
 }
 
 }  // namespace kvbank::kernels::qmath

@@ -364,19 +364,15 @@ int Demo(const std::string& server, const ClientOptions& options, absl::Duration
     const PayloadLayout ph = PayloadLayout::Make(b, 0, layers, tokens / 2);
     bool half_exact = half->payload.size() == ph.total_bytes;
     for (uint32_t l = 0; half_exact && l < layers; ++l) {
-      // Layer l of the half: K [heads][tokens/2][d] of the full K rows, then V likewise.
+      // Each (K/V, head) of the half: the first tokens / 2 rows of the full one. layer_payload[l]
+      // is layer l's section of the full payload p.
       const LayerView& v = b.layers[l];
       for (uint32_t part = 0; part < v.KvParts() && half_exact; ++part) {
-        const uint64_t row = part == 0 ? v.KRowBytes() : v.VRowBytes();
-        const uint64_t full_part =
-            part == 0 ? 0 : uint64_t{v.num_kv_heads} * tokens * v.KRowBytes();
-        const uint64_t half_part =
-            part == 0 ? 0 : uint64_t{v.num_kv_heads} * (tokens / 2) * v.KRowBytes();
         for (uint32_t h = 0; h < v.num_kv_heads && half_exact; ++h) {
-          half_exact =
-              std::memcmp(
-                  half->payload.data() + ph.layer_offset[l] + half_part + h * (tokens / 2) * row,
-                  layer_payload[l].data() + full_part + h * tokens * row, (tokens / 2) * row) == 0;
+          half_exact = std::memcmp(half->payload.data() + ph.RowOffset(b, l, part, h, 0),
+                                   layer_payload[l].data() + p.RowOffset(b, l, part, h, 0) -
+                                       p.layer_offset[l],
+                                   (tokens / 2) * p.RowBytes(b, l, part)) == 0;
         }
       }
     }
@@ -426,14 +422,10 @@ int Demo(const std::string& server, const ClientOptions& options, absl::Duration
       for (uint32_t l = 0; shared_exact && l < layers; ++l) {
         const LayerView& v = b.layers[l];
         for (uint32_t kv = 0; kv < v.KvParts() && shared_exact; ++kv) {
-          const uint64_t row = kv == 0 ? v.KRowBytes() : v.VRowBytes();
           for (uint32_t h = 0; h < v.num_kv_heads && shared_exact; ++h) {
-            const uint64_t k_rows = uint64_t{v.num_kv_heads} * v.KRowBytes();
-            const uint8_t* want = payload.data() + whole.layer_offset[l] +
-                                  (kv ? k_rows * tokens : 0) + h * tokens * row;
-            const uint8_t* have = got->payload.data() + part.layer_offset[l] +
-                                  (kv ? k_rows * cached : 0) + h * cached * row;
-            shared_exact = std::memcmp(want, have, cached * row) == 0;
+            const uint8_t* want = payload.data() + whole.RowOffset(b, l, kv, h, 0);
+            const uint8_t* have = got->payload.data() + part.RowOffset(b, l, kv, h, 0);
+            shared_exact = std::memcmp(want, have, cached * part.RowBytes(b, l, kv)) == 0;
           }
         }
       }

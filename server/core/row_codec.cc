@@ -25,21 +25,15 @@ PayloadRow LocatePayloadRow(const BlockLayout& b, const PayloadLayout& p, uint64
   while (i + 1 < p.layer_offset.size() && p.layer_offset[i + 1] <= offset) ++i;
   PayloadRow r;
   r.layer = p.layer_begin + static_cast<uint32_t>(i);
-  const LayerView& v = b.layers[r.layer];
   uint64_t rel = offset - p.layer_offset[i];
   const uint64_t k_part = p.KPartBytes(b, r.layer);
   r.kv = rel < k_part ? 0 : 1;
-  uint64_t part_begin = p.layer_offset[i];
-  if (r.kv == 1) {
-    rel -= k_part;
-    part_begin += k_part;
-  }
-  r.dim = r.kv == 0 ? v.head_dim : v.head_dim_v;
-  const uint64_t row_bytes = uint64_t{r.dim} * p.ElemBytes(b, r.layer);
-  const uint64_t index = rel / row_bytes;
+  if (r.kv == 1) rel -= k_part;
+  r.dim = b.layers[r.layer].Dim(r.kv);
+  const uint64_t index = rel / p.RowBytes(b, r.layer, r.kv);  // [head][token] within the part
   r.head = static_cast<uint32_t>(index / p.num_tokens);
   r.token = index % p.num_tokens;
-  r.begin = part_begin + index * row_bytes;
+  r.begin = p.RowOffset(b, r.layer, r.kv, r.head, r.token);
   return r;
 }
 
@@ -52,19 +46,24 @@ absl::Status NonFiniteError(const PayloadRow& r, uint64_t element) {
 RowCodec::Row RowCodec::Next(const Row& r) const {
   const LayerView& v = blocks_.layers[r.layer];
   Row n = r;
-  n.begin = r.begin + uint64_t{r.dim} * wire_bytes_;
-  if (++n.token < payload_.num_tokens) return n;
-  n.token = 0;
-  if (++n.head < v.num_kv_heads) return n;
-  n.head = 0;
-  if (n.kv == 0 && v.has_v) {
-    n.kv = 1;
-    n.dim = v.head_dim_v;
+  if (++n.token == payload_.num_tokens) {
+    n.token = 0;
+    if (++n.head == v.num_kv_heads) {
+      n.head = 0;
+      if (n.kv == 0 && v.has_v) {
+        n.kv = 1;
+      } else {
+        n.kv = 0;
+        ++n.layer;
+      }
+    }
+  }
+  if (n.layer >= payload_.layer_end) {  // past the payload: only its offset means anything
+    n.begin = payload_.total_bytes;
     return n;
   }
-  n.kv = 0;
-  ++n.layer;
-  if (n.layer < blocks_.num_layers()) n.dim = blocks_.layers[n.layer].head_dim;
+  n.dim = blocks_.layers[n.layer].Dim(n.kv);
+  n.begin = payload_.RowOffset(blocks_, n.layer, n.kv, n.head, n.token);
   return n;
 }
 
@@ -77,7 +76,6 @@ uint8_t* RowCodec::BlockOf(const Row& r, uint32_t* block_row) const {
 
 RowCodec::Row RowCodec::Skip(Row r, uint64_t rows) const {
   r.token += rows - 1;
-  r.begin += (rows - 1) * r.dim * wire_bytes_;
   return Next(r);
 }
 
@@ -91,79 +89,42 @@ absl::Status RowCodec::EncodeUnit(const Row& r, uint64_t rows, const uint8_t* sr
   // An fp8 group's scale covers all its rows: they must be finite before any is encoded.
   const int64_t bad = kernels::FindNonFinite(src, wire_, rows * r.dim);
   if (bad >= 0) {  // name the row that holds it: the same head, bad / dim tokens on
-    const uint64_t skip = static_cast<uint64_t>(bad) / r.dim;
     Row at = r;
-    at.token += skip;
-    at.begin += skip * r.dim * wire_bytes_;
+    at.token += static_cast<uint64_t>(bad) / r.dim;
+    at.begin = payload_.RowOffset(blocks_, at.layer, at.kv, at.head, at.token);
     return NonFiniteError(at, static_cast<uint64_t>(bad) % r.dim);
   }
-  if (!kernels::qmath::IsFp8DType(blocks_.layers[r.layer].dtype)) {  // one row
-    EncodeRow(r, src);
-    return absl::OkStatus();
-  }
-  return EncodeFp8Group(r, rows, src);
+  return EncodeRows(r, rows, src);
 }
 
-void RowCodec::EncodeRow(const Row& r, const uint8_t* src) {
-  const LayerView& v = blocks_.layers[r.layer];
+kernels::BlockRows RowCodec::BlockRowsOf(const Row& r, uint64_t rows) const {
   uint32_t row = 0;
   uint8_t* block = BlockOf(r, &row);
-  uint8_t* dst = block + (r.kv == 0 ? v.KRow(r.head, row) : v.VRow(r.head, row));
-  if (v.dtype == DType::kInt8) {
-    kernels::QuantizeInt8Rows(src, wire_, 1, r.dim, dst,
-                              reinterpret_cast<float*>(block + v.Int8Scale(r.kv, r.head, row)),
-                              block + v.Int8ZeroPoint(r.kv, r.head, row));
-  } else {
-    kernels::ConvertElements(src, wire_, dst, v.dtype, r.dim);
-  }
+  return kernels::BlockRows{&blocks_.layers[r.layer], block, r.kv, r.head, row, rows};
 }
 
-absl::Status RowCodec::EncodeFp8Group(const Row& r, uint64_t rows, const uint8_t* src) {
-  const LayerView& v = blocks_.layers[r.layer];
-  uint32_t row = 0;
-  uint8_t* block = BlockOf(r, &row);
-  float stored;
-  std::memcpy(&stored, block + v.Fp8Scale(r.kv, r.head), sizeof(stored));
-  const float scale = kernels::qmath::Fp8GroupScale(kernels::AbsMax(src, wire_, rows * r.dim),
-                                                    stored, row, rows, v.block_tokens, v.dtype);
-  if (row > 0 && scale != stored) {
-    // The rescale rewrites rows [0, row), which readers may be reading and which an aborted
-    // append must leave as they were: it happens on a private copy.
-    if (make_private_ == nullptr) {
-      return absl::InternalError("an fp8 rescale needs a private block and the codec has none");
+absl::Status RowCodec::EncodeRows(const Row& r, uint64_t rows, const uint8_t* src) {
+  kernels::BlockRows at = BlockRowsOf(r, rows);
+  float fp8_scale = 0.0f;
+  if (kernels::qmath::IsFp8DType(at.v->dtype)) {
+    fp8_scale = kernels::Fp8ScaleForRows(at, src, wire_);
+    if (at.row > 0 && fp8_scale != kernels::StoredFp8Scale(at)) {
+      // The rescale rewrites rows [0, row), which readers may be reading and which an aborted
+      // append must leave as they were: it happens on a private copy.
+      if (make_private_ == nullptr) {
+        return absl::InternalError("an fp8 rescale needs a private block and the codec has none");
+      }
+      const uint64_t block_index = (token_begin_ + r.token) / blocks_.block_tokens;
+      if (absl::Status s = make_private_(block_index); !s.ok()) return s;
+      at = BlockRowsOf(r, rows);  // the table names the copy now
     }
-    if (absl::Status s = make_private_((token_begin_ + r.token) / blocks_.block_tokens); !s.ok()) {
-      return s;
-    }
-    block = BlockOf(r, &row);
   }
-  kernels::EncodeFp8Group(src, wire_, row, rows, r.dim, scale, v.dtype,
-                          block + (r.kv == 0 ? v.KRow(r.head, 0) : v.VRow(r.head, 0)),
-                          block + v.Fp8Scale(r.kv, r.head));
+  kernels::EncodeRows(at, src, wire_, fp8_scale);
   return absl::OkStatus();
 }
 
 void RowCodec::DecodeRow(const Row& r, uint8_t* dst) const {
-  const LayerView& v = blocks_.layers[r.layer];
-  uint32_t row = 0;
-  const uint8_t* block = BlockOf(r, &row);
-  const uint8_t* src = block + (r.kv == 0 ? v.KRow(r.head, row) : v.VRow(r.head, row));
-  switch (v.dtype) {
-    case DType::kInt8:
-      kernels::DequantizeInt8Rows(
-          src, reinterpret_cast<const float*>(block + v.Int8Scale(r.kv, r.head, row)),
-          block + v.Int8ZeroPoint(r.kv, r.head, row), 1, r.dim, dst, wire_);
-      break;
-    case DType::kFp8E4M3:
-    case DType::kFp8E5M2: {
-      float scale;
-      std::memcpy(&scale, block + v.Fp8Scale(r.kv, r.head), sizeof(scale));
-      kernels::DecodeFp8(src, v.dtype, r.dim, scale, dst, wire_);
-      break;
-    }
-    default:
-      kernels::ConvertElements(src, v.dtype, dst, wire_, r.dim);
-  }
+  kernels::DecodeRows(BlockRowsOf(r, 1), dst, wire_);
 }
 
 absl::Status RowCodec::Write(uint64_t offset, absl::Span<const uint8_t> data) {

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "kernels/payload_codec.h"
 #include "kvbank/layout.h"
 
 namespace kvbank {
@@ -67,10 +68,13 @@ class RowCodec {
   // holds from r on.
   uint64_t UnitRows(const Row& r) const;
   uint8_t* BlockOf(const Row& r, uint32_t* block_row) const;
+  // The block rows of r and the rows - 1 after it (same head, same block).
+  kernels::BlockRows BlockRowsOf(const Row& r, uint64_t rows) const;
   // `src` holds `rows` rows (UnitRows(r)) from r on in the wire dtype.
   absl::Status EncodeUnit(const Row& r, uint64_t rows, const uint8_t* src);
-  void EncodeRow(const Row& r, const uint8_t* src);
-  absl::Status EncodeFp8Group(const Row& r, uint64_t rows, const uint8_t* src);
+  // EncodeUnit once the rows are known finite: kernels::EncodeRows, after making an fp8 block
+  // private when the group's scale changes under rows already stored.
+  absl::Status EncodeRows(const Row& r, uint64_t rows, const uint8_t* src);
   void DecodeRow(const Row& r, uint8_t* dst) const;
 
   const BlockLayout& blocks_;

@@ -8,6 +8,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -309,6 +310,101 @@ TEST(LayoutTest, PayloadBytesAndPayloadLayout) {
   // MLA payload has no V: one latent row per token.
   const BlockLayout mla = ComputeBlockLayout(Preset("deepseek-v3"));
   EXPECT_EQ(mla.PayloadBytes(3, 5, 7), 2u * 7 * 576 * 2);
+}
+
+// Every row and scale offset the payload offset functions give, walked in the order the header
+// comment documents (per layer: K [heads][n], V [heads][n], then in the storage format int8
+// scales [kv][heads][n] and zero points, or fp8 scales [kv][heads][blocks]): each must be where
+// the previous one ended, starting at PayloadLayout's layer_offset and scale_offset and ending at
+// total_bytes. MHA, GQA with V narrower than K, MLA; every storage dtype; payloads in the layers'
+// own dtypes, in a wire dtype, and in the storage format from mid-block positions.
+TEST(LayoutTest, PayloadOffsetFunctionsTileThePayload) {
+  const std::vector<DType> dtypes = {DType::kFp16,    DType::kInt8, DType::kFp32,
+                                     DType::kFp8E4M3, DType::kBf16, DType::kFp8E5M2};
+  std::vector<ModelLayout> shapes = {Shape(AttentionKind::kMha, 6, 3, 5, 4, dtypes),
+                                     Shape(AttentionKind::kGqa, 6, 2, 7, 4, dtypes),
+                                     Shape(AttentionKind::kMla, 6, 1, 9, 4, dtypes)};
+  shapes[1].head_dim_v = 3;  // K and V of different widths
+  enum class Kind { kOwn, kWire, kStorage };
+  int payloads = 0;
+  for (const ModelLayout& m : shapes) {
+    SCOPED_TRACE(LayoutFingerprint(m));
+    ASSERT_EQ(ValidateLayout(m), "");
+    const BlockLayout b = ComputeBlockLayout(m);
+    for (Kind kind : {Kind::kOwn, Kind::kWire, Kind::kStorage}) {
+      for (auto [l0, l1] : {std::pair<uint32_t, uint32_t>{0, 6}, {2, 5}, {5, 6}}) {
+        for (uint64_t token_begin : {0u, 3u, 8u}) {
+          for (uint64_t n : {1u, 5u, 9u}) {
+            SCOPED_TRACE("kind " + std::to_string(int(kind)) + " layers [" + std::to_string(l0) +
+                         ", " + std::to_string(l1) + ") tokens [" + std::to_string(token_begin) +
+                         ", +" + std::to_string(n) + ")");
+            const PayloadLayout p =
+                kind == Kind::kStorage ? PayloadLayout::MakeStorage(b, l0, l1, token_begin, n)
+                : kind == Kind::kWire  ? PayloadLayout::Make(b, l0, l1, n, DType::kFp32)
+                                       : PayloadLayout::Make(b, l0, l1, n);
+            // The blocks [first, first + blocks) the tokens touch, counted one token at a time.
+            const uint64_t first = token_begin / m.block_tokens;
+            const uint64_t blocks = (token_begin + n - 1) / m.block_tokens - first + 1;
+            uint64_t at = 0;  // where the next offset must be
+            for (uint32_t l = l0; l < l1; ++l) {
+              const LayerView& v = b.layers[l];
+              const uint32_t parts = m.kind == AttentionKind::kMla ? 1 : 2;
+              const uint64_t elem = DTypeBytes(kind == Kind::kWire ? DType::kFp32 : dtypes[l]);
+              ASSERT_EQ(p.layer_offset[l - l0], at) << "layer " << l;
+              for (uint32_t kv = 0; kv < parts; ++kv) {
+                const uint64_t row = (kv == 0 ? m.head_dim : m.head_dim_v) * elem;
+                ASSERT_EQ(p.RowBytes(b, l, kv), row);
+                for (uint32_t h = 0; h < m.num_kv_heads; ++h) {
+                  for (uint64_t t = 0; t < n; ++t) {
+                    ASSERT_EQ(p.RowOffset(b, l, kv, h, t), at)
+                        << "layer " << l << " kv " << kv << " head " << h << " token " << t;
+                    ASSERT_EQ(v.PayloadRow(p.layer_offset[l - l0], n, elem, kv, h, t), at);
+                    ASSERT_EQ(PayloadRowOffset(p.layer_offset[l - l0], p.KPartBytes(b, l), kv, h, n,
+                                               t, row),
+                              at);
+                    at += row;
+                  }
+                }
+              }
+              if (kind != Kind::kStorage) continue;
+              ASSERT_EQ(p.scale_offset[l - l0], at) << "layer " << l;
+              if (dtypes[l] == DType::kInt8) {
+                for (int zp = 0; zp < 2; ++zp) {
+                  for (uint32_t kv = 0; kv < parts; ++kv) {
+                    for (uint32_t h = 0; h < m.num_kv_heads; ++h) {
+                      for (uint64_t t = 0; t < n; ++t) {
+                        ASSERT_EQ(zp ? p.Int8ZeroPointOffset(b, l, kv, h, t)
+                                     : p.Int8ScaleOffset(b, l, kv, h, t),
+                                  at)
+                            << (zp ? "zero point" : "scale") << " layer " << l << " kv " << kv
+                            << " head " << h << " token " << t;
+                        at += zp ? 1 : 4;
+                      }
+                    }
+                  }
+                }
+              } else if (dtypes[l] == DType::kFp8E4M3 || dtypes[l] == DType::kFp8E5M2) {
+                for (uint32_t kv = 0; kv < parts; ++kv) {
+                  for (uint32_t h = 0; h < m.num_kv_heads; ++h) {
+                    for (uint64_t blk = first; blk < first + blocks; ++blk) {
+                      ASSERT_EQ(p.Fp8ScaleOffset(b, l, kv, h, blk), at)
+                          << "layer " << l << " kv " << kv << " head " << h << " block " << blk;
+                      at += 4;
+                    }
+                  }
+                }
+              }
+              ASSERT_EQ(p.ScaleBytes(b, l), at - p.scale_offset[l - l0]) << "layer " << l;
+            }
+            EXPECT_EQ(at, p.total_bytes);
+            EXPECT_EQ(BlocksTouched(token_begin, n, m.block_tokens), blocks);
+            ++payloads;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(payloads, 3 * 3 * 3 * 3 * 3);
 }
 
 TEST(LayoutTest, ValidateLayoutNamesTheBadField) {

@@ -192,6 +192,37 @@ TEST(QuantConvert, Fp8AllCodes) {
   }
 }
 
+// The one table of fp8 constants (qmath::Fp8FormatOf) against the formats' codes: the max and
+// its bits and code, NaN's code, the smallest normal, the subnormal step, the exponent rebias.
+// Fp8IsNonFinite flags exactly the codes that decode to NaN or Inf.
+TEST(QuantConvert, Fp8FormatTableMatchesTheCodes) {
+  for (DType fp8 : kFp8) {
+    SCOPED_TRACE(DTypeName(fp8));
+    const bool e4 = fp8 == DType::kFp8E4M3;
+    const qmath::Fp8Format f = qmath::Fp8FormatOf(fp8);
+    auto dec = [&](uint32_t c) {
+      return e4 ? qmath::Fp8E4M3ToFloat(uint8_t(c)) : qmath::Fp8E5M2ToFloat(uint8_t(c));
+    };
+    const uint32_t mant_bits = 23 - f.mant_shift;
+    EXPECT_EQ(mant_bits, e4 ? 3u : 2u);
+    EXPECT_EQ(dec(f.max_code), f.max);
+    EXPECT_EQ(FloatBits(f.max), f.max_bits);
+    EXPECT_TRUE(std::isfinite(dec(f.max_code)));
+    EXPECT_FALSE(std::isfinite(dec(f.max_code + 1)));  // the next code is Inf or NaN
+    EXPECT_TRUE(std::isnan(dec(f.nan_code)));
+    EXPECT_EQ(FloatBits(dec(1u << mant_bits)), f.min_normal_bits);  // exponent field 1
+    EXPECT_EQ(dec(1), 1.0f / f.subnormal_scale);                    // the subnormal step
+    // Exponent field e holds 2^(e - bias); fp32 holds it at e + 127 - bias: rebias = 127 - bias.
+    EXPECT_EQ(FloatBits(dec(1u << mant_bits)) - (1u << 23), f.rebias);
+    EXPECT_EQ(qmath::Fp8Max(fp8), f.max);
+    for (uint32_t c = 0; c < 256; ++c) {
+      ASSERT_EQ(Fp8IsNonFinite(uint8_t(c), fp8), !std::isfinite(dec(c))) << c;
+    }
+  }
+  EXPECT_EQ(qmath::QuantizeInt8(1e30f, 1.0f, 0.0f), uint8_t(qmath::kInt8CodeMax));
+  EXPECT_EQ(qmath::Int8ParamsFor(0.0f, qmath::kInt8CodeMax).scale, 1.0f);
+}
+
 TEST(QuantConvert, Fp8RoundingAndSaturation) {
   std::mt19937_64 rng(kSeed + 1);
   for (DType fp8 : kFp8) {

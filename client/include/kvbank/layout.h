@@ -15,7 +15,10 @@
 //
 // Payload (what travels on the wire for an append or fetch of layers [l0, l1) x n tokens):
 //   for each layer l in [l0, l1): K [num_kv_heads][n][head_dim], then V
-//   [num_kv_heads][n][head_dim_v] (no V for MLA), dense, in the layer's storage dtype.
+//   [num_kv_heads][n][head_dim_v] (no V for MLA), dense, in the layer's storage dtype (or one wire
+//   dtype); in the storage format, then the layer's scales (PayloadLayout::scale_offset).
+//   Offsets within a layer come from PayloadRowOffset and its scale-section siblings below, which
+//   host code reaches through PayloadLayout and the kernels through LayerView::Payload*.
 #ifndef KVBANK_LAYOUT_H_
 #define KVBANK_LAYOUT_H_
 
@@ -26,6 +29,8 @@
 #include <string_view>
 #include <vector>
 
+// Marks a function that host and device code both call (the CUDA kernels share the layout math).
+// Expands to nothing outside nvcc, so this header needs no CUDA include.
 #if defined(__CUDACC__)
 #define KVBANK_HD __host__ __device__
 #else
@@ -53,6 +58,55 @@ KVBANK_HD constexpr bool IsQuantized(DType d) {
   return d == DType::kInt8 || d == DType::kFp8E4M3 || d == DType::kFp8E5M2;
 }
 constexpr uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// ---- payload offsets ----------------------------------------------------------------------------
+// The one rule for where a row or a scale sits inside a payload's layer (file comment: Payload).
+// Plain integers in, so that PayloadLayout (host) and the CPU and CUDA kernels (which hold only a
+// PayloadMap) all compute offsets here.
+
+// Bytes of a layer's K or V part: [num_kv_heads][num_tokens] rows of row_bytes each.
+KVBANK_HD constexpr uint64_t PayloadPartBytes(uint32_t num_kv_heads, uint64_t num_tokens,
+                                              uint64_t row_bytes) {
+  return uint64_t{num_kv_heads} * num_tokens * row_bytes;
+}
+
+// Payload offset of the row of K (kv 0) or V (kv 1), kv head h, payload token t of one layer.
+// layer_offset: the layer's first payload byte; k_part_bytes: its K part's bytes
+// (PayloadPartBytes of the K rows); row_bytes: this row's bytes (K or V width times the payload's
+// element width).
+KVBANK_HD constexpr uint64_t PayloadRowOffset(uint64_t layer_offset, uint64_t k_part_bytes,
+                                              uint32_t kv, uint32_t h, uint64_t num_tokens,
+                                              uint64_t t, uint64_t row_bytes) {
+  return layer_offset + (kv == 0 ? 0 : k_part_bytes) + (uint64_t{h} * num_tokens + t) * row_bytes;
+}
+
+// Storage format, int8 layer: the scale section (at scale_offset) holds f32 scales
+// [kv_parts][num_kv_heads][num_tokens], then u8 zero points of the same shape.
+constexpr uint64_t kPayloadScaleBytes = sizeof(float);
+KVBANK_HD constexpr uint64_t PayloadInt8ScaleOffset(uint64_t scale_offset, uint32_t num_kv_heads,
+                                                    uint64_t num_tokens, uint32_t kv, uint32_t h,
+                                                    uint64_t t) {
+  return scale_offset + ((uint64_t{kv} * num_kv_heads + h) * num_tokens + t) * kPayloadScaleBytes;
+}
+KVBANK_HD constexpr uint64_t PayloadInt8ZeroPointOffset(uint64_t scale_offset, uint32_t kv_parts,
+                                                        uint32_t num_kv_heads, uint64_t num_tokens,
+                                                        uint32_t kv, uint32_t h, uint64_t t) {
+  return scale_offset + uint64_t{kv_parts} * num_kv_heads * num_tokens * kPayloadScaleBytes +
+         (uint64_t{kv} * num_kv_heads + h) * num_tokens + t;
+}
+// Storage format, fp8 layer: f32 scales [kv_parts][num_kv_heads][num_blocks]; b counts the blocks
+// the payload touches from its first one (PayloadLayout::first_block).
+KVBANK_HD constexpr uint64_t PayloadFp8ScaleOffset(uint64_t scale_offset, uint32_t num_kv_heads,
+                                                   uint64_t num_blocks, uint32_t kv, uint32_t h,
+                                                   uint64_t b) {
+  return scale_offset + ((uint64_t{kv} * num_kv_heads + h) * num_blocks + b) * kPayloadScaleBytes;
+}
+// Blocks of block_tokens tokens that tokens [token_begin, token_begin + n) touch.
+KVBANK_HD constexpr uint64_t BlocksTouched(uint64_t token_begin, uint64_t n,
+                                           uint64_t block_tokens) {
+  return n == 0 ? 0
+                : (token_begin + n + block_tokens - 1) / block_tokens - token_begin / block_tokens;
+}
 
 inline const char* DTypeName(DType d) {
   switch (d) {
@@ -135,6 +189,31 @@ struct LayerView {
   KVBANK_HD uint64_t PayloadBytesPerToken() const {
     return uint64_t{num_kv_heads} * (KRowBytes() + (has_v ? VRowBytes() : 0));
   }
+  KVBANK_HD uint32_t Dim(uint32_t kv) const { return kv == 0 ? head_dim : head_dim_v; }
+
+  // This layer in a payload of num_tokens tokens whose elements are elem_bytes wide (the storage
+  // width for copies, the wire width for converted payloads) and whose copy of the layer starts
+  // at layer_offset: the payload offset of row (kv, h, payload token t). PayloadRowOffset's rule.
+  KVBANK_HD uint64_t PayloadRow(uint64_t layer_offset, uint64_t num_tokens, uint64_t elem_bytes,
+                                uint32_t kv, uint32_t h, uint64_t t) const {
+    return PayloadRowOffset(layer_offset,
+                            PayloadPartBytes(num_kv_heads, num_tokens, head_dim * elem_bytes), kv,
+                            h, num_tokens, t, Dim(kv) * elem_bytes);
+  }
+  // The storage format's scale section of this layer at scale_offset: int8 scale and zero point
+  // of (kv, h, payload token t); fp8 scale of (kv, h, block b of the payload's num_blocks).
+  KVBANK_HD uint64_t PayloadInt8Scale(uint64_t scale_offset, uint64_t num_tokens, uint32_t kv,
+                                      uint32_t h, uint64_t t) const {
+    return PayloadInt8ScaleOffset(scale_offset, num_kv_heads, num_tokens, kv, h, t);
+  }
+  KVBANK_HD uint64_t PayloadInt8ZeroPoint(uint64_t scale_offset, uint64_t num_tokens, uint32_t kv,
+                                          uint32_t h, uint64_t t) const {
+    return PayloadInt8ZeroPointOffset(scale_offset, KvParts(), num_kv_heads, num_tokens, kv, h, t);
+  }
+  KVBANK_HD uint64_t PayloadFp8Scale(uint64_t scale_offset, uint64_t num_blocks, uint32_t kv,
+                                     uint32_t h, uint64_t b) const {
+    return PayloadFp8ScaleOffset(scale_offset, num_kv_heads, num_blocks, kv, h, b);
+  }
 };
 
 // A model's KV shape. MHA/GQA/MQA differ only in num_kv_heads; MLA stores one latent vector per
@@ -185,7 +264,7 @@ BlockLayout ComputeBlockLayout(const ModelLayout& m);
 
 // The dense payload of layers [l0, l1) x n tokens, described for the copy kernels.
 // layer_offset[i] is the payload byte offset of layer l0 + i; within it K is [heads][n][head_dim]
-// then V [heads][n][head_dim_v].
+// then V [heads][n][head_dim_v]: RowOffset (PayloadRowOffset's rule) says where each row is.
 // Elements travel in each layer's storage dtype, or all in one `wire` dtype (fp32/fp16/bf16) that
 // the server converts to and from the storage dtype (quantizing where it is int8 / fp8).
 struct PayloadLayout {
@@ -217,12 +296,38 @@ struct PayloadLayout {
   }
   // Bytes of layer l's K part ([heads][n][head_dim]) and V part (0 for MLA) in this payload.
   uint64_t KPartBytes(const BlockLayout& b, uint32_t l) const {
-    return uint64_t{b.layers[l].num_kv_heads} * num_tokens * b.layers[l].head_dim * ElemBytes(b, l);
+    return PayloadPartBytes(b.layers[l].num_kv_heads, num_tokens, RowBytes(b, l, 0));
   }
   uint64_t VPartBytes(const BlockLayout& b, uint32_t l) const {
-    return b.layers[l].has_v ? uint64_t{b.layers[l].num_kv_heads} * num_tokens *
-                                   b.layers[l].head_dim_v * ElemBytes(b, l)
-                             : 0;
+    return b.layers[l].has_v
+               ? PayloadPartBytes(b.layers[l].num_kv_heads, num_tokens, RowBytes(b, l, 1))
+               : 0;
+  }
+  // Bytes of one row of layer l's K (kv 0) or V (kv 1) part in this payload.
+  uint64_t RowBytes(const BlockLayout& b, uint32_t l, uint32_t kv) const {
+    return uint64_t{b.layers[l].Dim(kv)} * ElemBytes(b, l);
+  }
+  // Payload offset of the row of layer l (absolute index), K (kv 0) or V (kv 1), kv head h,
+  // payload token t. REQUIRES: layer_begin <= l < layer_end, t < num_tokens.
+  uint64_t RowOffset(const BlockLayout& b, uint32_t l, uint32_t kv, uint32_t h, uint64_t t) const {
+    return b.layers[l].PayloadRow(layer_offset[l - layer_begin], num_tokens, ElemBytes(b, l), kv, h,
+                                  t);
+  }
+  // Storage format: payload offsets of layer l's int8 scale and zero point of (kv, h, payload
+  // token t), and of its fp8 scale of (kv, h, sequence block `block`).
+  // REQUIRES: storage_format(); first_block <= block < first_block + num_blocks.
+  uint64_t Int8ScaleOffset(const BlockLayout& b, uint32_t l, uint32_t kv, uint32_t h,
+                           uint64_t t) const {
+    return b.layers[l].PayloadInt8Scale(scale_offset[l - layer_begin], num_tokens, kv, h, t);
+  }
+  uint64_t Int8ZeroPointOffset(const BlockLayout& b, uint32_t l, uint32_t kv, uint32_t h,
+                               uint64_t t) const {
+    return b.layers[l].PayloadInt8ZeroPoint(scale_offset[l - layer_begin], num_tokens, kv, h, t);
+  }
+  uint64_t Fp8ScaleOffset(const BlockLayout& b, uint32_t l, uint32_t kv, uint32_t h,
+                          uint64_t block) const {
+    return b.layers[l].PayloadFp8Scale(scale_offset[l - layer_begin], num_blocks, kv, h,
+                                       block - first_block);
   }
 };
 
