@@ -75,14 +75,9 @@ absl::Status ValidateStoragePayload(const BlockLayout& b, const TransferSpec& sp
   auto scale_at = [&](const LayerView& v, uint32_t l, uint32_t kv, uint32_t h, uint64_t t) {
     float scale;
     if (staged != nullptr) {
-      const uint64_t section = payload.scale_offset[l - payload.layer_begin];
-      const uint64_t at =
-          v.dtype == DType::kInt8
-              ? section +
-                    ((uint64_t{kv} * v.num_kv_heads + h) * payload.num_tokens + (t - position)) * 4
-              : section + ((uint64_t{kv} * v.num_kv_heads + h) * payload.num_blocks +
-                           (t / bt - payload.first_block)) *
-                              4;
+      const uint64_t at = v.dtype == DType::kInt8
+                              ? payload.Int8ScaleOffset(b, l, kv, h, t - position)
+                              : payload.Fp8ScaleOffset(b, l, kv, h, t / bt);
       std::memcpy(&scale, staged + (at - staged_begin), 4);
     } else {
       const uint32_t row = static_cast<uint32_t>(t % bt);
@@ -94,11 +89,7 @@ absl::Status ValidateStoragePayload(const BlockLayout& b, const TransferSpec& sp
   };
   auto row_at = [&](const LayerView& v, uint32_t l, uint32_t kv, uint32_t h, uint64_t t) {
     if (staged != nullptr) {
-      const uint64_t part =
-          payload.layer_offset[l - payload.layer_begin] + (kv == 0 ? 0 : payload.KPartBytes(b, l));
-      const uint64_t row_bytes = kv == 0 ? v.KRowBytes() : v.VRowBytes();
-      return staged + (part - staged_begin) +
-             (uint64_t{h} * payload.num_tokens + (t - position)) * row_bytes;
+      return staged + (payload.RowOffset(b, l, kv, h, t - position) - staged_begin);
     }
     const uint32_t row = static_cast<uint32_t>(t % bt);
     return block_of(t) + (kv == 0 ? v.KRow(h, row) : v.VRow(h, row));
