@@ -74,7 +74,8 @@ AttentionKind ToKind(const std::string& s) {
 }
 HashAlgorithm ToAlgorithm(const std::string& s) {
   HashAlgorithm a;
-  if (!ParseHashAlgorithm(s, &a)) RaiseInvalid("unknown hash algorithm '" + s + "' (sha256, xxh3_128)");
+  if (!ParseHashAlgorithm(s, &a))
+    RaiseInvalid("unknown hash algorithm '" + s + "' (sha256, xxh3_128)");
   return a;
 }
 ExtraKeyKind ToExtraKind(const std::string& s) {
@@ -172,7 +173,7 @@ py::dict LayoutToDict(const ModelLayout& m) {
 // The layout from the dict LayoutToDict writes; "dtype" fills layer_dtypes (and the input
 // dtype) when they are absent. Unknown keys are refused: a misspelt field is not a default.
 ModelLayout LayoutFromDict(const py::dict& d) {
-  static const char* const kKeys[] = {"name",         "num_layers", "num_q_heads", "num_kv_heads",
+  static const char* const kKeys[] = {"name",         "num_layers", "num_q_heads",  "num_kv_heads",
                                       "head_dim",     "head_dim_v", "block_tokens", "kind",
                                       "kv_lora_rank", "rope_dim",   "input_dtype",  "layer_dtypes",
                                       "dtype"};
@@ -204,7 +205,8 @@ ModelLayout LayoutFromDict(const py::dict& d) {
     m.input_dtype = *dtype;
   }
   if (d.contains("layer_dtypes")) {
-    for (const auto& t : d["layer_dtypes"]) m.layer_dtypes.push_back(ToDType(t.cast<std::string>()));
+    for (const auto& t : d["layer_dtypes"])
+      m.layer_dtypes.push_back(ToDType(t.cast<std::string>()));
   } else {
     m.layer_dtypes.assign(m.num_layers, dtype.value_or(m.input_dtype));
   }
@@ -356,7 +358,8 @@ class PyClient {
   PyClient(const std::string& target, const std::string& token, double deadline_s,
            double stream_deadline_s, uint64_t chunk_bytes, std::optional<py::dict> tls) {
     ClientOptions o;
-    if (!(deadline_s > 0) || !(stream_deadline_s > 0)) RaiseInvalid("deadlines must be > 0 seconds");
+    if (!(deadline_s > 0) || !(stream_deadline_s > 0))
+      RaiseInvalid("deadlines must be > 0 seconds");
     if (chunk_bytes == 0) RaiseInvalid("chunk_bytes must be > 0");
     o.call_deadline = absl::Seconds(deadline_s);
     o.stream_deadline = absl::Seconds(stream_deadline_s);
@@ -367,14 +370,22 @@ class PyClient {
       for (const auto& item : *tls) {
         const std::string key = py::str(item.first);
         const std::string value = py::str(item.second);
-        if (key == "root_ca_pem") t.root_ca_pem = value;
-        else if (key == "root_ca_path") t.root_ca_path = value;
-        else if (key == "cert_chain_pem") t.cert_chain_pem = value;
-        else if (key == "cert_chain_path") t.cert_chain_path = value;
-        else if (key == "private_key_pem") t.private_key_pem = value;
-        else if (key == "private_key_path") t.private_key_path = value;
-        else if (key == "server_name_override") t.server_name_override = value;
-        else RaiseInvalid("unknown tls option '" + key + "'");
+        if (key == "root_ca_pem")
+          t.root_ca_pem = value;
+        else if (key == "root_ca_path")
+          t.root_ca_path = value;
+        else if (key == "cert_chain_pem")
+          t.cert_chain_pem = value;
+        else if (key == "cert_chain_path")
+          t.cert_chain_path = value;
+        else if (key == "private_key_pem")
+          t.private_key_pem = value;
+        else if (key == "private_key_path")
+          t.private_key_path = value;
+        else if (key == "server_name_override")
+          t.server_name_override = value;
+        else
+          RaiseInvalid("unknown tls option '" + key + "'");
       }
       o.tls = std::move(t);
     }
@@ -414,23 +425,24 @@ void BindClient(py::module_& m) {
            py::arg("target"), py::arg("token") = "", py::arg("deadline_s") = 30.0,
            py::arg("stream_deadline_s") = 600.0, py::arg("chunk_bytes") = uint64_t{1} << 20,
            py::arg("tls") = py::none())
-      .def("ensure_model",
-           [](PyClient& self, const py::dict& layout, uint64_t pool_bytes) {
-             const ModelLayout m = LayoutFromDict(layout);
-             return ModelInfoToDict(self.Call([&] { return self.c().EnsureModel(m, pool_bytes); }));
-           },
-           py::arg("layout"), py::arg("pool_bytes") = 0)
-      .def("ensure_preset",
-           [](PyClient& self, const std::string& name, const std::string& preset,
-              const std::optional<std::string>& storage, uint64_t pool_bytes,
-              uint32_t block_tokens) {
-             const std::optional<DType> st = ToDType(storage);
-             return ModelInfoToDict(self.Call([&] {
-               return self.c().EnsurePreset(name, preset, st, pool_bytes, block_tokens);
-             }));
-           },
-           py::arg("name"), py::arg("preset"), py::arg("storage") = py::none(),
-           py::arg("pool_bytes") = 0, py::arg("block_tokens") = 0)
+      .def(
+          "ensure_model",
+          [](PyClient& self, const py::dict& layout, uint64_t pool_bytes) {
+            const ModelLayout m = LayoutFromDict(layout);
+            return ModelInfoToDict(self.Call([&] { return self.c().EnsureModel(m, pool_bytes); }));
+          },
+          py::arg("layout"), py::arg("pool_bytes") = 0)
+      .def(
+          "ensure_preset",
+          [](PyClient& self, const std::string& name, const std::string& preset,
+             const std::optional<std::string>& storage, uint64_t pool_bytes,
+             uint32_t block_tokens) {
+            const std::optional<DType> st = ToDType(storage);
+            return ModelInfoToDict(self.Call(
+                [&] { return self.c().EnsurePreset(name, preset, st, pool_bytes, block_tokens); }));
+          },
+          py::arg("name"), py::arg("preset"), py::arg("storage") = py::none(),
+          py::arg("pool_bytes") = 0, py::arg("block_tokens") = 0)
       .def("drop_model",
            [](PyClient& self, const std::string& name) {
              self.Call([&] { return self.c().DropModel(name); });
@@ -447,135 +459,139 @@ void BindClient(py::module_& m) {
            [](PyClient& self, const std::string& name) {
              return ModelInfoToDict(self.Call([&] { return self.c().GetModel(name); }));
            })
-      .def("stats",
-           [](PyClient& self, const std::string& model) {
-             py::list out;
-             for (const auto& s : self.Call([&] { return self.c().GetStats(model); })) {
-               out.append(StatsToDict(s));
-             }
-             return out;
-           },
-           py::arg("model") = "")
-      .def("create_sequence",
-           [](PyClient& self, const std::string& model, std::optional<double> lease_s,
-              std::vector<uint32_t> prompt, std::string cache_salt,
-              const std::vector<std::pair<std::string, py::bytes>>& extra_keys,
-              std::optional<uint32_t> priority, uint32_t retention_kind, uint32_t window,
-              uint32_t sinks, uint32_t budget) {
-             Client::CreateArgs a;
-             a.lease = ToDuration(lease_s);
-             a.prompt = std::move(prompt);
-             a.cache_salt = std::move(cache_salt);
-             a.extra_keys = ToExtraKeys(extra_keys);
-             a.priority = priority;
-             a.retention_kind = retention_kind;
-             a.window = window;
-             a.sinks = sinks;
-             a.budget = budget;
-             return SequenceToDict(self.Call([&] { return self.c().CreateSequence(model, a); }));
-           },
-           py::arg("model"), py::arg("lease_s") = py::none(),
-           py::arg("prompt") = std::vector<uint32_t>{}, py::arg("cache_salt") = "",
-           py::arg("extra_keys") = std::vector<std::pair<std::string, py::bytes>>{},
-           py::arg("priority") = py::none(), py::arg("retention_kind") = 0,
-           py::arg("window") = 0, py::arg("sinks") = 0, py::arg("budget") = 0)
-      .def("append",
-           [](PyClient& self, const std::string& model, uint64_t id, const py::object& payload,
-              uint64_t num_tokens, uint32_t layer_begin, std::optional<uint32_t> layer_end,
-              const std::optional<std::string>& dtype, std::vector<uint32_t> token_ids) {
-             const Client::AppendArgs a =
-                 MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids));
-             BufferView view(payload, /*writable=*/false);
-             const absl::Span<const uint8_t> bytes(view.data(), view.size());
-             return SequenceToDict(
-                 self.Call([&] { return self.c().Append(model, id, a, bytes); }));
-           },
-           py::arg("model"), py::arg("id"), py::arg("payload"), py::arg("num_tokens"),
-           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
-           py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{})
-      .def("append_tensors",
-           [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
-              const py::object& v, uint64_t num_tokens, uint32_t layer_begin,
-              std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
-              std::vector<uint32_t> token_ids) {
-             const Client::AppendArgs a =
-                 MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids));
-             BufferView kview(k, false);
-             std::optional<BufferView> vview;
-             absl::Span<const uint8_t> vbytes;
-             if (!v.is_none()) {
-               vview.emplace(v, false);
-               vbytes = absl::Span<const uint8_t>(vview->data(), vview->size());
-             }
-             const absl::Span<const uint8_t> kbytes(kview.data(), kview.size());
-             return SequenceToDict(self.Call(
-                 [&] { return self.c().AppendTensors(model, id, a, kbytes, vbytes); }));
-           },
-           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("num_tokens"),
-           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
-           py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{})
-      .def("fetch",
-           [](PyClient& self, const std::string& model, uint64_t id, uint64_t token_begin,
-              std::optional<uint64_t> token_end, uint32_t layer_begin,
-              std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
-             const Client::FetchArgs a =
-                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
-             Client::FetchResult r = self.Call([&] { return self.c().Fetch(model, id, a); });
-             py::dict meta = FetchToDict(r);
-             return py::make_tuple(meta, ToArray(std::move(r.payload)));
-           },
-           py::arg("model"), py::arg("id"), py::arg("token_begin") = 0,
-           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
-           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
-      .def("fetch_into",
-           [](PyClient& self, const std::string& model, uint64_t id, const py::object& out,
-              uint64_t token_begin, std::optional<uint64_t> token_end, uint32_t layer_begin,
-              std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
-             const Client::FetchArgs a =
-                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
-             BufferView view(out, /*writable=*/true);
-             const absl::Span<uint8_t> bytes(view.data(), view.size());
-             return FetchToDict(self.Call([&] { return self.c().FetchInto(model, id, a, bytes); }));
-           },
-           py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,
-           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
-           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
-      .def("fetch_tensors",
-           [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
-              const py::object& v, uint64_t token_begin, std::optional<uint64_t> token_end,
-              uint32_t layer_begin, std::optional<uint32_t> layer_end,
-              const std::optional<std::string>& dtype) {
-             const Client::FetchArgs a =
-                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
-             BufferView kview(k, true);
-             std::optional<BufferView> vview;
-             absl::Span<uint8_t> vbytes;
-             if (!v.is_none()) {
-               vview.emplace(v, true);
-               vbytes = absl::Span<uint8_t>(vview->data(), vview->size());
-             }
-             const absl::Span<uint8_t> kbytes(kview.data(), kview.size());
-             self.Call([&] { return self.c().FetchTensors(model, id, a, kbytes, vbytes); });
-           },
-           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"),
-           py::arg("token_begin") = 0, py::arg("token_end") = py::none(),
-           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
-           py::arg("dtype") = py::none())
-      .def("fork",
-           [](PyClient& self, const std::string& model, uint64_t id, std::optional<double> lease_s) {
-             const auto lease = ToDuration(lease_s);
-             return SequenceToDict(self.Call([&] { return self.c().Fork(model, id, lease); }));
-           },
-           py::arg("model"), py::arg("id"), py::arg("lease_s") = py::none())
+      .def(
+          "stats",
+          [](PyClient& self, const std::string& model) {
+            py::list out;
+            for (const auto& s : self.Call([&] { return self.c().GetStats(model); })) {
+              out.append(StatsToDict(s));
+            }
+            return out;
+          },
+          py::arg("model") = "")
+      .def(
+          "create_sequence",
+          [](PyClient& self, const std::string& model, std::optional<double> lease_s,
+             std::vector<uint32_t> prompt, std::string cache_salt,
+             const std::vector<std::pair<std::string, py::bytes>>& extra_keys,
+             std::optional<uint32_t> priority, uint32_t retention_kind, uint32_t window,
+             uint32_t sinks, uint32_t budget) {
+            Client::CreateArgs a;
+            a.lease = ToDuration(lease_s);
+            a.prompt = std::move(prompt);
+            a.cache_salt = std::move(cache_salt);
+            a.extra_keys = ToExtraKeys(extra_keys);
+            a.priority = priority;
+            a.retention_kind = retention_kind;
+            a.window = window;
+            a.sinks = sinks;
+            a.budget = budget;
+            return SequenceToDict(self.Call([&] { return self.c().CreateSequence(model, a); }));
+          },
+          py::arg("model"), py::arg("lease_s") = py::none(),
+          py::arg("prompt") = std::vector<uint32_t>{}, py::arg("cache_salt") = "",
+          py::arg("extra_keys") = std::vector<std::pair<std::string, py::bytes>>{},
+          py::arg("priority") = py::none(), py::arg("retention_kind") = 0, py::arg("window") = 0,
+          py::arg("sinks") = 0, py::arg("budget") = 0)
+      .def(
+          "append",
+          [](PyClient& self, const std::string& model, uint64_t id, const py::object& payload,
+             uint64_t num_tokens, uint32_t layer_begin, std::optional<uint32_t> layer_end,
+             const std::optional<std::string>& dtype, std::vector<uint32_t> token_ids) {
+            const Client::AppendArgs a =
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids));
+            BufferView view(payload, /*writable=*/false);
+            const absl::Span<const uint8_t> bytes(view.data(), view.size());
+            return SequenceToDict(self.Call([&] { return self.c().Append(model, id, a, bytes); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("payload"), py::arg("num_tokens"),
+          py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{})
+      .def(
+          "append_tensors",
+          [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
+             const py::object& v, uint64_t num_tokens, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             std::vector<uint32_t> token_ids) {
+            const Client::AppendArgs a =
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids));
+            BufferView kview(k, false);
+            std::optional<BufferView> vview;
+            absl::Span<const uint8_t> vbytes;
+            if (!v.is_none()) {
+              vview.emplace(v, false);
+              vbytes = absl::Span<const uint8_t>(vview->data(), vview->size());
+            }
+            const absl::Span<const uint8_t> kbytes(kview.data(), kview.size());
+            return SequenceToDict(
+                self.Call([&] { return self.c().AppendTensors(model, id, a, kbytes, vbytes); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("num_tokens"),
+          py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{})
+      .def(
+          "fetch",
+          [](PyClient& self, const std::string& model, uint64_t id, uint64_t token_begin,
+             std::optional<uint64_t> token_end, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
+            Client::FetchResult r = self.Call([&] { return self.c().Fetch(model, id, a); });
+            py::dict meta = FetchToDict(r);
+            return py::make_tuple(meta, ToArray(std::move(r.payload)));
+          },
+          py::arg("model"), py::arg("id"), py::arg("token_begin") = 0,
+          py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
+      .def(
+          "fetch_into",
+          [](PyClient& self, const std::string& model, uint64_t id, const py::object& out,
+             uint64_t token_begin, std::optional<uint64_t> token_end, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
+            BufferView view(out, /*writable=*/true);
+            const absl::Span<uint8_t> bytes(view.data(), view.size());
+            return FetchToDict(self.Call([&] { return self.c().FetchInto(model, id, a, bytes); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,
+          py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
+      .def(
+          "fetch_tensors",
+          [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
+             const py::object& v, uint64_t token_begin, std::optional<uint64_t> token_end,
+             uint32_t layer_begin, std::optional<uint32_t> layer_end,
+             const std::optional<std::string>& dtype) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
+            BufferView kview(k, true);
+            std::optional<BufferView> vview;
+            absl::Span<uint8_t> vbytes;
+            if (!v.is_none()) {
+              vview.emplace(v, true);
+              vbytes = absl::Span<uint8_t>(vview->data(), vview->size());
+            }
+            const absl::Span<uint8_t> kbytes(kview.data(), kview.size());
+            self.Call([&] { return self.c().FetchTensors(model, id, a, kbytes, vbytes); });
+          },
+          py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("token_begin") = 0,
+          py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
+      .def(
+          "fork",
+          [](PyClient& self, const std::string& model, uint64_t id, std::optional<double> lease_s) {
+            const auto lease = ToDuration(lease_s);
+            return SequenceToDict(self.Call([&] { return self.c().Fork(model, id, lease); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("lease_s") = py::none())
       .def("truncate",
            [](PyClient& self, const std::string& model, uint64_t id, uint64_t num_tokens) {
              return SequenceToDict(
                  self.Call([&] { return self.c().Truncate(model, id, num_tokens); }));
            })
-      .def("free",
-           [](PyClient& self, const std::string& model, uint64_t id) {
-             return self.Call([&] { return self.c().Free(model, id); });
-           })
+      .def("free", [](PyClient& self, const std::string& model,
+                      uint64_t id) { return self.Call([&] { return self.c().Free(model, id); }); })
       .def("renew_lease",
            [](PyClient& self, const std::string& model, uint64_t id) {
              return SequenceToDict(self.Call([&] { return self.c().RenewLease(model, id); }));
@@ -589,138 +605,145 @@ void BindClient(py::module_& m) {
              // Each query: (tokens, hashes, cache_salt, extra_keys).
              std::vector<Client::MatchQuery> qs;
              for (const auto& q : queries) {
-               auto t = q.cast<std::tuple<std::vector<uint32_t>, std::vector<py::bytes>,
-                                          std::string,
-                                          std::vector<std::pair<std::string, py::bytes>>>>();
+               auto t =
+                   q.cast<std::tuple<std::vector<uint32_t>, std::vector<py::bytes>, std::string,
+                                     std::vector<std::pair<std::string, py::bytes>>>>();
                qs.push_back(MakeQuery(std::move(std::get<0>(t)), std::get<1>(t),
                                       std::move(std::get<2>(t)), std::get<3>(t)));
              }
              return self.Call([&] { return self.c().Match(model, qs); });
            })
-      .def("fetch_blocks",
-           [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
-              uint32_t layer_begin, std::optional<uint32_t> layer_end) {
-             const std::vector<BlockHash> hs = ToHashes(hashes);
-             Client::FetchResult r = self.Call(
-                 [&] { return self.c().FetchBlocks(model, hs, layer_begin, layer_end); });
-             py::dict meta = FetchToDict(r);
-             return py::make_tuple(meta, ToArray(std::move(r.payload)));
-           },
-           py::arg("model"), py::arg("hashes"), py::arg("layer_begin") = 0,
-           py::arg("layer_end") = py::none())
-      .def("pin",
-           [](PyClient& self, const std::string& model, std::vector<uint32_t> tokens,
-              const std::vector<py::bytes>& hashes, std::string cache_salt,
-              const std::vector<std::pair<std::string, py::bytes>>& extra_keys, bool pin) {
-             const Client::MatchQuery q =
-                 MakeQuery(std::move(tokens), hashes, std::move(cache_salt), extra_keys);
-             return self.Call([&] { return self.c().Pin(model, q, pin); });
-           },
-           py::arg("model"), py::arg("tokens"), py::arg("hashes"), py::arg("cache_salt"),
-           py::arg("extra_keys"), py::arg("pin"))
-      .def("get_prefix_root",
-           [](PyClient& self, const std::string& model, const std::string& cache_salt) {
-             const auto r = self.Call([&] { return self.c().GetPrefixRoot(model, cache_salt); });
-             py::dict d;
-             d["root"] = FromHash(r.root);
-             d["algorithm"] = HashAlgorithmName(r.algorithm);
-             d["block_tokens"] = r.block_tokens;
-             d["layout_fingerprint"] = r.layout_fingerprint;
-             d["tenant"] = r.tenant;
-             return d;
-           },
-           py::arg("model"), py::arg("cache_salt") = "")
-      .def("watch",
-           // on_batch(events: list[dict], last_sequence: int) -> bool runs on the calling thread
-           // with the GIL held; the stream reads with it released.
-           [](PyClient& self, const std::string& model, uint64_t after_sequence, bool from_now,
-              double deadline_s, const py::function& on_batch) {
-             if (!(deadline_s > 0)) RaiseInvalid("deadline_s must be > 0");
-             std::optional<py::error_already_set> callback_error;
-             absl::Status s;
-             {
-               py::gil_scoped_release release;
-               s = self.c().Watch(
-                   model, after_sequence, from_now, absl::Seconds(deadline_s),
-                   [&](const std::vector<Client::Event>& events, uint64_t last) {
-                     py::gil_scoped_acquire acquire;
-                     try {
-                       py::list batch;
-                       for (const auto& e : events) batch.append(EventToDict(e));
-                       return on_batch(batch, last).cast<bool>();
-                     } catch (py::error_already_set& e) {
-                       callback_error.emplace(std::move(e));
-                       return false;
-                     }
-                   });
-             }
-             if (callback_error.has_value()) throw *std::move(callback_error);
-             Check(s);
-           },
-           py::arg("model"), py::arg("after_sequence"), py::arg("from_now"),
-           py::arg("deadline_s"), py::arg("on_batch"))
-      .def("attend",
-           [](PyClient& self, const std::string& model, const py::list& queries,
-              float softmax_scale, uint32_t window, uint32_t sinks) {
-             // Each query: (sequence_id, layer, float32 array [num_q_heads * head_dim]).
-             std::vector<Client::AttendQuery> qs;
-             for (const auto& q : queries) {
-               auto t = q.cast<std::tuple<uint64_t, uint32_t, py::array_t<float, py::array::c_style |
-                                                                             py::array::forcecast>>>();
-               Client::AttendQuery aq;
-               aq.sequence_id = std::get<0>(t);
-               aq.layer = std::get<1>(t);
-               const auto& a = std::get<2>(t);
-               aq.query.assign(a.data(), a.data() + a.size());
-               qs.push_back(std::move(aq));
-             }
-             Client::AttendArgs args;
-             args.softmax_scale = softmax_scale;
-             args.window = window;
-             args.sinks = sinks;
-             const auto outs = self.Call([&] { return self.c().Attend(model, qs, args); });
-             py::list out;
-             for (const auto& o : outs) {
-               out.append(py::make_tuple(ToFloatArray(o.output), ToFloatArray(o.lse)));
-             }
-             return out;
-           },
-           py::arg("model"), py::arg("queries"), py::arg("softmax_scale") = 0.0f,
-           py::arg("window") = 0, py::arg("sinks") = 0)
-      .def("check_serving",
-           [](PyClient& self, double deadline_s) {
-             self.Call([&] { return self.c().CheckServing(absl::Seconds(deadline_s)); });
-           },
-           py::arg("deadline_s"));
+      .def(
+          "fetch_blocks",
+          [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
+             uint32_t layer_begin, std::optional<uint32_t> layer_end) {
+            const std::vector<BlockHash> hs = ToHashes(hashes);
+            Client::FetchResult r =
+                self.Call([&] { return self.c().FetchBlocks(model, hs, layer_begin, layer_end); });
+            py::dict meta = FetchToDict(r);
+            return py::make_tuple(meta, ToArray(std::move(r.payload)));
+          },
+          py::arg("model"), py::arg("hashes"), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none())
+      .def(
+          "pin",
+          [](PyClient& self, const std::string& model, std::vector<uint32_t> tokens,
+             const std::vector<py::bytes>& hashes, std::string cache_salt,
+             const std::vector<std::pair<std::string, py::bytes>>& extra_keys, bool pin) {
+            const Client::MatchQuery q =
+                MakeQuery(std::move(tokens), hashes, std::move(cache_salt), extra_keys);
+            return self.Call([&] { return self.c().Pin(model, q, pin); });
+          },
+          py::arg("model"), py::arg("tokens"), py::arg("hashes"), py::arg("cache_salt"),
+          py::arg("extra_keys"), py::arg("pin"))
+      .def(
+          "get_prefix_root",
+          [](PyClient& self, const std::string& model, const std::string& cache_salt) {
+            const auto r = self.Call([&] { return self.c().GetPrefixRoot(model, cache_salt); });
+            py::dict d;
+            d["root"] = FromHash(r.root);
+            d["algorithm"] = HashAlgorithmName(r.algorithm);
+            d["block_tokens"] = r.block_tokens;
+            d["layout_fingerprint"] = r.layout_fingerprint;
+            d["tenant"] = r.tenant;
+            return d;
+          },
+          py::arg("model"), py::arg("cache_salt") = "")
+      .def(
+          "watch",
+          // on_batch(events: list[dict], last_sequence: int) -> bool runs on the calling thread
+          // with the GIL held; the stream reads with it released.
+          [](PyClient& self, const std::string& model, uint64_t after_sequence, bool from_now,
+             double deadline_s, const py::function& on_batch) {
+            if (!(deadline_s > 0)) RaiseInvalid("deadline_s must be > 0");
+            std::optional<py::error_already_set> callback_error;
+            absl::Status s;
+            {
+              py::gil_scoped_release release;
+              s = self.c().Watch(model, after_sequence, from_now, absl::Seconds(deadline_s),
+                                 [&](const std::vector<Client::Event>& events, uint64_t last) {
+                                   py::gil_scoped_acquire acquire;
+                                   try {
+                                     py::list batch;
+                                     for (const auto& e : events) batch.append(EventToDict(e));
+                                     return on_batch(batch, last).cast<bool>();
+                                   } catch (py::error_already_set& e) {
+                                     callback_error.emplace(std::move(e));
+                                     return false;
+                                   }
+                                 });
+            }
+            if (callback_error.has_value()) throw *std::move(callback_error);
+            Check(s);
+          },
+          py::arg("model"), py::arg("after_sequence"), py::arg("from_now"), py::arg("deadline_s"),
+          py::arg("on_batch"))
+      .def(
+          "attend",
+          [](PyClient& self, const std::string& model, const py::list& queries, float softmax_scale,
+             uint32_t window, uint32_t sinks) {
+            // Each query: (sequence_id, layer, float32 array [num_q_heads * head_dim]).
+            std::vector<Client::AttendQuery> qs;
+            for (const auto& q : queries) {
+              auto t = q.cast<
+                  std::tuple<uint64_t, uint32_t,
+                             py::array_t<float, py::array::c_style | py::array::forcecast>>>();
+              Client::AttendQuery aq;
+              aq.sequence_id = std::get<0>(t);
+              aq.layer = std::get<1>(t);
+              const auto& a = std::get<2>(t);
+              aq.query.assign(a.data(), a.data() + a.size());
+              qs.push_back(std::move(aq));
+            }
+            Client::AttendArgs args;
+            args.softmax_scale = softmax_scale;
+            args.window = window;
+            args.sinks = sinks;
+            const auto outs = self.Call([&] { return self.c().Attend(model, qs, args); });
+            py::list out;
+            for (const auto& o : outs) {
+              out.append(py::make_tuple(ToFloatArray(o.output), ToFloatArray(o.lse)));
+            }
+            return out;
+          },
+          py::arg("model"), py::arg("queries"), py::arg("softmax_scale") = 0.0f,
+          py::arg("window") = 0, py::arg("sinks") = 0)
+      .def(
+          "check_serving",
+          [](PyClient& self, double deadline_s) {
+            self.Call([&] { return self.c().CheckServing(absl::Seconds(deadline_s)); });
+          },
+          py::arg("deadline_s"));
 }
 
 void BindFunctions(py::module_& m) {
-  m.def("root_hash",
-        [](const std::string& algorithm, const std::string& fingerprint, const std::string& tenant,
-           const std::string& cache_salt) {
-          return FromHash(RootHash(ToAlgorithm(algorithm), {fingerprint, tenant, cache_salt}));
-        },
-        py::arg("algorithm"), py::arg("layout_fingerprint"), py::arg("tenant") = "",
-        py::arg("cache_salt") = "");
-  m.def("chain_hash",
-        [](const std::string& algorithm, const py::bytes& parent,
-           const std::vector<uint32_t>& tokens,
-           const std::vector<std::pair<std::string, py::bytes>>& extra_keys) {
-          return FromHash(ChainHash(ToAlgorithm(algorithm), ToHash(parent), tokens.data(),
-                                    tokens.size(), ToExtraKeys(extra_keys)));
-        },
-        py::arg("algorithm"), py::arg("parent"), py::arg("tokens"),
-        py::arg("extra_keys") = std::vector<std::pair<std::string, py::bytes>>{});
-  m.def("prefix_hashes",
-        [](const std::string& algorithm, const py::bytes& root,
-           const std::vector<uint32_t>& tokens, uint32_t block_tokens,
-           const std::vector<std::pair<std::string, py::bytes>>& extra_keys) {
-          if (block_tokens == 0) RaiseInvalid("block_tokens must be > 0");
-          return FromHashes(PrefixHashes(ToAlgorithm(algorithm), ToHash(root), tokens,
-                                         block_tokens, ToExtraKeys(extra_keys)));
-        },
-        py::arg("algorithm"), py::arg("root"), py::arg("tokens"), py::arg("block_tokens"),
-        py::arg("extra_keys") = std::vector<std::pair<std::string, py::bytes>>{});
+  m.def(
+      "root_hash",
+      [](const std::string& algorithm, const std::string& fingerprint, const std::string& tenant,
+         const std::string& cache_salt) {
+        return FromHash(RootHash(ToAlgorithm(algorithm), {fingerprint, tenant, cache_salt}));
+      },
+      py::arg("algorithm"), py::arg("layout_fingerprint"), py::arg("tenant") = "",
+      py::arg("cache_salt") = "");
+  m.def(
+      "chain_hash",
+      [](const std::string& algorithm, const py::bytes& parent, const std::vector<uint32_t>& tokens,
+         const std::vector<std::pair<std::string, py::bytes>>& extra_keys) {
+        return FromHash(ChainHash(ToAlgorithm(algorithm), ToHash(parent), tokens.data(),
+                                  tokens.size(), ToExtraKeys(extra_keys)));
+      },
+      py::arg("algorithm"), py::arg("parent"), py::arg("tokens"),
+      py::arg("extra_keys") = std::vector<std::pair<std::string, py::bytes>>{});
+  m.def(
+      "prefix_hashes",
+      [](const std::string& algorithm, const py::bytes& root, const std::vector<uint32_t>& tokens,
+         uint32_t block_tokens, const std::vector<std::pair<std::string, py::bytes>>& extra_keys) {
+        if (block_tokens == 0) RaiseInvalid("block_tokens must be > 0");
+        return FromHashes(PrefixHashes(ToAlgorithm(algorithm), ToHash(root), tokens, block_tokens,
+                                       ToExtraKeys(extra_keys)));
+      },
+      py::arg("algorithm"), py::arg("root"), py::arg("tokens"), py::arg("block_tokens"),
+      py::arg("extra_keys") = std::vector<std::pair<std::string, py::bytes>>{});
   m.def("layout_fingerprint", [](const py::dict& layout) {
     const ModelLayout m = LayoutFromDict(layout);
     const std::string err = ValidateLayout(m);
@@ -729,40 +752,42 @@ void BindFunctions(py::module_& m) {
   });
   m.def("validate_layout",
         [](const py::dict& layout) { return ValidateLayout(LayoutFromDict(layout)); });
-  m.def("normalize_layout", [](const py::dict& layout) { return LayoutToDict(LayoutFromDict(layout)); });
-  m.def("preset_layout",
-        [](const std::string& preset, const std::string& storage) {
-          ModelLayout m;
-          if (!PresetLayout(preset, &m, ToDType(storage))) {
-            RaiseInvalid("unknown preset '" + preset + "'");
-          }
-          return LayoutToDict(m);
-        },
-        py::arg("preset"), py::arg("storage") = "bf16");
+  m.def("normalize_layout",
+        [](const py::dict& layout) { return LayoutToDict(LayoutFromDict(layout)); });
+  m.def(
+      "preset_layout",
+      [](const std::string& preset, const std::string& storage) {
+        ModelLayout m;
+        if (!PresetLayout(preset, &m, ToDType(storage))) {
+          RaiseInvalid("unknown preset '" + preset + "'");
+        }
+        return LayoutToDict(m);
+      },
+      py::arg("preset"), py::arg("storage") = "bf16");
   m.def("preset_names", &PresetNames);
-  m.def("payload_bytes",
-        [](const py::dict& layout, uint64_t num_tokens, uint32_t layer_begin,
-           std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
-          const ModelLayout m = LayoutFromDict(layout);
-          const std::string err = ValidateLayout(m);
-          if (!err.empty()) RaiseInvalid(err);
-          const uint32_t l1 = layer_end.value_or(m.num_layers);
-          if (layer_begin >= l1 || l1 > m.num_layers) {
-            RaiseInvalid("layer range [" + std::to_string(layer_begin) + ", " +
-                         std::to_string(l1) + ") is not inside the model's " +
-                         std::to_string(m.num_layers) + " layers");
-          }
-          const BlockLayout b = ComputeBlockLayout(m);
-          const DType wire =
-              dtype.has_value() ? ToDType(*dtype) : DefaultWireDType(m, layer_begin, l1);
-          if (IsQuantized(wire)) {
-            RaiseInvalid(std::string("payload_bytes covers the fp32/fp16/bf16 wire dtypes, not ") +
-                         DTypeName(wire));
-          }
-          return PayloadLayout::Make(b, layer_begin, l1, num_tokens, wire).total_bytes;
-        },
-        py::arg("layout"), py::arg("num_tokens"), py::arg("layer_begin") = 0,
-        py::arg("layer_end") = py::none(), py::arg("dtype") = py::none());
+  m.def(
+      "payload_bytes",
+      [](const py::dict& layout, uint64_t num_tokens, uint32_t layer_begin,
+         std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
+        const ModelLayout m = LayoutFromDict(layout);
+        const std::string err = ValidateLayout(m);
+        if (!err.empty()) RaiseInvalid(err);
+        const uint32_t l1 = layer_end.value_or(m.num_layers);
+        if (layer_begin >= l1 || l1 > m.num_layers) {
+          RaiseInvalid("layer range [" + std::to_string(layer_begin) + ", " + std::to_string(l1) +
+                       ") is not inside the model's " + std::to_string(m.num_layers) + " layers");
+        }
+        const BlockLayout b = ComputeBlockLayout(m);
+        const DType wire =
+            dtype.has_value() ? ToDType(*dtype) : DefaultWireDType(m, layer_begin, l1);
+        if (IsQuantized(wire)) {
+          RaiseInvalid(std::string("payload_bytes covers the fp32/fp16/bf16 wire dtypes, not ") +
+                       DTypeName(wire));
+        }
+        return PayloadLayout::Make(b, layer_begin, l1, num_tokens, wire).total_bytes;
+      },
+      py::arg("layout"), py::arg("num_tokens"), py::arg("layer_begin") = 0,
+      py::arg("layer_end") = py::none(), py::arg("dtype") = py::none());
 }
 
 }  // namespace

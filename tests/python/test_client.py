@@ -287,7 +287,7 @@ def test_gil_is_released_during_a_fetch(client, model_name):
     assert longest_gap < 0.6 * (t1 - t0)
 
 
-def test_futures_overlap_transfers_with_each_other_and_with_compute(client, model_name):
+def test_futures_overlap_transfers_with_a_call_in_flight(client, model_name):
     model, seq, payload = _big_sequence(client, model_name, 8)
     # A call that stays in flight for seconds: a watch on a model with no events.
     slow = client._submit(lambda: list(client.watch(model_name, deadline_s=3.0)))
@@ -295,11 +295,11 @@ def test_futures_overlap_transfers_with_each_other_and_with_compute(client, mode
     futures = [client.fetch_into_async(model_name, seq.id, o) for o in outs]
     compute = 0
     while not all(f.done() for f in futures):
-        compute += sum(range(1000))  # the calling thread computes while the fetches run
+        compute += 1  # the calling thread goes on while the fetches run
     for f, o in zip(futures, outs):
         assert f.result().payload_bytes == payload.nbytes
         assert o.tobytes() == payload.tobytes()
-    assert not slow.done(), "the fetches finished while the watch was still in flight"
+    assert not slow.done(), "the watch ended before the fetches did: they did not overlap"
     assert compute > 0
     assert slow.result(timeout=30) == []
 
