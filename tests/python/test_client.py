@@ -273,18 +273,20 @@ def test_gil_is_released_during_a_fetch(client, model_name):
         stop.set()
         t.join(timeout=30)
     assert out.tobytes() == payload.tobytes()
-    # The longest fetch: the ticker kept running through it. Held, the GIL would stop the ticker
-    # for the whole call (the C++ call never gives it up); released, it only waits its turn in
-    # Python's switch interval (5 ms).
-    t0, t1 = max(fetches, key=lambda f: f[1] - f[0])
-    during = [x for x in ticks if t0 <= x <= t1]
-    edges = [t0] + during + [t1]
-    longest_gap = max(b - a for a, b in zip(edges, edges[1:]))
-    print("fetch %.1f ms, %d ticks during it, longest gap %.1f ms"
-          % ((t1 - t0) * 1e3, len(during), longest_gap * 1e3))
-    assert t1 - t0 > 0.02, "the fetch is too short to tell"
-    assert len(during) >= 3
-    assert longest_gap < 0.6 * (t1 - t0)
+    # The ticker kept running through a fetch. Held, the GIL would stop it for the whole call
+    # (the C++ call never gives it up): its longest pause would be the fetch's length. Released,
+    # it only waits its turn in Python's switch interval (5 ms) and the OS scheduler's (2 busy
+    # cores): the best of three fetches must show a pause under half the fetch.
+    shares = []
+    for t0, t1 in fetches:
+        during = [x for x in ticks if t0 <= x <= t1]
+        edges = [t0] + during + [t1]
+        longest_gap = max(b - a for a, b in zip(edges, edges[1:]))
+        print("fetch %.1f ms, %d ticks during it, longest gap %.1f ms"
+              % ((t1 - t0) * 1e3, len(during), longest_gap * 1e3))
+        assert t1 - t0 > 0.02, "the fetch is too short to tell"
+        shares.append(longest_gap / (t1 - t0))
+    assert min(shares) < 0.5, "the ticker stalled through every fetch: %s" % shares
 
 
 def test_futures_overlap_transfers_with_a_call_in_flight(client, model_name):
