@@ -393,8 +393,9 @@ class Client:
 
     def watch(self, model: str, *, after_sequence: Optional[int] = None,
               deadline_s: float = 60.0) -> Iterator[Event]:
-        """KV events of the model after `after_sequence` (None: from now on), one by one, until
-        deadline_s passes (then the iteration ends) or the server ends the stream.
+        """KV events of the model after `after_sequence` (0: every event the server still
+        keeps; None: from now on, where "now" is the first next(): the stream opens then), one
+        by one, until deadline_s passes (then the iteration ends) or the server ends the stream.
 
         Each batch the server sends is read on its own stream, resumed from the batch's last
         sequence number: between items no stream is open, so the iteration can stop at any
