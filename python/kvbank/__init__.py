@@ -1,0 +1,33 @@
+"""kvbank: the Python SDK of the kvbank KV-cache service (bindings of the C++ SDK).
+
+    import kvbank
+    client = kvbank.Client("127.0.0.1:50051")
+    model = client.ensure_model(preset="llama-3.1-8b", name="llama")
+    seq = client.create_sequence("llama", prompt=token_ids)
+    client.append("llama", seq.id, payload, num_tokens=len(token_ids))
+    client.fetch_into("llama", seq.id, out)   # straight into a numpy array or CPU tensor
+
+Errors raise kvbank.Error subclasses named after the gRPC code (kvbank.NotFoundError, ...).
+"""
+
+from . import aio  # noqa: E402,F401  (kvbank.aio.AsyncClient)
+from ._client import (Blocks, Client, Event, FetchInfo, ModelInfo, PrefixRoot, SequenceInfo,
+                      chain_hash, layout_fingerprint, normalize_layout, numpy_dtype,
+                      prefix_hashes, preset_layout, preset_names, root_hash)
+from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
+                      DeadlineExceededError, Error, FailedPreconditionError, InternalError,
+                      InvalidArgumentError, NotFoundError, OutOfRangeError,
+                      PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError,
+                      UnavailableError, UnimplementedError, UnknownError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",
+    "DeadlineExceededError", "Error", "Event", "FailedPreconditionError", "FetchInfo",
+    "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
+    "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
+    "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
+    "chain_hash", "layout_fingerprint", "normalize_layout", "numpy_dtype", "prefix_hashes",
+    "preset_layout", "preset_names", "root_hash",
+]

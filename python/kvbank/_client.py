@@ -1,0 +1,481 @@
+"""kvbank.Client: the Python face of the C++ SDK (kvbank::Client)."""
+
+import concurrent.futures
+import ctypes
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+
+import numpy as np
+
+from . import _kvbank
+from ._errors import InvalidArgumentError
+
+Layout = Dict[str, Any]
+"""A model layout as a dict: name, num_layers, num_q_heads, num_kv_heads, head_dim, head_dim_v,
+block_tokens, kind ("mha", "gqa", "mqa", "mla"), kv_lora_rank, rope_dim, input_dtype,
+layer_dtypes (one per layer), or "dtype" for every layer at once."""
+
+ExtraKeys = Sequence[Tuple[str, Union[str, bytes]]]
+"""Extra keys of a prefix hash: (kind, value) pairs, kind one of "lora", "multimodal",
+"prompt_embeds", "custom"."""
+
+# numpy element type of each wire dtype. numpy has no bfloat16: bf16 comes as its raw 16 bits
+# (uint16; torch: tensor.view(torch.bfloat16)), int8 and fp8 storage formats as bytes.
+_NP_DTYPES = {
+    "fp32": np.float32,
+    "fp16": np.float16,
+    "bf16": np.uint16,
+    "int8": np.uint8,
+    "fp8_e4m3": np.uint8,
+    "fp8_e5m2": np.uint8,
+}
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype that holds elements of a kvbank dtype (bf16: uint16 bits)."""
+    try:
+        return np.dtype(_NP_DTYPES[dtype])
+    except KeyError:
+        raise InvalidArgumentError("unknown dtype '%s'" % dtype) from None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    layout: Layout
+    fingerprint: str
+    block_bytes: int
+    num_blocks: int
+    pool_bytes: int
+    payload_bytes_per_token: int
+    device: str
+    max_sequences: int
+    max_tokens_per_sequence: int
+    created: bool
+
+    def payload_bytes(self, num_tokens: int, layer_begin: int = 0,
+                      layer_end: Optional[int] = None, dtype: Optional[str] = None) -> int:
+        """Bytes of the dense payload of layers [layer_begin, layer_end) x num_tokens in `dtype`
+        (default: what the server sends when none is named): the size of a fetch_into buffer."""
+        return _kvbank.payload_bytes(self.layout, num_tokens, layer_begin, layer_end, dtype)
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    model: str
+    id: int
+    length: int
+    layer_lengths: List[int]
+    num_blocks: int
+    cached_tokens: int
+    lease_ttl_s: float  # 0: no lease
+    compactions: int
+
+
+@dataclass(frozen=True)
+class FetchInfo:
+    """What a fetch_into wrote: payload_bytes bytes at the start of the buffer."""
+    token_begin: int
+    num_tokens: int
+    layer_begin: int
+    layer_end: int
+    dtype: str
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class PrefixRoot:
+    root: bytes
+    algorithm: str
+    block_tokens: int
+    layout_fingerprint: str
+    tenant: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A KV event: type "stored", "removed" or "all_cleared"."""
+    type: str
+    sequence: int
+    tenant: str
+    hashes: List[bytes]
+    parent: Optional[bytes]
+    token_ids: List[int]
+    block_size: int
+    lora: str
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Cached full blocks from fetch_blocks: `data` in the payload layout."""
+    info: FetchInfo
+    data: np.ndarray = field(repr=False)
+
+
+def _extra_keys(keys: ExtraKeys) -> List[Tuple[str, bytes]]:
+    out = []
+    for kind, value in keys:
+        out.append((kind, value.encode() if isinstance(value, str) else bytes(value)))
+    return out
+
+
+def _buffer(obj: Any, writable: bool) -> Any:
+    """An object exposing `obj`'s memory through the buffer protocol, without a copy.
+
+    Buffer-protocol objects (numpy arrays, bytes, bytearray, memoryview) pass as they are; the
+    extension asks for a C-contiguous (and, for writing, writable) view and raises BufferError
+    otherwise. Objects with data_ptr() (a CPU torch tensor: it has no buffer protocol) are viewed
+    through their address and byte count; the caller keeps `obj` alive for the call."""
+    try:
+        memoryview(obj).release()
+        return obj
+    except TypeError:
+        pass
+    if not hasattr(obj, "data_ptr"):
+        raise TypeError("%s is neither a buffer (numpy array, bytes, memoryview) nor a tensor "
+                        "with data_ptr()" % type(obj).__name__)
+    device = getattr(obj, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise InvalidArgumentError("a %s tensor: kvbank reads and writes host memory (move it to "
+                                   "the CPU, ideally pinned)" % device)
+    if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
+        raise InvalidArgumentError("the tensor is not contiguous")
+    nbytes = getattr(obj, "nbytes", None)
+    if nbytes is None:
+        nbytes = obj.numel() * obj.element_size()
+    nbytes = int(nbytes)
+    if nbytes == 0:
+        return bytearray() if writable else b""
+    view = memoryview((ctypes.c_ubyte * nbytes).from_address(int(obj.data_ptr())))
+    return view if writable else view.toreadonly()
+
+
+def _num_tokens_of(k: Any) -> int:
+    shape = getattr(k, "shape", None)
+    if shape is None or len(shape) != 4:
+        raise InvalidArgumentError("num_tokens is needed unless k is 4-D "
+                                   "[layers][kv_heads][tokens][head_dim]")
+    return int(shape[2])
+
+
+class Client:
+    """A connection to kvbankd. Thread-safe: share one per process.
+
+    Every call blocks until the server answers (or the deadline passes) with the GIL released;
+    a failure raises kvbank.Error's subclass for the gRPC code, with the server's message.
+
+        client = kvbank.Client("127.0.0.1:50051")
+        client.ensure_model(preset="llama-3.1-8b", name="llama")
+        seq = client.create_sequence("llama", prompt=token_ids)
+    """
+
+    def __init__(self, target: str, token: Optional[str] = None, *, deadline_s: float = 30.0,
+                 stream_deadline_s: float = 600.0, chunk_bytes: int = 1 << 20,
+                 tls: Optional[Mapping[str, str]] = None, max_workers: int = 4):
+        """target: "host:port", "dns:///name:port" or "unix:/path". token: bearer token.
+        deadline_s: unary calls; stream_deadline_s: appends, fetches. chunk_bytes: payload bytes
+        per append message. tls: root_ca_path / root_ca_pem, cert_chain_*, private_key_*,
+        server_name_override (unset: plaintext). max_workers: threads of the *_async calls."""
+        self._c = _kvbank.Client(target, token or "", deadline_s, stream_deadline_s, chunk_bytes,
+                                 dict(tls) if tls is not None else None)
+        self.target = target
+        self._max_workers = max_workers
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pool_lock = threading.Lock()
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the *_async calls in flight and stops their threads."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def check_serving(self, deadline_s: float = 10.0) -> None:
+        """Returns once the server reports SERVING; raises UnavailableError (with gRPC's reason)
+        or DeadlineExceededError otherwise."""
+        self._c.check_serving(deadline_s)
+
+    # ---- models ---------------------------------------------------------------------------
+
+    def ensure_model(self, layout: Optional[Layout] = None, *, preset: Optional[str] = None,
+                     name: Optional[str] = None, storage: Optional[str] = None,
+                     pool_bytes: int = 0, block_tokens: int = 0) -> ModelInfo:
+        """Registers a model (idempotent): from a layout dict, or from a built-in preset
+        (llama-3.1-8b, ...) under `name`, its layers stored in `storage` (default bf16)."""
+        if (layout is None) == (preset is None):
+            raise InvalidArgumentError("give either a layout or a preset")
+        if preset is not None:
+            if not name:
+                raise InvalidArgumentError("a preset model needs a name")
+            d = self._c.ensure_preset(name, preset, storage, pool_bytes, block_tokens)
+        else:
+            d = dict(layout)
+            if name is not None:
+                d["name"] = name
+            if storage is not None or block_tokens:
+                raise InvalidArgumentError("storage and block_tokens go into the layout dict")
+            d = self._c.ensure_model(d, pool_bytes)
+        return ModelInfo(**d)
+
+    def list_models(self) -> List[ModelInfo]:
+        return [ModelInfo(**d) for d in self._c.list_models()]
+
+    def get_model(self, name: str) -> ModelInfo:
+        return ModelInfo(**self._c.get_model(name))
+
+    def drop_model(self, name: str) -> None:
+        self._c.drop_model(name)
+
+    def stats(self, model: str = "") -> List[Dict[str, Any]]:
+        """Per-model statistics (every model when `model` is empty), as dicts."""
+        return self._c.stats(model)
+
+    # ---- sequences ------------------------------------------------------------------------
+
+    def create_sequence(self, model: str, prompt: Sequence[int] = (), *,
+                        lease_s: Optional[float] = None, cache_salt: str = "",
+                        extra_keys: ExtraKeys = (), priority: Optional[int] = None,
+                        retention: str = "full", window: int = 0, sinks: int = 0,
+                        budget: int = 0) -> SequenceInfo:
+        """A new sequence; with a prompt, its cached full blocks are attached (cached_tokens).
+        lease_s: None = the server's default, 0 = no lease. retention: "full",
+        "sliding_window" (window, sinks) or "heavy_hitter" (budget, window)."""
+        kinds = {"full": 0, "sliding_window": 1, "heavy_hitter": 2}
+        if retention not in kinds:
+            raise InvalidArgumentError("retention must be one of %s" % ", ".join(kinds))
+        return SequenceInfo(**self._c.create_sequence(
+            model, lease_s, list(prompt), cache_salt, _extra_keys(extra_keys), priority,
+            kinds[retention], window, sinks, budget))
+
+    def append(self, model: str, seq_id: int, payload: Any = None, *, k: Any = None,
+               v: Any = None, num_tokens: Optional[int] = None, layer_begin: int = 0,
+               layer_end: Optional[int] = None, dtype: Optional[str] = None,
+               token_ids: Optional[Sequence[int]] = None) -> SequenceInfo:
+        """Appends num_tokens tokens of layers [layer_begin, layer_end) (all by default).
+
+        Either `payload`: the dense payload (per layer K [kv_heads][n][head_dim] then V), or `k`
+        and `v`: [layers][kv_heads][n][head_dim(_v)] each (v None for MLA). Any C-contiguous
+        buffer (numpy array, bytes, memoryview) or CPU torch tensor, read in place. dtype: the
+        payload's element type (default: the layers' storage dtype when they share one)."""
+        ids = list(token_ids) if token_ids is not None else []
+        if (payload is None) == (k is None):
+            raise InvalidArgumentError("give either a payload or k (and v)")
+        if k is not None:
+            n = num_tokens if num_tokens is not None else _num_tokens_of(k)
+            kb = _buffer(k, False)
+            vb = _buffer(v, False) if v is not None else None
+            return SequenceInfo(**self._c.append_tensors(model, seq_id, kb, vb, n, layer_begin,
+                                                         layer_end, dtype, ids))
+        if num_tokens is None:
+            raise InvalidArgumentError("num_tokens is needed with a payload")
+        return SequenceInfo(**self._c.append(model, seq_id, _buffer(payload, False), num_tokens,
+                                             layer_begin, layer_end, dtype, ids))
+
+    def fetch(self, model: str, seq_id: int, *, token_begin: int = 0,
+              token_end: Optional[int] = None, layer_begin: int = 0,
+              layer_end: Optional[int] = None, dtype: Optional[str] = None,
+              as_bytes: bool = False) -> Union[np.ndarray, bytes]:
+        """Tokens [token_begin, token_end) of layers [layer_begin, layer_end) as a flat numpy
+        array of the wire dtype (bf16: uint16 bits) in the payload layout, owning the SDK's
+        buffer (no copy); as_bytes: bytes instead (one copy)."""
+        meta, data = self._c.fetch(model, seq_id, token_begin, token_end, layer_begin, layer_end,
+                                   dtype)
+        if as_bytes:
+            return data.tobytes()
+        return data.view(numpy_dtype(meta["dtype"]))
+
+    def fetch_into(self, model: str, seq_id: int, out: Any, *, token_begin: int = 0,
+                   token_end: Optional[int] = None, layer_begin: int = 0,
+                   layer_end: Optional[int] = None, dtype: Optional[str] = None) -> FetchInfo:
+        """Writes the payload straight into `out` (a writable C-contiguous numpy array,
+        bytearray, memoryview, or CPU torch tensor): no intermediate copy. OutOfRangeError when
+        it does not fit (ModelInfo.payload_bytes sizes it)."""
+        return FetchInfo(**self._c.fetch_into(model, seq_id, _buffer(out, True), token_begin,
+                                              token_end, layer_begin, layer_end, dtype))
+
+    def fetch_tensors(self, model: str, seq_id: int, k: Any, v: Any = None, *,
+                      token_begin: int = 0, token_end: Optional[int] = None,
+                      layer_begin: int = 0, layer_end: Optional[int] = None,
+                      dtype: Optional[str] = None) -> None:
+        """Fills k [layers][kv_heads][tokens][head_dim] and v (head_dim_v; None for MLA), each
+        exactly the size of the range fetched."""
+        self._c.fetch_tensors(model, seq_id, _buffer(k, True),
+                              _buffer(v, True) if v is not None else None, token_begin,
+                              token_end, layer_begin, layer_end, dtype)
+
+    def fork(self, model: str, seq_id: int, *, lease_s: Optional[float] = None) -> SequenceInfo:
+        return SequenceInfo(**self._c.fork(model, seq_id, lease_s))
+
+    def truncate(self, model: str, seq_id: int, num_tokens: int) -> SequenceInfo:
+        return SequenceInfo(**self._c.truncate(model, seq_id, num_tokens))
+
+    def free(self, model: str, seq_id: int) -> int:
+        """Frees a sequence; returns how many block references it dropped."""
+        return self._c.free(model, seq_id)
+
+    def renew_lease(self, model: str, seq_id: int) -> SequenceInfo:
+        return SequenceInfo(**self._c.renew_lease(model, seq_id))
+
+    def get_sequence(self, model: str, seq_id: int) -> SequenceInfo:
+        return SequenceInfo(**self._c.get_sequence(model, seq_id))
+
+    # ---- futures --------------------------------------------------------------------------
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[Any]":
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self._max_workers, thread_name_prefix="kvbank")
+            return self._pool.submit(fn, *args, **kwargs)
+
+    def append_async(self, model: str, seq_id: int, payload: Any = None,
+                     **kwargs: Any) -> "concurrent.futures.Future[SequenceInfo]":
+        """append on a worker thread: a Future of its SequenceInfo. The buffers must not change
+        until it is done (the future holds them alive)."""
+        return self._submit(self.append, model, seq_id, payload, **kwargs)
+
+    def fetch_async(self, model: str, seq_id: int,
+                    **kwargs: Any) -> "concurrent.futures.Future[Union[np.ndarray, bytes]]":
+        return self._submit(self.fetch, model, seq_id, **kwargs)
+
+    def fetch_into_async(self, model: str, seq_id: int, out: Any,
+                         **kwargs: Any) -> "concurrent.futures.Future[FetchInfo]":
+        """fetch_into on a worker thread: a Future of its FetchInfo; `out` is complete when the
+        future is done. Overlaps a layer's transfer with compute on the calling thread."""
+        return self._submit(self.fetch_into, model, seq_id, out, **kwargs)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def match(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
+              extra_keys: ExtraKeys = ()) -> List[int]:
+        """Leading cached tokens of each query: a sequence of token ids, a sequence of block
+        hashes (bytes), or a dict with tokens / hashes / cache_salt / extra_keys."""
+        qs = []
+        for q in queries:
+            if isinstance(q, Mapping):
+                qs.append((list(q.get("tokens", ())), [bytes(h) for h in q.get("hashes", ())],
+                           q.get("cache_salt", cache_salt),
+                           _extra_keys(q.get("extra_keys", extra_keys))))
+            else:
+                q = list(q)
+                if q and isinstance(q[0], (bytes, bytearray)):
+                    qs.append(([], [bytes(h) for h in q], cache_salt, _extra_keys(extra_keys)))
+                else:
+                    qs.append((q, [], cache_salt, _extra_keys(extra_keys)))
+        return self._c.match(model, qs)
+
+    def fetch_blocks(self, model: str, hashes: Sequence[bytes], *, layer_begin: int = 0,
+                     layer_end: Optional[int] = None) -> Blocks:
+        """The longest cached run of the leading `hashes`, full blocks in the payload layout."""
+        meta, data = self._c.fetch_blocks(model, [bytes(h) for h in hashes], layer_begin,
+                                          layer_end)
+        return Blocks(FetchInfo(**meta), data.view(numpy_dtype(meta["dtype"])))
+
+    def pin(self, model: str, *, tokens: Sequence[int] = (), hashes: Sequence[bytes] = (),
+            cache_salt: str = "", extra_keys: ExtraKeys = (), pin: bool = True) -> int:
+        """Pins (pin=False: unpins) cached blocks, by hashes or the full blocks of `tokens`;
+        returns how many named a cached block."""
+        return self._c.pin(model, list(tokens), [bytes(h) for h in hashes], cache_salt,
+                           _extra_keys(extra_keys), pin)
+
+    def get_prefix_root(self, model: str, cache_salt: str = "") -> PrefixRoot:
+        return PrefixRoot(**self._c.get_prefix_root(model, cache_salt))
+
+    def watch(self, model: str, *, after_sequence: Optional[int] = None,
+              deadline_s: float = 60.0) -> Iterator[Event]:
+        """KV events of the model after `after_sequence` (0: every event the server still
+        keeps; None: from now on, where "now" is the first next(): the stream opens then), one
+        by one, until deadline_s passes (then the iteration ends) or the server ends the stream.
+
+        Each batch the server sends is read on its own stream, resumed from the batch's last
+        sequence number: between items no stream is open, so the iteration can stop at any
+        point without cancelling anything."""
+        end = time.monotonic() + deadline_s
+        after = after_sequence or 0
+        from_now = after_sequence is None
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            got: List[Any] = []
+
+            def on_batch(events: List[Dict[str, Any]], last: int) -> bool:
+                got.append((events, last))
+                return False
+
+            try:
+                self._c.watch(model, after, from_now, left, on_batch)
+            except Exception as e:  # the deadline ends a watch; anything else is an error
+                from ._errors import DeadlineExceededError
+                if isinstance(e, DeadlineExceededError) and not got:
+                    return
+                raise
+            if not got:
+                return  # the server ended the stream
+            events, last = got[0]
+            after, from_now = last, False
+            for e in events:
+                yield Event(**e)
+
+    # ---- attention ------------------------------------------------------------------------
+
+    def attend(self, model: str, queries: Sequence[Tuple[int, int, Any]], *,
+               softmax_scale: float = 0.0, window: int = 0,
+               sinks: int = 0) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Decode attention on the server: for each (sequence_id, layer, query
+        [num_q_heads * head_dim] float32) the output [num_q_heads * head_dim_v] and the
+        log-sum-exp per q head, both float32."""
+        qs = [(int(s), int(l), np.ascontiguousarray(q, dtype=np.float32).reshape(-1))
+              for s, l, q in queries]
+        return self._c.attend(model, qs, softmax_scale, window, sinks)
+
+
+# ---- prefix hashes (no server needed) --------------------------------------------------------
+
+
+def root_hash(layout_fingerprint: str, tenant: str = "", cache_salt: str = "", *,
+              algorithm: str = "sha256") -> bytes:
+    """The prefix root of a model layout (its fingerprint), tenant and cache salt: 32 bytes."""
+    return _kvbank.root_hash(algorithm, layout_fingerprint, tenant, cache_salt)
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int], extra_keys: ExtraKeys = (), *,
+               algorithm: str = "sha256") -> bytes:
+    """The hash of one full block given its parent's hash (or the root)."""
+    return _kvbank.chain_hash(algorithm, bytes(parent), list(tokens), _extra_keys(extra_keys))
+
+
+def prefix_hashes(root: bytes, tokens: Sequence[int], block_tokens: int,
+                  extra_keys: ExtraKeys = (), *, algorithm: str = "sha256") -> List[bytes]:
+    """The hashes of every full block of `tokens`, chained from `root` (the server's function,
+    the same bytes as the C++ SDK's PrefixHashes)."""
+    return _kvbank.prefix_hashes(algorithm, bytes(root), list(tokens), block_tokens,
+                                 _extra_keys(extra_keys))
+
+
+def layout_fingerprint(layout: Layout) -> str:
+    return _kvbank.layout_fingerprint(dict(layout))
+
+
+def preset_layout(preset: str, storage: str = "bf16") -> Layout:
+    """A built-in preset's layout dict (name = the preset)."""
+    return _kvbank.preset_layout(preset, storage)
+
+
+def preset_names() -> List[str]:
+    return list(_kvbank.preset_names())
+
+
+def normalize_layout(layout: Layout) -> Layout:
+    """The layout with every field filled in ("dtype" expanded, head_dim_v defaulted)."""
+    return _kvbank.normalize_layout(dict(layout))
