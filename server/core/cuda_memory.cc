@@ -1,22 +1,26 @@
 // The cuda:N pool memory (see pool_memory.h and cuda_memory.h): the blocks are one cudaMalloc
 // allocation and every move is a kernel on the memory's own stream.
 //
-// Each call holds the memory's mutex from start to end: it packs the host-side description
-// (layer views, offsets, block table, ids, ...) into a page-locked argument block, sends that to
-// a grow-only device scratch buffer in one copy, copies the payload next to it, launches the
-// kernels, and synchronizes the stream before returning. One stream and one scratch buffer, so
-// calls from several threads take turns; the kernels are short next to the copies that feed them.
+// Each call takes one of a few lanes (a stream, a grow-only device scratch buffer and a
+// page-locked argument block, under the lane's mutex) from start to end: it packs the host-side
+// description (layer views, offsets, block table, ids, ...) into the argument block, sends that
+// to the scratch in one copy, copies the payload next to it, launches the kernels, and
+// synchronizes its stream before returning. Calls from several threads run on different lanes at
+// once (a free lane is taken first), so one transfer's copies overlap another's kernels.
 //
 // Staging buffers are page-locked (cudaHostAlloc) so the payload copies run at full speed. They
 // come from a small cache, since cudaHostAlloc costs milliseconds per call and cudaFreeHost
 // synchronizes the device.
 //
-// Lock order: CudaMemory::mu_, then PinnedCache::mu_ (never held across a CUDA call).
+// Lock order: a lane's mutex, then PinnedCache::mu_ (never held across a CUDA call). A call
+// holds one lane at a time.
 #include "server/core/cuda_memory.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -43,6 +47,8 @@
 namespace kvbank {
 namespace {
 
+// Calls that may run on the device at once.
+constexpr int kLanes = 4;
 // Alignment of every array in the device scratch (cudaMalloc's own).
 constexpr uint64_t kScratchAlign = 256;
 // Page-locked buffers are allocated in multiples of this, so that close sizes share buffers.
@@ -53,10 +59,10 @@ constexpr uint64_t kMaxCachedBytes = uint64_t{256} << 20;
 
 // In a CudaMemory call: returns the call's failure (Fail: drains the stream, names `what`) when
 // `expr`, a CUDA call or launch, did not succeed.
-#define KVBANK_CUDA_TRY(expr, what)               \
-  do {                                            \
-    const cudaError_t e_ = (expr);                \
-    if (e_ != cudaSuccess) return Fail(e_, what); \
+#define KVBANK_CUDA_TRY(expr, what)                     \
+  do {                                                  \
+    const cudaError_t e_ = (expr);                      \
+    if (e_ != cudaSuccess) return Fail(lane, e_, what); \
   } while (0)
 
 std::string CudaErrorText(cudaError_t e) {
@@ -210,21 +216,28 @@ T* At(uint8_t* scratch, uint64_t offset) {
 }
 
 class CudaMemory final : public PoolMemory {
+  struct Lane;
+  class LaneHold;
+
  public:
-  // Takes ownership of `base` (cudaMalloc'd, `bytes` long, on `device`) and `stream`.
-  CudaMemory(int device, uint8_t* base, uint64_t bytes, cudaStream_t stream)
+  // Takes ownership of `base` (cudaMalloc'd, `bytes` long, on `device`) and `streams` (one per
+  // lane).
+  CudaMemory(int device, uint8_t* base, uint64_t bytes, const std::vector<cudaStream_t>& streams)
       : PoolMemory(MemoryKind::kCuda, absl::StrCat("cuda:", device), base, bytes),
         device_(device),
-        pinned_(std::make_shared<PinnedCache>(device)),
-        stream_(stream) {}
+        pinned_(std::make_shared<PinnedCache>(device)) {
+    for (int i = 0; i < kLanes; ++i) lanes_[i].stream = streams[i];
+  }
 
   ~CudaMemory() override {
     DeviceGuard guard(device_);
-    absl::MutexLock lock(&mu_);
-    cudaStreamSynchronize(stream_);
-    if (scratch_ != nullptr) cudaFree(scratch_);
-    if (args_ != nullptr) cudaFreeHost(args_);
-    cudaStreamDestroy(stream_);
+    for (Lane& lane : lanes_) {
+      absl::MutexLock lock(&lane.mu);
+      cudaStreamSynchronize(lane.stream);
+      if (lane.scratch != nullptr) cudaFree(lane.scratch);
+      if (lane.args != nullptr) cudaFreeHost(lane.args);
+      cudaStreamDestroy(lane.stream);
+    }
     cudaFree(base());
   }
 
@@ -251,20 +264,21 @@ class CudaMemory final : public PoolMemory {
     if (src.empty() || block_bytes == 0) return absl::OkStatus();
     DeviceGuard guard(device_);
     if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    absl::MutexLock lock(&mu_);
+    LaneHold hold(this);
+    Lane& lane = hold.lane();
     const uint64_t ids_bytes = src.size() * sizeof(int32_t);
     ScratchPlan plan;
     const uint64_t at_src = plan.Host(ids_bytes);
     const uint64_t at_dst = plan.Host(ids_bytes);
-    absl::StatusOr<uint8_t*> s = Send(plan, [&](uint8_t* args, uint8_t*) {
+    absl::StatusOr<uint8_t*> s = Send(lane, plan, [&](uint8_t* args, uint8_t*) {
       Put(args, at_src, src.data(), ids_bytes);
       Put(args, at_dst, dst.data(), ids_bytes);
     });
     if (!s.ok()) return s.status();
     KVBANK_CUDA_TRY(kernels::CopyBlocksCuda(base(), block_bytes, At<const int32_t>(*s, at_src),
-                                            At<const int32_t>(*s, at_dst), src.size(), stream_),
+                                            At<const int32_t>(*s, at_dst), src.size(), lane.stream),
                     "copying blocks");
-    return Finish("copying blocks");
+    return Finish(lane, "copying blocks");
   }
 
   absl::Status CopyRows(const BlockLayout& layout,
@@ -272,22 +286,23 @@ class CudaMemory final : public PoolMemory {
     if (copies.empty()) return absl::OkStatus();
     DeviceGuard guard(device_);
     if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    absl::MutexLock lock(&mu_);
+    LaneHold hold(this);
+    Lane& lane = hold.lane();
     const uint64_t layers_bytes = layout.layers.size() * sizeof(LayerView);
     const uint64_t copies_bytes = copies.size() * sizeof(kernels::RowCopy);
     ScratchPlan plan;
     const uint64_t at_layers = plan.Host(layers_bytes);
     const uint64_t at_copies = plan.Host(copies_bytes);
-    absl::StatusOr<uint8_t*> s = Send(plan, [&](uint8_t* args, uint8_t*) {
+    absl::StatusOr<uint8_t*> s = Send(lane, plan, [&](uint8_t* args, uint8_t*) {
       Put(args, at_layers, layout.layers.data(), layers_bytes);
       Put(args, at_copies, copies.data(), copies_bytes);
     });
     if (!s.ok()) return s.status();
-    KVBANK_CUDA_TRY(
-        kernels::CopyRowsCuda(base(), layout.block_bytes, At<const LayerView>(*s, at_layers),
-                              At<const kernels::RowCopy>(*s, at_copies), copies.size(), stream_),
-        "copying token rows");
-    return Finish("copying token rows");
+    KVBANK_CUDA_TRY(kernels::CopyRowsCuda(
+                        base(), layout.block_bytes, At<const LayerView>(*s, at_layers),
+                        At<const kernels::RowCopy>(*s, at_copies), copies.size(), lane.stream),
+                    "copying token rows");
+    return Finish(lane, "copying token rows");
   }
 
   absl::Status Attend(const kernels::DecodeAttentionParams& p, uint32_t max_length,
@@ -299,7 +314,8 @@ class CudaMemory final : public PoolMemory {
     }
     DeviceGuard guard(device_);
     if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    absl::MutexLock lock(&mu_);
+    LaneHold hold(this);
+    Lane& lane = hold.lane();
     const uint64_t batch = kv.batch;
     const uint64_t num_indices = static_cast<uint64_t>(kv.indptr[batch]);
     const uint64_t q_bytes = batch * p.num_q_heads * p.head_dim * sizeof(float);
@@ -325,7 +341,7 @@ class CudaMemory final : public PoolMemory {
     const size_t workspace_bytes = kernels::DecodeAttentionWorkspaceBytes(p, max_length);
     const uint64_t at_workspace = plan.Device(workspace_bytes);
 
-    absl::StatusOr<uint8_t*> scratch = Send(plan, [&](uint8_t* args, uint8_t* s) {
+    absl::StatusOr<uint8_t*> scratch = Send(lane, plan, [&](uint8_t* args, uint8_t* s) {
       Put(args, at_layers, kv.layers, batch * sizeof(LayerView));
       Put(args, at_indptr, kv.indptr, (batch + 1) * sizeof(int32_t));
       Put(args, at_indices, kv.indices, num_indices * sizeof(int32_t));
@@ -353,13 +369,13 @@ class CudaMemory final : public PoolMemory {
     d.token_probs = p.token_probs ? At<float* const>(s, at_probs_ptrs) : nullptr;
     KVBANK_CUDA_TRY(
         kernels::DecodeAttentionCuda(d, max_length, workspace_bytes ? s + at_workspace : nullptr,
-                                     workspace_bytes, stream_),
+                                     workspace_bytes, lane.stream),
         "launching decode attention");
     std::vector<uint8_t> outputs(outputs_end - at_out);
     KVBANK_CUDA_TRY(cudaMemcpyAsync(outputs.data(), s + at_out, outputs.size(),
-                                    cudaMemcpyDeviceToHost, stream_),
+                                    cudaMemcpyDeviceToHost, lane.stream),
                     "copying the attention outputs to the host");
-    if (absl::Status st = Finish("running decode attention"); !st.ok()) return st;
+    if (absl::Status st = Finish(lane, "running decode attention"); !st.ok()) return st;
     std::memcpy(p.out, outputs.data(), out_bytes);
     std::memcpy(p.lse, outputs.data() + (at_lse - at_out), lse_bytes);
     for (uint64_t i = 0; i < at_probs.size(); ++i) {
@@ -380,35 +396,36 @@ class CudaMemory final : public PoolMemory {
     if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
     DeviceGuard guard(device_);
     if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    absl::MutexLock lock(&mu_);
+    LaneHold hold(this);
+    Lane& lane = hold.lane();
     uint8_t* dev_payload = nullptr;
-    absl::StatusOr<kernels::PayloadMap> d = SendMap(m, &dev_payload);
+    absl::StatusOr<kernels::PayloadMap> d = SendMap(lane, m, &dev_payload);
     if (!d.ok()) return d.status();
     const bool in = dir == kernels::CopyDirection::kPayloadToPool;
     if (in) {
       KVBANK_CUDA_TRY(
-          cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, stream_),
+          cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, lane.stream),
           "copying the payload to the device");
     }
     if (job.convert) {
       KVBANK_CUDA_TRY(
-          in ? kernels::EncodePayloadCuda(*d, *job.convert, dev_payload, stream_)
-             : kernels::DecodePayloadCuda(*d, *job.convert, dev_payload, stream_),
+          in ? kernels::EncodePayloadCuda(*d, *job.convert, dev_payload, lane.stream)
+             : kernels::DecodePayloadCuda(*d, *job.convert, dev_payload, lane.stream),
           absl::StrCat(in ? "encoding a " : "decoding a ", DTypeName(*job.convert), " payload"));
     } else {
-      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, dir, 0, dev_payload, m.total_bytes, stream_),
+      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, dir, 0, dev_payload, m.total_bytes, lane.stream),
                       in ? "scattering the payload" : "gathering the payload");
       if (d->scale_offset != nullptr) {
-        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, dir, 0, dev_payload, m.total_bytes, stream_),
+        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, dir, 0, dev_payload, m.total_bytes, lane.stream),
                         in ? "scattering the payload's scales" : "gathering the payload's scales");
       }
     }
     if (!in) {
       KVBANK_CUDA_TRY(
-          cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, stream_),
+          cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, lane.stream),
           "copying the payload to the host");
     }
-    return Finish(in ? "writing a payload" : "reading a payload");
+    return Finish(lane, in ? "writing a payload" : "reading a payload");
   }
 
   absl::Status CheckJob(const PayloadJob& job) const {
@@ -427,33 +444,33 @@ class CudaMemory final : public PoolMemory {
     return absl::InternalError(absl::StrCat(name(), ": ", what, ": ", CudaErrorText(e)));
   }
 
-  // Ends a call that failed at `what`. NOTE: a sync point: drains the stream so that no copy
-  // still reads or writes the caller's buffers once the call has returned. A kernel fault
+  // Ends a call that failed at `what`. NOTE: a sync point: drains the lane's stream so that no
+  // copy still reads or writes the caller's buffers once the call has returned. A kernel fault
   // (e.g. cudaErrorIllegalAddress) is sticky: every later call fails too.
-  absl::Status Fail(cudaError_t e, absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    cudaStreamSynchronize(stream_);
+  absl::Status Fail(Lane& lane, cudaError_t e, absl::string_view what) {
+    cudaStreamSynchronize(lane.stream);
     cudaGetLastError();
     return Error(e, what);
   }
 
   // Waits for the call's work; the error of the first failed step, if any, surfaces here.
-  absl::Status Finish(absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const cudaError_t e = cudaStreamSynchronize(stream_);
+  absl::Status Finish(Lane& lane, absl::string_view what) {
+    const cudaError_t e = cudaStreamSynchronize(lane.stream);
     if (e == cudaSuccess) return absl::OkStatus();
     cudaGetLastError();
     return Error(e, what);
   }
 
-  // The scratch, at least `bytes` long. The stream is idle (every call ends synchronized), so a
-  // smaller scratch can be freed. Grow-only: the device keeps the largest call's worth of scratch
-  // next to the pool, which the store's staging pieces bound (PoolOptions::staging_bytes, or one
-  // layer of the longest transfer).
-  absl::StatusOr<uint8_t*> Scratch(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (bytes <= scratch_bytes_) return scratch_;
+  // The lane's scratch, at least `bytes` long. Its stream is idle (every call ends
+  // synchronized), so a smaller scratch can be freed. Grow-only: each lane keeps the largest
+  // call's worth of scratch next to the pool, which the store's staging pieces bound
+  // (TransferSpec::staging_bytes, or one layer of the longest transfer).
+  absl::StatusOr<uint8_t*> Scratch(Lane& lane, uint64_t bytes) {
+    if (bytes <= lane.scratch_bytes) return lane.scratch;
     const uint64_t want = AlignUp(bytes, uint64_t{1} << 20);
-    if (scratch_ != nullptr) cudaFree(scratch_);  // NOTE: synchronizes the device
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
+    if (lane.scratch != nullptr) cudaFree(lane.scratch);  // NOTE: synchronizes the device
+    lane.scratch = nullptr;
+    lane.scratch_bytes = 0;
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, want);
     if (e != cudaSuccess) {
@@ -464,20 +481,20 @@ class CudaMemory final : public PoolMemory {
           absl::StrCat(name(), ": no device memory for ", want, " bytes of transfer scratch (",
                        CudaErrorText(e), "; ", free_bytes, " of ", total_bytes, " bytes free)"));
     }
-    scratch_ = static_cast<uint8_t*>(p);
-    scratch_bytes_ = want;
-    return scratch_;
+    lane.scratch = static_cast<uint8_t*>(p);
+    lane.scratch_bytes = want;
+    return lane.scratch;
   }
 
   // The host side of a call's arguments (a plan's Host() arrays), at least `bytes` long:
-  // page-locked, so the copy is a true async DMA, and reused by every call (the previous call's
-  // copy is done: every call ends synchronized). Grow-only.
-  absl::StatusOr<uint8_t*> Args(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (bytes <= args_bytes_) return args_;
+  // page-locked, so the copy is a true async DMA, and reused by the lane's calls (the previous
+  // call's copy is done: every call ends synchronized). Grow-only.
+  absl::StatusOr<uint8_t*> Args(Lane& lane, uint64_t bytes) {
+    if (bytes <= lane.args_bytes) return lane.args;
     const uint64_t want = AlignUp(bytes, kPinnedGranule);
-    if (args_ != nullptr) cudaFreeHost(args_);  // NOTE: synchronizes the device
-    args_ = nullptr;
-    args_bytes_ = 0;
+    if (lane.args != nullptr) cudaFreeHost(lane.args);  // NOTE: synchronizes the device
+    lane.args = nullptr;
+    lane.args_bytes = 0;
     void* p = nullptr;
     const cudaError_t e = cudaHostAlloc(&p, want, cudaHostAllocPortable);
     if (e != cudaSuccess) {
@@ -486,33 +503,33 @@ class CudaMemory final : public PoolMemory {
                                                        want,
                                                        " bytes for arguments: ", CudaErrorText(e)));
     }
-    args_ = static_cast<uint8_t*>(p);
-    args_bytes_ = want;
-    return args_;
+    lane.args = static_cast<uint8_t*>(p);
+    lane.args_bytes = want;
+    return lane.args;
   }
 
-  // Sizes the scratch and the arguments for `plan`, has fill(args, scratch) write the plan's
+  // Sizes the lane's scratch and arguments for `plan`, has fill(args, scratch) write the plan's
   // Host() arrays at their offsets in `args` (`scratch`: where everything will be on the device,
   // for arrays of device pointers), and sends them to the start of the scratch. Returns the
   // scratch.
   template <typename Fill>
-  absl::StatusOr<uint8_t*> Send(const ScratchPlan& plan, Fill fill)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::StatusOr<uint8_t*> s = Scratch(plan.total());
+  absl::StatusOr<uint8_t*> Send(Lane& lane, const ScratchPlan& plan, Fill fill) {
+    absl::StatusOr<uint8_t*> s = Scratch(lane, plan.total());
     if (!s.ok()) return s.status();
-    absl::StatusOr<uint8_t*> args = Args(plan.host_bytes());
+    absl::StatusOr<uint8_t*> args = Args(lane, plan.host_bytes());
     if (!args.ok()) return args.status();
     fill(*args, *s);
-    KVBANK_CUDA_TRY(cudaMemcpyAsync(*s, *args, plan.host_bytes(), cudaMemcpyHostToDevice, stream_),
-                    "copying a call's arguments to the device");
+    KVBANK_CUDA_TRY(
+        cudaMemcpyAsync(*s, *args, plan.host_bytes(), cudaMemcpyHostToDevice, lane.stream),
+        "copying a call's arguments to the device");
     return *s;
   }
 
-  // Sends m's host arrays (layers, layer_offset, block_table, scale_offset) to the scratch, with
-  // room for the payload after them (*dev_payload), and returns the map over those copies.
-  // REQUIRES: m.num_layers > 0.
-  absl::StatusOr<kernels::PayloadMap> SendMap(const kernels::PayloadMap& m, uint8_t** dev_payload)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Sends m's host arrays (layers, layer_offset, block_table, scale_offset) to the lane's
+  // scratch, with room for the payload after them (*dev_payload), and returns the map over those
+  // copies. REQUIRES: m.num_layers > 0.
+  absl::StatusOr<kernels::PayloadMap> SendMap(Lane& lane, const kernels::PayloadMap& m,
+                                              uint8_t** dev_payload) {
     const uint32_t bt = m.layers[0].block_tokens;
     const uint64_t table_len = (m.token_begin + m.num_tokens + bt - 1) / bt;
     const uint64_t layers_bytes = uint64_t{m.num_layers} * sizeof(LayerView);
@@ -524,7 +541,7 @@ class CudaMemory final : public PoolMemory {
     const uint64_t at_table = plan.Host(table_bytes);
     const uint64_t at_scales = m.scale_offset ? plan.Host(offsets_bytes) : 0;
     const uint64_t at_payload = plan.Device(m.total_bytes);
-    absl::StatusOr<uint8_t*> s = Send(plan, [&](uint8_t* args, uint8_t*) {
+    absl::StatusOr<uint8_t*> s = Send(lane, plan, [&](uint8_t* args, uint8_t*) {
       Put(args, at_layers, m.layers, layers_bytes);
       Put(args, at_offsets, m.layer_offset, offsets_bytes);
       Put(args, at_table, m.block_table, table_bytes);
@@ -541,15 +558,42 @@ class CudaMemory final : public PoolMemory {
     return d;
   }
 
+  // One call at a time per lane. A lane's fields belong to whoever holds its mutex (LaneHold).
+  struct Lane {
+    absl::Mutex mu;
+    cudaStream_t stream = nullptr;  // set at construction
+    uint8_t* scratch = nullptr;     // device
+    uint64_t scratch_bytes = 0;
+    uint8_t* args = nullptr;  // page-locked host
+    uint64_t args_bytes = 0;
+  };
+  // Holds a lane for one call: a free one when there is one, else the next in turn.
+  class LaneHold {
+   public:
+    explicit LaneHold(CudaMemory* m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      const uint32_t start = m->next_lane_.fetch_add(1, std::memory_order_relaxed);
+      for (int i = 0; i < kLanes && lane_ == nullptr; ++i) {
+        Lane& l = m->lanes_[(start + i) % kLanes];
+        if (l.mu.TryLock()) lane_ = &l;
+      }
+      if (lane_ == nullptr) {
+        lane_ = &m->lanes_[start % kLanes];
+        lane_->mu.Lock();
+      }
+    }
+    ~LaneHold() ABSL_NO_THREAD_SAFETY_ANALYSIS { lane_->mu.Unlock(); }
+    LaneHold(const LaneHold&) = delete;
+    LaneHold& operator=(const LaneHold&) = delete;
+    Lane& lane() const { return *lane_; }
+
+   private:
+    Lane* lane_ = nullptr;
+  };
+
   const int device_;
   const std::shared_ptr<PinnedCache> pinned_;
-  absl::Mutex mu_;
-  // Every call's work runs on this stream, under mu_.
-  cudaStream_t const stream_;
-  uint8_t* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;  // device
-  uint64_t scratch_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint8_t* args_ ABSL_GUARDED_BY(mu_) = nullptr;  // page-locked host
-  uint64_t args_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::array<Lane, kLanes> lanes_;
+  std::atomic<uint32_t> next_lane_{0};
 };
 
 }  // namespace
@@ -615,21 +659,25 @@ absl::StatusOr<std::unique_ptr<PoolMemory>> CreateCudaMemory(int device, uint64_
         absl::StrCat("cuda:", device, ": cudaMalloc of ", bytes, " bytes failed (",
                      CudaErrorText(e), "); ", free_bytes, " of ", total_bytes, " bytes free"));
   }
-  cudaStream_t stream = nullptr;
-  e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  std::vector<cudaStream_t> streams;
+  for (int i = 0; i < kLanes && e == cudaSuccess; ++i) {
+    cudaStream_t stream = nullptr;
+    e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) streams.push_back(stream);
+  }
   if (e == cudaSuccess) {
-    e = cudaMemsetAsync(base, 0, bytes, stream);
-    const cudaError_t sync = cudaStreamSynchronize(stream);
+    e = cudaMemsetAsync(base, 0, bytes, streams[0]);
+    const cudaError_t sync = cudaStreamSynchronize(streams[0]);
     if (e == cudaSuccess) e = sync;
-    if (e != cudaSuccess) cudaStreamDestroy(stream);
   }
   if (e != cudaSuccess) {
     cudaGetLastError();
+    for (cudaStream_t stream : streams) cudaStreamDestroy(stream);
     cudaFree(base);
     return absl::InternalError(
         absl::StrCat("cuda:", device, ": setting up the pool: ", CudaErrorText(e)));
   }
-  return std::make_unique<CudaMemory>(device, static_cast<uint8_t*>(base), bytes, stream);
+  return std::make_unique<CudaMemory>(device, static_cast<uint8_t*>(base), bytes, streams);
 }
 
 }  // namespace kvbank
