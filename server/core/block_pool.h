@@ -77,7 +77,7 @@ struct PoolOptions {
   // Touch every page at creation: the pool is a reservation, and first-touch faults would
   // otherwise land on the append path (about 2 GB/s here instead of memcpy speed).
   bool prefault = true;
-  // Memory that is not direct (a GPU): the most payload bytes one transfer holds in its staging
+  // Staged memory (cuda:N, host-staged): the most payload bytes one transfer holds in its staging
   // buffer at a time. Payloads move in pieces of whole layers; a layer larger than this is a
   // piece of its own.
   uint64_t staging_bytes = uint64_t{64} << 20;
