@@ -143,6 +143,17 @@ struct FetchSpec {
   uint32_t layer_begin = 0;
   std::optional<uint32_t> layer_end;
   std::optional<DType> dtype;
+  // KV heads [kv_head_begin, kv_head_end) only (a tensor-parallel rank's share): the payload is
+  // the same layout with that many heads. Unset end: every head from kv_head_begin. An MLA model
+  // has one latent head, which every range reads whole.
+  uint32_t kv_head_begin = 0;
+  std::optional<uint32_t> kv_head_end;
+};
+
+// A range of KV heads, resolved against a model (SequenceStore::ResolveHeads).
+struct HeadRange {
+  uint32_t begin = 0;
+  uint32_t count = 0;  // 0: every head
 };
 
 class SequenceStore;
@@ -299,7 +310,11 @@ class SequenceStore {
   // effects on the eviction order.
   absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(
       const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
-      std::optional<uint32_t> layer_end, std::optional<DType> dtype = std::nullopt);
+      std::optional<uint32_t> layer_end, std::optional<DType> dtype = std::nullopt,
+      uint32_t kv_head_begin = 0, std::optional<uint32_t> kv_head_end = std::nullopt);
+  // kv heads [begin, end) of this model (end unset: num_kv_heads): INVALID_ARGUMENT unless
+  // begin < end <= num_kv_heads. Every head for MLA (one latent head that every rank reads).
+  absl::StatusOr<HeadRange> ResolveHeads(uint32_t begin, std::optional<uint32_t> end) const;
   // Pins (pin) or unpins the tenant's cached blocks with these hashes; returns how many matched
   // (a pin past the tenant's quota is not taken: pinned blocks count on it).
   size_t Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin);
@@ -387,7 +402,7 @@ class SequenceStore {
                                     bool append) const;
   // The transfer of n tokens from token_begin, layers [l0, l1), through `table`.
   TransferSpec MakeTransfer(const Plan& plan, uint32_t l0, uint32_t l1, uint64_t token_begin,
-                            uint64_t n, std::vector<int32_t> table) const;
+                            uint64_t n, std::vector<int32_t> table, HeadRange heads = {}) const;
   // INVALID_ARGUMENT unless [l0, l1) is a non-empty range of the model's layers.
   absl::Status CheckLayerRange(uint32_t l0, uint32_t l1) const;
 

@@ -54,12 +54,15 @@ std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
 
 absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
-    std::optional<uint32_t> layer_end, std::optional<DType> dtype) {
+    std::optional<uint32_t> layer_end, std::optional<DType> dtype, uint32_t kv_head_begin,
+    std::optional<uint32_t> kv_head_end) {
   const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
   if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
   auto wire = PlanTransfer(l0, l1, dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();
+  auto heads = ResolveHeads(kv_head_begin, kv_head_end);
+  if (!heads.ok()) return heads.status();
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::unique_ptr<FetchReader> r(new FetchReader());
   std::vector<int32_t> table;
@@ -74,8 +77,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   }
   r->token_begin_ = 0;
   const uint64_t n = r->refs_.size() * uint64_t{layout_.block_tokens};
-  auto reader = pool_->memory().BeginRead(block_layout(),
-                                          MakeTransfer(*wire, l0, l1, 0, n, std::move(table)));
+  auto reader = pool_->memory().BeginRead(
+      block_layout(), MakeTransfer(*wire, l0, l1, 0, n, std::move(table), *heads));
   if (!reader.ok()) return reader.status();
   r->reader_ = *std::move(reader);
   CountFetch(tenant, r->payload_bytes());

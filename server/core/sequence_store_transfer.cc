@@ -276,6 +276,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
   if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   auto wire = PlanTransfer(l0, l1, spec.dtype, /*append=*/false);
   if (!wire.ok()) return wire.status();
+  auto heads = ResolveHeads(spec.kv_head_begin, spec.kv_head_end);
+  if (!heads.ok()) return heads.status();
   std::unique_ptr<FetchReader> r(new FetchReader());
   std::vector<int32_t> table;
   uint64_t n = 0;
@@ -309,7 +311,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     Renew(s);
   }
   auto reader = pool_->memory().BeginRead(
-      block_layout(), MakeTransfer(*wire, l0, l1, r->token_begin_, n, std::move(table)));
+      block_layout(), MakeTransfer(*wire, l0, l1, r->token_begin_, n, std::move(table), *heads));
   if (!reader.ok()) return reader.status();
   r->reader_ = *std::move(reader);
   CountFetch(spec.tenant, r->payload_bytes());
@@ -325,22 +327,37 @@ void SequenceStore::CountFetch(const std::string& tenant, uint64_t bytes) {
   c.bytes_fetched += bytes;
 }
 
+absl::StatusOr<HeadRange> SequenceStore::ResolveHeads(uint32_t begin,
+                                                      std::optional<uint32_t> end) const {
+  if (layout_.kind == AttentionKind::kMla) return HeadRange{};
+  const uint32_t e = end.value_or(layout_.num_kv_heads);
+  if (begin >= e || e > layout_.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("kv head range [", begin, ", ", e,
+                                                   ") is empty or outside the model's ",
+                                                   layout_.num_kv_heads, " kv heads"));
+  }
+  if (begin == 0 && e == layout_.num_kv_heads) return HeadRange{};
+  return HeadRange{begin, e - begin};
+}
+
 TransferSpec SequenceStore::MakeTransfer(const Plan& plan, uint32_t l0, uint32_t l1,
                                          uint64_t token_begin, uint64_t n,
-                                         std::vector<int32_t> table) const {
+                                         std::vector<int32_t> table, HeadRange heads) const {
   TransferSpec t;
   t.mode = plan.mode;
   t.dtype = plan.dtype;
   t.token_begin = token_begin;
+  if (heads.count != 0) t.heads = block_layout().Heads(heads.begin, heads.count);
+  const BlockLayout& b = t.heads ? *t.heads : block_layout();
   switch (plan.mode) {
     case TransferMode::kPlain:
-      t.payload = PayloadLayout::Make(block_layout(), l0, l1, n);
+      t.payload = PayloadLayout::Make(b, l0, l1, n);
       break;
     case TransferMode::kConvert:
-      t.payload = PayloadLayout::Make(block_layout(), l0, l1, n, plan.dtype);
+      t.payload = PayloadLayout::Make(b, l0, l1, n, plan.dtype);
       break;
     case TransferMode::kStorage:
-      t.payload = PayloadLayout::MakeStorage(block_layout(), l0, l1, token_begin, n);
+      t.payload = PayloadLayout::MakeStorage(b, l0, l1, token_begin, n);
       break;
   }
   t.table = std::move(table);

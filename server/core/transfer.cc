@@ -32,7 +32,9 @@ kernels::PayloadMap MapOf(const BlockLayout& blocks, const TransferSpec& spec, u
 }
 
 PayloadWriter::PayloadWriter(const BlockLayout& blocks, TransferSpec spec, MakePrivate make_private)
-    : blocks_(blocks), spec_(std::move(spec)), make_private_(std::move(make_private)) {}
+    : spec_(std::move(spec)),
+      blocks_(spec_.heads ? *spec_.heads : blocks),
+      make_private_(std::move(make_private)) {}
 
 absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
   const PayloadLayout& p = spec_.payload;

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -51,9 +52,14 @@ struct TransferSpec {
   std::vector<int32_t> table;
   // Staged memory: the most payload bytes a piece holds (a larger layer is a piece of its own).
   uint64_t staging_bytes = uint64_t{64} << 20;
+  // A payload of some kv heads only (a tensor-parallel rank's): `heads` is the pool's block
+  // layout narrowed to them (BlockLayout::Heads), and `payload` was made from it. Unset: every
+  // head, the pool's layout.
+  std::optional<BlockLayout> heads;
 };
 
-// The payload of `spec` over the blocks at `pool`, for the kernels. Points into `spec`.
+// The payload of `spec` over the blocks at `pool`, for the kernels; `blocks` is the layout the
+// payload was made from. Points into `spec` and `blocks`.
 kernels::PayloadMap MapOf(const BlockLayout& blocks, const TransferSpec& spec, uint8_t* pool);
 
 // Writes one payload, in order, into the blocks. Not thread-safe: one caller drives it.
@@ -82,14 +88,15 @@ class PayloadWriter {
   virtual absl::Status Finish() = 0;
 
  protected:
+  // `blocks`: the pool's layout (spec.heads, when set, stands in for it).
   PayloadWriter(const BlockLayout& blocks, TransferSpec spec, MakePrivate make_private);
   // `data` are payload bytes [written(), written() + data.size()), within the payload.
   virtual absl::Status WriteAt(absl::Span<const uint8_t> data) = 0;
   // make_private_ for logical block `index`, the answer written into the table.
   absl::Status Privatize(uint64_t index);
 
-  const BlockLayout& blocks_;
   TransferSpec spec_;
+  const BlockLayout& blocks_;  // the layout the payload was made from
   MakePrivate make_private_;
   uint64_t written_ = 0;
 };
@@ -108,10 +115,11 @@ class PayloadReader {
   virtual absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) = 0;
 
  protected:
+  // `blocks`: the pool's layout (spec.heads, when set, stands in for it).
   PayloadReader(const BlockLayout& blocks, TransferSpec spec)
-      : blocks_(blocks), spec_(std::move(spec)) {}
-  const BlockLayout& blocks_;
+      : spec_(std::move(spec)), blocks_(spec_.heads ? *spec_.heads : blocks) {}
   TransferSpec spec_;
+  const BlockLayout& blocks_;  // the layout the payload was made from
 };
 
 // The implementations, for PoolMemory's kinds to hand out. `memory` must outlive them.

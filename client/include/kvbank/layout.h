@@ -157,6 +157,9 @@ struct LayerView {
   uint64_t scale_bytes = 0;
   uint64_t zero_point_offset = 0;  // int8 only: u8 zero points [kv][num_kv_heads][block_tokens]
   uint32_t num_kv_heads = 0;
+  // Heads of the block's scale sections, when this view covers only some of them (Heads());
+  // 0: num_kv_heads.
+  uint32_t scale_heads = 0;
   uint32_t block_tokens = 0;
   uint32_t head_dim = 0;
   uint32_t head_dim_v = 0;
@@ -174,16 +177,35 @@ struct LayerView {
     return v_offset + (uint64_t{h} * block_tokens + t) * VRowBytes();
   }
   KVBANK_HD uint32_t KvParts() const { return has_v ? 2u : 1u; }
+  KVBANK_HD uint32_t ScaleHeads() const { return scale_heads != 0 ? scale_heads : num_kv_heads; }
   // int8: offsets of the f32 scale and u8 zero point of (kv part, head, token); kv 0 = K, 1 = V.
   KVBANK_HD uint64_t Int8Scale(uint32_t kv, uint32_t h, uint32_t t) const {
-    return scale_offset + ((uint64_t{kv} * num_kv_heads + h) * block_tokens + t) * 4;
+    return scale_offset + ((uint64_t{kv} * ScaleHeads() + h) * block_tokens + t) * 4;
   }
   KVBANK_HD uint64_t Int8ZeroPoint(uint32_t kv, uint32_t h, uint32_t t) const {
-    return zero_point_offset + (uint64_t{kv} * num_kv_heads + h) * block_tokens + t;
+    return zero_point_offset + (uint64_t{kv} * ScaleHeads() + h) * block_tokens + t;
   }
   // fp8: offset of the f32 scale of (kv part, head) in this block.
   KVBANK_HD uint64_t Fp8Scale(uint32_t kv, uint32_t h) const {
-    return scale_offset + (uint64_t{kv} * num_kv_heads + h) * 4;
+    return scale_offset + (uint64_t{kv} * ScaleHeads() + h) * 4;
+  }
+  // The same layer seen as heads [h0, h0 + n) only: head i of the view is head h0 + i of the
+  // block, in its rows and its scales. A payload over such views carries those heads (what one
+  // tensor-parallel rank holds); every kernel and codec works on it unchanged.
+  // REQUIRES: h0 + n <= num_kv_heads.
+  KVBANK_HD LayerView Heads(uint32_t h0, uint32_t n) const {
+    LayerView v = *this;
+    v.scale_heads = ScaleHeads();
+    v.k_offset += uint64_t{h0} * block_tokens * KRowBytes();
+    v.v_offset = has_v ? v_offset + uint64_t{h0} * block_tokens * VRowBytes() : v.k_offset;
+    if (dtype == DType::kInt8) {
+      v.scale_offset += uint64_t{h0} * block_tokens * 4;
+      v.zero_point_offset += uint64_t{h0} * block_tokens;
+    } else if (dtype == DType::kFp8E4M3 || dtype == DType::kFp8E5M2) {
+      v.scale_offset += uint64_t{h0} * 4;
+    }
+    v.num_kv_heads = n;
+    return v;
   }
   // Bytes one token of this layer occupies in a dense payload (K and V, all heads).
   KVBANK_HD uint64_t PayloadBytesPerToken() const {
@@ -257,6 +279,13 @@ struct BlockLayout {
   uint64_t PayloadBytes(uint32_t l0, uint32_t l1, uint64_t n) const;
   // Payload bytes one token of all layers takes (the fp16 "bytes per token" figure, uncompressed).
   uint64_t PayloadBytesPerToken() const { return PayloadBytes(0, num_layers(), 1); }
+  // Every layer seen as kv heads [h0, h0 + n) (LayerView::Heads): payloads made from it carry
+  // those heads only. REQUIRES: h0 + n <= every layer's num_kv_heads.
+  BlockLayout Heads(uint32_t h0, uint32_t n) const {
+    BlockLayout b = *this;
+    for (LayerView& v : b.layers) v = v.Heads(h0, n);
+    return b;
+  }
 };
 
 // The one layout function. REQUIRES: ValidateLayout(m).empty().
