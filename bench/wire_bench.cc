@@ -787,8 +787,59 @@ void RunSmallCalls(const Env& env, Client& client, int iters) {
   row("Match 2048 tokens, miss (first block)", t_miss);
 }
 
+// --loop: one kind of call, over and over for `seconds`, for a profiler (perf record -p on the
+// pids printed first); prints calls per second.
+int Loop(Client& client, pid_t server, const std::string& kind, uint64_t tokens, double seconds) {
+  const uint64_t bytes = tokens * (uint64_t{128} << 10);
+  const std::vector<uint8_t> src = Pattern(bytes, 3);
+  std::vector<uint8_t> dst(bytes);
+  const uint64_t seq = CreateAndAppend(client, src, tokens);
+  std::vector<uint32_t> prompt(2048);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(i * 7 + 1);
+  Client::MatchQuery q;
+  q.tokens = prompt;
+  if (kind == "match_hit") {
+    const std::vector<uint8_t> payload = Pattern(2048 * (uint64_t{128} << 10), 5);
+    const auto s = Check(client.CreateSequence(kModel, absl::ZeroDuration()), "Create");
+    Client::AppendArgs a;
+    a.num_tokens = 2048;
+    a.token_ids = prompt;
+    Check(client.Append(kModel, s.id, a, absl::MakeConstSpan(payload)), "Append");
+  }
+  std::printf("loop %s: kvbankd pid %d, client pid %d\n", kind.c_str(), static_cast<int>(server),
+              static_cast<int>(getpid()));
+  std::fflush(stdout);
+  const uint64_t f0 = MinorFaults();
+  const auto t0 = Clock::now();
+  uint64_t n = 0;
+  Client::AppendArgs a;
+  a.num_tokens = tokens;
+  while (Seconds(t0, Clock::now()) < seconds) {
+    if (kind == "fetch_into") {
+      Check(client.FetchInto(kModel, seq, {}, absl::MakeSpan(dst)), "FetchInto");
+    } else if (kind == "append") {
+      const auto s = Check(client.CreateSequence(kModel, absl::ZeroDuration()), "Create");
+      Check(client.Append(kModel, s.id, a, absl::MakeConstSpan(src)), "Append");
+      Check(client.Free(kModel, s.id), "Free");
+    } else if (kind == "match_hit") {
+      Check(client.Match(kModel, {q}), "Match");
+    } else if (kind == "create_free") {
+      const auto s = Check(client.CreateSequence(kModel, absl::ZeroDuration()), "Create");
+      Check(client.Free(kModel, s.id), "Free");
+    } else {
+      Die("unknown --loop " + kind);
+    }
+    ++n;
+  }
+  std::printf("loop %s: %.1f calls/s, %.1f client page faults per call\n", kind.c_str(),
+              n / Seconds(t0, Clock::now()), double(MinorFaults() - f0) / n);
+  return 0;
+}
+
 int Main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, only_payload = false;
+  std::string loop;
+  double loop_seconds = 10;
   int reps = 3, clients = 4;
   std::string kvbankd = KVBANK_KVBANKD_PATH, redis_server = "redis-server";
   std::string role, kind;
@@ -813,6 +864,12 @@ int Main(int argc, char** argv) {
       kvbankd = v;
     } else if ((v = value("--redis-server"))) {
       redis_server = v;
+    } else if ((v = value("--loop"))) {
+      loop = v;
+    } else if ((v = value("--loop-seconds"))) {
+      loop_seconds = std::atof(v);
+    } else if (arg == "--only-payload") {
+      only_payload = true;
     } else if ((v = value("--role"))) {
       role = v;
     } else if ((v = value("--kind"))) {
@@ -828,7 +885,8 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: wire_bench [--quick] [--reps N] [--clients N] [--kvbankd PATH] "
-                   "[--redis-server PATH]\n");
+                   "[--redis-server PATH] [--tokens N (one payload size)] [--only-payload]\n"
+                   "       [--loop append|fetch_into|match_hit|create_free --loop-seconds S]\n");
       return 2;
     }
   }
@@ -884,6 +942,21 @@ int Main(int argc, char** argv) {
   }
 
   auto client = ConnectKvbank(env.kvbank_port);
+  auto stop_all = [&] {
+    client.reset();
+    redis.reset();
+    StopChild(redis_child, SIGTERM);
+    StopChild(server, SIGTERM);
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  };
+  if (!loop.empty()) {
+    const int rc =
+        Loop(*client, server.pid, loop, tokens_flag > 0 ? tokens_flag : 16, loop_seconds);
+    StopChild(pump_server, SIGTERM);
+    stop_all();
+    return rc;
+  }
   PumpClient pump(env.pump_port);
   std::printf(
       "wire_bench: %s, loopback; kvbankd pid %d (%s), pump pid %d, redis %s; "
@@ -899,8 +972,10 @@ int Main(int argc, char** argv) {
       "| fetch into | append ÷ tcp | fetch ÷ tcp | into ÷ tcp | into ÷ redis GET | append ÷ "
       "redis SET | into faults/MiB |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  const std::vector<uint64_t> sizes =
+  std::fflush(stdout);  // the pids, for a profiler to attach to
+  std::vector<uint64_t> sizes =
       quick ? std::vector<uint64_t>{2, 16} : std::vector<uint64_t>{2, 16, 128, 1024};
+  if (tokens_flag > 0) sizes = {tokens_flag};
   for (uint64_t t : sizes) {
     const PayloadRow r = RunPayload(env, *client, pump, redis.get(), t, quick ? 1 : reps, quick);
     std::printf(
@@ -912,6 +987,11 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  if (only_payload) {
+    StopChild(pump_server, SIGTERM);
+    stop_all();
+    return 0;
+  }
   // Aggregate: `clients` processes fetching 2 MiB each.
   const int agg_count = quick ? 5 : 100;
   std::vector<double> g_kv, g_redis, g_tcp, r_kv_redis, r_kv_tcp;
@@ -936,13 +1016,8 @@ int Main(int argc, char** argv) {
 
   RunSmallCalls(env, *client, quick ? 20 : 500);
 
-  client.reset();
-  redis.reset();
-  StopChild(redis_child, SIGTERM);
   StopChild(pump_server, SIGTERM);
-  StopChild(server, SIGTERM);
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
+  stop_all();
   return 0;
 }
 

@@ -1,9 +1,15 @@
 #include "kvbank/client.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "absl/base/thread_annotations.h"
@@ -152,6 +158,21 @@ struct Client::Impl {
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
+namespace {
+
+// ClientOptions::tune_malloc_trim: once per process, and never over the user's own setting.
+void TuneMallocTrim() {
+#if defined(__GLIBC__)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) return;
+    mallopt(M_TRIM_THRESHOLD, 64 << 20);
+  });
+#endif
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
                                                         ClientOptions options) {
   if (target.empty()) return absl::InvalidArgumentError("target is empty");
@@ -159,6 +180,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_bytes must be in (0, ", kMaxMessageBytes / 2, "]"));
   }
+  if (options.tune_malloc_trim) TuneMallocTrim();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   grpc::ChannelArguments args;
