@@ -697,6 +697,7 @@ class EmptyCall {
     args.SetMaxReceiveMessageSize(4 << 20);
     args.SetMaxSendMessageSize(4 << 20);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
     channel_ = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
                                          grpc::InsecureChannelCredentials(), args);
   }
