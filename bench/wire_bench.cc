@@ -20,9 +20,10 @@
 //   kvbank append: Client::Append of the whole payload to a fresh sequence (create and free not
 //       timed). fetch: Client::Fetch (a freshly allocated vector). fetch into: Client::FetchInto
 //       a reused buffer (the terms of tcp get and redis GET).
-// Each repetition times the same number of calls of every kind back to back (enough calls to
-// move about 32 MiB), in the order tcp, redis, kvbank; the ratios are medians over repetitions of
-// per-repetition ratios (steadier than ratios of medians on a shared machine). Repetition 0 is a
+// Each repetition makes the same number of calls of every kind (enough to move about 32 MiB),
+// call by call in turn (tcp put, redis SET, append, tcp get, redis GET, fetch, fetch into), and
+// sums each kind's times; the ratios are medians over repetitions of per-repetition ratios
+// (steadier than ratios of medians on a shared machine). Repetition 0 is a
 // warm-up, not recorded, and checks every path returns the bytes it was given.
 //
 // Aggregate rows: N processes (default 4), each with its own connection, fetch 2 MiB values
@@ -574,52 +575,49 @@ PayloadRow RunPayload(const Env& env, Client& client, PumpClient& pump, RedisCli
   const std::string key = "payload" + std::to_string(bytes);
   for (int rep = 0; rep <= reps; ++rep) {
     const bool check = rep == 0;
-    auto t0 = Clock::now();
-    for (int i = 0; i < calls; ++i) pump.Put(src.data(), bytes);
-    auto t1 = Clock::now();
-    for (int i = 0; i < calls; ++i) pump.Get(dst.data(), bytes);
-    auto t2 = Clock::now();
-    if (check && dst != src) Die("tcp pump corrupted bytes");
-    const double s_tp = Seconds(t0, t1), s_tg = Seconds(t1, t2);
-    double s_rs = 0, s_rg = 0;
-    if (redis != nullptr) {
-      std::fill(dst.begin(), dst.end(), 0);
-      t0 = Clock::now();
-      for (int i = 0; i < calls; ++i) redis->Set(key, src.data(), bytes);
-      t1 = Clock::now();
-      for (int i = 0; i < calls; ++i) redis->Get(key, dst.data(), dst.size());
-      t2 = Clock::now();
-      if (check && dst != src) Die("redis GET returned other bytes");
-      s_rs = Seconds(t0, t1);
-      s_rg = Seconds(t1, t2);
-    }
     std::vector<uint64_t> seqs;
     for (int i = 0; i < calls; ++i) {
       seqs.push_back(Check(client.CreateSequence(kModel, absl::ZeroDuration()), "Create").id);
     }
     Client::AppendArgs a;
     a.num_tokens = tokens;
-    t0 = Clock::now();
-    for (uint64_t id : seqs)
-      Check(client.Append(kModel, id, a, absl::MakeConstSpan(src)), "Append");
-    t1 = Clock::now();
-    for (uint64_t id : seqs) {
-      auto r = Check(client.Fetch(kModel, id, {}), "Fetch");
-      if (check && r.payload != src) Die("Fetch returned other bytes");
+    // Call by call, every kind in turn: each kind's time is a sum over the same stretch of the
+    // machine's load, so the ratios compare like with like.
+    double s_tp = 0, s_tg = 0, s_rs = 0, s_rg = 0, s_ka = 0, s_kf = 0, s_ki = 0;
+    uint64_t faults_into = 0;
+    auto timed = [](double* sum, auto&& fn) {
+      const auto t0 = Clock::now();
+      fn();
+      *sum += Seconds(t0, Clock::now());
+    };
+    for (int i = 0; i < calls; ++i) {
+      const uint64_t id = seqs[static_cast<size_t>(i)];
+      timed(&s_tp, [&] { pump.Put(src.data(), bytes); });
+      if (redis != nullptr) timed(&s_rs, [&] { redis->Set(key, src.data(), bytes); });
+      timed(&s_ka,
+            [&] { Check(client.Append(kModel, id, a, absl::MakeConstSpan(src)), "Append"); });
+      if (check) std::fill(dst.begin(), dst.end(), 0);
+      timed(&s_tg, [&] { pump.Get(dst.data(), bytes); });
+      if (check && dst != src) Die("tcp pump corrupted bytes");
+      if (redis != nullptr) {
+        if (check) std::fill(dst.begin(), dst.end(), 0);
+        timed(&s_rg, [&] { redis->Get(key, dst.data(), dst.size()); });
+        if (check && dst != src) Die("redis GET returned other bytes");
+      }
+      Client::FetchResult fetched;
+      timed(&s_kf, [&] { fetched = Check(client.Fetch(kModel, id, {}), "Fetch"); });
+      if (check && fetched.payload != src) Die("Fetch returned other bytes");
+      fetched = {};
+      if (check) std::fill(dst.begin(), dst.end(), 0);
+      const uint64_t f0 = MinorFaults();
+      timed(&s_ki,
+            [&] { Check(client.FetchInto(kModel, id, {}, absl::MakeSpan(dst)), "FetchInto"); });
+      faults_into += MinorFaults() - f0;
+      if (check && dst != src) Die("FetchInto returned other bytes");
     }
-    const double s_fetch = Seconds(t1, Clock::now());
-    std::fill(dst.begin(), dst.end(), 0);
-    const uint64_t f0 = MinorFaults();
-    t2 = Clock::now();
-    for (uint64_t id : seqs) {
-      Check(client.FetchInto(kModel, id, {}, absl::MakeSpan(dst)), "FetchInto");
-    }
-    const auto t3 = Clock::now();
-    faults.push_back(double(MinorFaults() - f0) / (double(bytes) * calls / (1 << 20)));
-    if (check && dst != src) Die("FetchInto returned other bytes");
+    faults.push_back(double(faults_into) / (double(bytes) * calls / (1 << 20)));
     for (uint64_t id : seqs) Check(client.Free(kModel, id), "Free");
     if (rep == 0) continue;
-    const double s_ka = Seconds(t0, t1), s_kf = s_fetch, s_ki = Seconds(t2, t3);
     tp.push_back(s_tp);
     tg.push_back(s_tg);
     ka.push_back(s_ka);
