@@ -786,6 +786,21 @@ void RunSmallCalls(const Env& env, Client& client, int iters) {
   row("Match 2048 tokens, miss (first block)", t_miss);
 }
 
+// CPU seconds (user + system) a process has used so far; 0 when unreadable.
+double ProcessCpuSeconds(pid_t pid) {
+  std::string stat = ReadFile("/proc/" + std::to_string(pid) + "/stat");
+  const size_t close = stat.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return 0;
+  std::istringstream in(stat.substr(close + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && in >> field; ++i) {  // fields 14 and 15: utime, stime
+    if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+}
+
 // --loop: one kind of call, over and over for `seconds`, for a profiler (perf record -p on the
 // pids printed first); prints calls per second.
 int Loop(Client& client, pid_t server, const std::string& kind, uint64_t tokens, double seconds) {
@@ -809,6 +824,7 @@ int Loop(Client& client, pid_t server, const std::string& kind, uint64_t tokens,
               static_cast<int>(getpid()));
   std::fflush(stdout);
   const uint64_t f0 = MinorFaults();
+  const double server_cpu0 = ProcessCpuSeconds(server), client_cpu0 = ProcessCpuSeconds(getpid());
   const auto t0 = Clock::now();
   uint64_t n = 0;
   Client::AppendArgs a;
@@ -830,8 +846,15 @@ int Loop(Client& client, pid_t server, const std::string& kind, uint64_t tokens,
     }
     ++n;
   }
-  std::printf("loop %s: %.1f calls/s, %.1f client page faults per call\n", kind.c_str(),
-              n / Seconds(t0, Clock::now()), double(MinorFaults() - f0) / n);
+  const double wall = Seconds(t0, Clock::now());
+  // CPU time per call holds steadier than calls/s on a shared machine: other load stretches the
+  // wall clock more than the work each call does.
+  std::printf(
+      "loop %s: %.1f calls/s, %.1f client page faults per call, CPU us per call: kvbankd %.1f, "
+      "client %.1f\n",
+      kind.c_str(), n / wall, double(MinorFaults() - f0) / n,
+      (ProcessCpuSeconds(server) - server_cpu0) * 1e6 / n,
+      (ProcessCpuSeconds(getpid()) - client_cpu0) * 1e6 / n);
   return 0;
 }
 
