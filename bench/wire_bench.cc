@@ -830,7 +830,9 @@ int Loop(Client& client, pid_t server, const std::string& kind, uint64_t tokens,
   Client::AppendArgs a;
   a.num_tokens = tokens;
   while (Seconds(t0, Clock::now()) < seconds) {
-    if (kind == "fetch_into") {
+    if (kind == "fetch") {
+      if (Check(client.Fetch(kModel, seq, {}), "Fetch").payload.size() != bytes) Die("Fetch");
+    } else if (kind == "fetch_into") {
       Check(client.FetchInto(kModel, seq, {}, absl::MakeSpan(dst)), "FetchInto");
     } else if (kind == "append") {
       const auto s = Check(client.CreateSequence(kModel, absl::ZeroDuration()), "Create");
@@ -905,10 +907,11 @@ int Main(int argc, char** argv) {
     } else if ((v = value("--id"))) {
       id = std::atoi(v);
     } else {
-      std::fprintf(stderr,
-                   "usage: wire_bench [--quick] [--reps N] [--clients N] [--kvbankd PATH] "
-                   "[--redis-server PATH] [--tokens N (one payload size)] [--only-payload]\n"
-                   "       [--loop append|fetch_into|match_hit|create_free --loop-seconds S]\n");
+      std::fprintf(
+          stderr,
+          "usage: wire_bench [--quick] [--reps N] [--clients N] [--kvbankd PATH] "
+          "[--redis-server PATH] [--tokens N (one payload size)] [--only-payload]\n"
+          "       [--loop append|fetch|fetch_into|match_hit|create_free --loop-seconds S]\n");
       return 2;
     }
   }

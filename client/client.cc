@@ -160,13 +160,17 @@ Client::~Client() = default;
 
 namespace {
 
-// ClientOptions::tune_malloc_trim: once per process, and never over the user's own setting.
-void TuneMallocTrim() {
+// ClientOptions::tune_malloc: once per process, and never over the user's own setting.
+void TuneMalloc() {
 #if defined(__GLIBC__)
   static std::once_flag once;
   std::call_once(once, [] {
-    if (std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) return;
+    if (std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+        std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr) {
+      return;
+    }
     mallopt(M_TRIM_THRESHOLD, 64 << 20);
+    mallopt(M_MMAP_THRESHOLD, 64 << 20);
   });
 #endif
 }
@@ -180,7 +184,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_bytes must be in (0, ", kMaxMessageBytes / 2, "]"));
   }
-  if (options.tune_malloc_trim) TuneMallocTrim();
+  if (options.tune_malloc) TuneMalloc();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   grpc::ChannelArguments args;
