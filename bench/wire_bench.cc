@@ -867,6 +867,7 @@ int Main(int argc, char** argv) {
   int reps = 3, clients = 4;
   std::string kvbankd = KVBANK_KVBANKD_PATH, redis_server = "redis-server";
   std::string role, kind;
+  std::vector<std::string> kvbankd_args;  // appended to kvbankd's command line (later flags win)
   int port = 0, count = 0, id = 0;
   uint64_t tokens_flag = 0;
   for (int i = 1; i < argc; ++i) {
@@ -886,6 +887,8 @@ int Main(int argc, char** argv) {
       clients = std::max(1, std::atoi(v));
     } else if ((v = value("--kvbankd"))) {
       kvbankd = v;
+    } else if ((v = value("--kvbankd-arg"))) {
+      kvbankd_args.push_back(v);
     } else if ((v = value("--redis-server"))) {
       redis_server = v;
     } else if ((v = value("--loop"))) {
@@ -910,7 +913,8 @@ int Main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: wire_bench [--quick] [--reps N] [--clients N] [--kvbankd PATH] "
-          "[--redis-server PATH] [--tokens N (one payload size)] [--only-payload]\n"
+          "[--kvbankd-arg FLAG]... [--redis-server PATH] [--tokens N (one payload size)] "
+          "[--only-payload]\n"
           "       [--loop append|fetch|fetch_into|match_hit|create_free --loop-seconds S]\n");
       return 2;
     }
@@ -926,9 +930,11 @@ int Main(int argc, char** argv) {
   // kvbankd: host memory, a pool for the largest payload's sequences, the cached prompt and the
   // aggregate clients' sequences.
   const std::string kv_log = dir + "/kvbankd.log", port_file = dir + "/port";
-  Child server = Spawn({kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file, "--no-auth",
-                        "--device=host", "--models=llama-3.1-8b", "--pool-bytes=1GiB"},
-                       /*pipes=*/false, kv_log);
+  std::vector<std::string> server_argv = {
+      kvbankd,         "--listen=127.0.0.1:0",  "--port-file=" + port_file, "--no-auth",
+      "--device=host", "--models=llama-3.1-8b", "--pool-bytes=1GiB"};
+  server_argv.insert(server_argv.end(), kvbankd_args.begin(), kvbankd_args.end());
+  Child server = Spawn(server_argv, /*pipes=*/false, kv_log);
   env.kvbank_port = WaitForPortFile(server, port_file, kv_log);
   Child pump_server = Spawn({env.self, "--role=pump-server"}, /*pipes=*/true);
   env.pump_port = std::atoi(ReadLineFd(pump_server.from).c_str());
