@@ -39,15 +39,22 @@ std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::vector<uint64_t> out;
   out.reserve(queries.size());
+  const uint32_t bt = layout_.block_tokens;
   for (const MatchQuery& q : queries) {
-    std::vector<BlockHash> hashes = q.hashes;
-    if (hashes.empty() && !q.tokens.empty()) {
-      hashes = PrefixHashes(options_.hash, Root(tenant, q.cache_salt), q.tokens,
-                            layout_.block_tokens, q.extra_keys);
-    }
     uint64_t hits = 0;
-    while (hits < hashes.size() && pool_->Contains(hashes[hits], tenant_id)) ++hits;
-    out.push_back(hits * layout_.block_tokens);
+    if (!q.hashes.empty()) {
+      while (hits < q.hashes.size() && pool_->Contains(q.hashes[hits], tenant_id)) ++hits;
+    } else if (q.tokens.size() >= bt) {
+      // Block by block, stopping at the first miss: a miss costs one hash, not the prompt's.
+      const uint64_t full = q.tokens.size() / bt;
+      BlockHash parent = Root(tenant, q.cache_salt);
+      while (hits < full) {
+        parent = ChainHash(options_.hash, parent, q.tokens.data() + hits * bt, bt, q.extra_keys);
+        if (!pool_->Contains(parent, tenant_id)) break;
+        ++hits;
+      }
+    }
+    out.push_back(hits * bt);
   }
   return out;
 }

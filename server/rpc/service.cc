@@ -1,6 +1,7 @@
 #include "server/rpc/service.h"
 
 #include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -393,7 +394,10 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(Ctx* ctx, Raw* 
   return new AppendReactor(this, ctx, resp);
 }
 
-// Server stream: header with the first chunk, then one chunk per write, one write in flight.
+// Server stream: header with the first chunk, then one chunk per write, one write in flight and
+// the next message built meanwhile, so that reading a chunk out of the pool overlaps sending the
+// one before it (the reading thread is whichever thread advanced the stream: the constructor's or
+// OnWriteDone's; at most one builds at a time).
 // The FetchReader holds references on the blocks read, so the bytes stay as they were even if
 // the sequence is truncated, appended to or freed meanwhile. It goes as soon as the last chunk is
 // read, before the status is sent: a caller that saw the fetch end sees no block still held by it.
@@ -411,6 +415,10 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
         chunk_bytes_(service->options_.chunk_bytes),
         stream_(service->watchdog_.Watch(ctx)) {
     if (!reader.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+      }
       Finish(ToGrpcStatus(reader.status()));
       return;
     }
@@ -422,27 +430,24 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
     header_.set_dtype(ToProto(dtype));
     header_.set_payload_bytes(reader_->payload_bytes());
     total_ = reader_->payload_bytes();
-    WriteNext();
+    Advance();
   }
 
   void OnWriteDone(bool ok) override {
     stream_->Progress();
-    if (!ok) {
-      stream_->SetWaiting(false);
-      reader_.reset();  // the snapshot's blocks go now
-      if (stream_->timed_out()) {
-        return Finish(ToGrpcStatus(absl::DeadlineExceededError(
-            absl::StrCat("fetch client read nothing for ",
-                         absl::FormatDuration(service_->watchdog_.idle_timeout()),
-                         " (--stream-idle-timeout-ms): cancelled"))));
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok && !end_.has_value()) {
+        end_ = stream_->timed_out()
+                   ? ToGrpcStatus(absl::DeadlineExceededError(
+                         absl::StrCat("fetch client read nothing for ",
+                                      absl::FormatDuration(service_->watchdog_.idle_timeout()),
+                                      " (--stream-idle-timeout-ms): cancelled")))
+                   : grpc::Status(grpc::StatusCode::CANCELLED, "fetch stream broke");
       }
-      return Finish(grpc::Status(grpc::StatusCode::CANCELLED, "fetch stream broke"));
     }
-    if (offset_ == total_) {
-      stream_->SetWaiting(false);
-      return Finish(grpc::Status::OK);
-    }
-    WriteNext();
+    Advance();
   }
 
   void OnDone() override {
@@ -451,41 +456,94 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   }
 
  private:
-  void WriteNext() {
-    const uint64_t n = std::min(chunk_bytes_, total_ - offset_);
+  // Starts the built message when no write is in flight, builds the next one when none is
+  // built, and finishes once nothing is in flight and there is nothing more to send (or an error
+  // ended the stream). Called by the constructor and OnWriteDone, possibly at the same time.
+  void Advance() {
+    for (;;) {
+      bool start = false, build = false, finish = false;
+      uint64_t offset = 0;
+      grpc::Status status;
+      {
+        absl::MutexLock lock(&mu_);
+        if (finished_) return;
+        if (!writing_ && ready_ && !end_.has_value()) {
+          sending_.Swap(&next_);
+          ready_ = false;
+          writing_ = start = true;
+        }
+        // The first message is built even for an empty payload: it carries the header.
+        if (!building_ && !ready_ && !end_.has_value() && (offset_ < total_ || !built_any_)) {
+          building_ = build = true;
+          offset = offset_;
+        }
+        if (!writing_ && !building_ &&
+            (end_.has_value() || (!ready_ && built_any_ && offset_ == total_))) {
+          finished_ = finish = true;
+          status = end_.value_or(grpc::Status::OK);
+        }
+      }
+      if (start) StartWrite(&sending_);
+      if (finish) {
+        stream_->SetWaiting(false);
+        reader_.reset();  // on an error: the snapshot's blocks go now
+        return Finish(status);
+      }
+      if (!build) return;
+      const uint64_t n = std::min(chunk_bytes_, total_ - offset);
+      absl::Status built = Build(offset, n, &next_);
+      absl::MutexLock lock(&mu_);
+      building_ = false;
+      if (!built.ok()) {
+        if (!end_.has_value()) end_ = ToGrpcStatus(built);  // never a wrong payload
+      } else {
+        offset_ = offset + n;
+        ready_ = built_any_ = true;
+      }
+    }
+  }
+
+  // Reads payload bytes [offset, offset + n) into a new FetchResponse message. REQUIRES: the
+  // caller is the only builder (building_).
+  absl::Status Build(uint64_t offset, uint64_t n, grpc::ByteBuffer* message) {
     // Freed by gRPC once the bytes are sent (a slice's lifetime may outlast OnWriteDone).
     uint8_t* data = static_cast<uint8_t*>(std::malloc(std::max<uint64_t>(n, 1)));
-    if (data == nullptr) {
-      reader_.reset();
-      return Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "no memory for a chunk"));
-    }
-    if (absl::Status s = reader_->Read(offset_, absl::MakeSpan(data, n)); !s.ok()) {
+    if (data == nullptr) return absl::ResourceExhaustedError("no memory for a fetch chunk");
+    if (absl::Status s = reader_->Read(offset, absl::MakeSpan(data, n)); !s.ok()) {
       std::free(data);
-      reader_.reset();
-      return Finish(ToGrpcStatus(s));  // the client sees the error, never a wrong payload
+      return s;
     }
     std::string prefix;
-    if (offset_ == 0) {  // the header goes with the first chunk
+    if (offset == 0) {  // the header goes with the first chunk
       const std::string header = header_.SerializeAsString();
       proto::AppendLengthDelimitedKey(1, header.size(), &prefix);
       prefix += header;
     }
     proto::AppendLengthDelimitedKey(2, n, &prefix);
     const grpc::Slice slices[2] = {grpc::Slice(prefix), grpc::Slice(data, n, std::free)};
-    message_ = grpc::ByteBuffer(slices, 2);
-    offset_ += n;
-    if (offset_ == total_) reader_.reset();  // every byte is in the message: the blocks can go
-    StartWrite(&message_);
+    *message = grpc::ByteBuffer(slices, 2);
+    if (offset + n == total_) reader_.reset();  // every byte is in a message: the blocks can go
+    return absl::OkStatus();
   }
 
   const KvBankService* const service_;
   const uint64_t chunk_bytes_;
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
+  // Used by the builder only (one at a time), and by the finisher once nothing is built.
   std::unique_ptr<FetchReader> reader_;
   v1::FetchHeader header_;
   uint64_t total_ = 0;  // payload bytes
-  uint64_t offset_ = 0;
-  grpc::ByteBuffer message_;
+
+  absl::Mutex mu_;
+  uint64_t offset_ ABSL_GUARDED_BY(mu_) = 0;              // payload bytes built into messages
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;             // sending_ is in flight
+  bool building_ ABSL_GUARDED_BY(mu_) = false;            // a thread is filling next_
+  bool ready_ ABSL_GUARDED_BY(mu_) = false;               // next_ holds a message not yet started
+  bool built_any_ ABSL_GUARDED_BY(mu_) = false;           // the header's message is built
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;            // Finish was called (or is being called)
+  std::optional<grpc::Status> end_ ABSL_GUARDED_BY(mu_);  // an error that ends the stream
+  grpc::ByteBuffer sending_;  // touched only while no write is in flight
+  grpc::ByteBuffer next_;     // touched only by the builder, or under mu_ while none builds
 };
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const Raw* raw) {
