@@ -506,6 +506,8 @@ v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
   req.set_layer_begin(args.layer_begin);
   if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
   if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  req.set_kv_head_begin(args.kv_head_begin);
+  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
   return req;
 }
 }  // namespace
@@ -536,6 +538,22 @@ absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model
   for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
   req.set_layer_begin(layer_begin);
   if (layer_end.has_value()) req.set_layer_end(*layer_end);
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/FetchBlocks", &ctx, req);
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model,
+                                                        const std::vector<BlockHash>& hashes,
+                                                        const FetchArgs& args) {
+  v1::FetchBlocksRequest req;
+  req.set_model(model);
+  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  req.set_kv_head_begin(args.kv_head_begin);
+  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
   return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/FetchBlocks", &ctx, req);

@@ -82,6 +82,8 @@ absl::Status FetchDecoder::TakeHeader(const std::string& serialized) {
   out_.num_tokens = h.num_tokens();
   out_.layer_begin = h.layer_begin();
   out_.layer_end = h.layer_end();
+  out_.kv_head_begin = h.kv_head_begin();
+  out_.kv_head_end = h.kv_head_end();
   out_.dtype = *d;
   expected_ = h.payload_bytes();
   out_.payload_bytes = expected_;

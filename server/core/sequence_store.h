@@ -222,6 +222,9 @@ class FetchReader {
   uint32_t layer_begin() const { return reader_->spec().payload.layer_begin; }
   uint32_t layer_end() const { return reader_->spec().payload.layer_end; }
   DType dtype() const { return reader_->spec().dtype; }  // of the payload
+  // The kv heads the payload holds: [kv_head_begin(), kv_head_end()).
+  uint32_t kv_head_begin() const { return kv_head_begin_; }
+  uint32_t kv_head_end() const { return kv_head_end_; }
   // Copies (or dequantizes) payload bytes [offset, offset + out.size()) into `out`. Any order;
   // in order is cheapest on staged memory (each piece of whole layers is read from the device
   // once). INTERNAL when the device fails; never fails on host memory.
@@ -232,6 +235,7 @@ class FetchReader {
   friend class SequenceStore;
   FetchReader() = default;
   uint64_t token_begin_ = 0;
+  uint32_t kv_head_begin_ = 0, kv_head_end_ = 0;
   std::vector<BlockRef> refs_;  // blocks covering the range: they stay as they are meanwhile
   std::unique_ptr<PayloadReader> reader_;
 };

@@ -88,6 +88,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
       block_layout(), MakeTransfer(*wire, l0, l1, 0, n, std::move(table), *heads));
   if (!reader.ok()) return reader.status();
   r->reader_ = *std::move(reader);
+  r->kv_head_begin_ = heads->begin;
+  r->kv_head_end_ = heads->count == 0 ? layout_.num_kv_heads : heads->begin + heads->count;
   CountFetch(tenant, r->payload_bytes());
   return r;
 }

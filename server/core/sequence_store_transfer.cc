@@ -314,6 +314,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
       block_layout(), MakeTransfer(*wire, l0, l1, r->token_begin_, n, std::move(table), *heads));
   if (!reader.ok()) return reader.status();
   r->reader_ = *std::move(reader);
+  r->kv_head_begin_ = heads->begin;
+  r->kv_head_end_ = heads->count == 0 ? layout_.num_kv_heads : heads->begin + heads->count;
   CountFetch(spec.tenant, r->payload_bytes());
   return r;
 }

@@ -1,6 +1,7 @@
 #include "server/rpc/service.h"
 
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -408,29 +409,24 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(Ctx* ctx, Raw* 
 // message's serialized slices).
 class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  // `reader` is what to send, or why not; `dtype` the storage dtype of its first layer.
-  FetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
-               absl::StatusOr<std::unique_ptr<FetchReader>> reader, DType dtype)
+  using Open = std::function<absl::StatusOr<std::unique_ptr<FetchReader>>()>;
+  // `open` makes the reader (what to send, or why not). on_device: the model's memory waits on a
+  // device, so opening (which reads the first staged piece) and every read run on a device
+  // worker, never in a reaction.
+  FetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, Open open, bool on_device)
       : service_(service),
         chunk_bytes_(service->options_.chunk_bytes),
+        on_device_(on_device),
         stream_(service->watchdog_.Watch(ctx)) {
-    if (!reader.ok()) {
-      {
-        absl::MutexLock lock(&mu_);
-        finished_ = true;
-      }
-      Finish(ToGrpcStatus(reader.status()));
+    if (!on_device_) {
+      Start(open());
       return;
     }
-    reader_ = *std::move(reader);
-    header_.set_token_begin(reader_->token_begin());
-    header_.set_num_tokens(reader_->num_tokens());
-    header_.set_layer_begin(reader_->layer_begin());
-    header_.set_layer_end(reader_->layer_end());
-    header_.set_dtype(ToProto(dtype));
-    header_.set_payload_bytes(reader_->payload_bytes());
-    total_ = reader_->payload_bytes();
-    Advance();
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    service_->device_work_->Submit([this, open = std::move(open)] {
+      Start(open());
+      Unref();
+    });
   }
 
   void OnWriteDone(bool ok) override {
@@ -452,14 +448,44 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
 
   void OnDone() override {
     stream_->Done();
-    delete this;
+    Unref();
   }
 
  private:
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  // The reader is open (or failed to): the header is known, the stream starts.
+  void Start(absl::StatusOr<std::unique_ptr<FetchReader>> reader) {
+    if (!reader.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+      }
+      stream_->SetWaiting(false);
+      Finish(ToGrpcStatus(reader.status()));
+      return;
+    }
+    reader_ = *std::move(reader);
+    header_.set_token_begin(reader_->token_begin());
+    header_.set_num_tokens(reader_->num_tokens());
+    header_.set_layer_begin(reader_->layer_begin());
+    header_.set_layer_end(reader_->layer_end());
+    header_.set_dtype(ToProto(reader_->dtype()));
+    header_.set_payload_bytes(reader_->payload_bytes());
+    header_.set_kv_head_begin(reader_->kv_head_begin());
+    header_.set_kv_head_end(reader_->kv_head_end());
+    total_ = reader_->payload_bytes();
+    Advance(on_device_);
+  }
+
   // Starts the built message when no write is in flight, builds the next one when none is
   // built, and finishes once nothing is in flight and there is nothing more to send (or an error
-  // ended the stream). Called by the constructor and OnWriteDone, possibly at the same time.
-  void Advance() {
+  // ended the stream). Called by Start and OnWriteDone, possibly at the same time. on_worker:
+  // this thread may read the pool; otherwise (memory that waits on a device, in a reaction) the
+  // build goes to a device worker.
+  void Advance(bool on_worker = false) {
     for (;;) {
       bool start = false, build = false, finish = false;
       uint64_t offset = 0;
@@ -490,6 +516,22 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
         return Finish(status);
       }
       if (!build) return;
+      if (on_device_ && !on_worker) {
+        refs_.fetch_add(1, std::memory_order_relaxed);
+        service_->device_work_->Submit([this, offset] {
+          BuildAt(offset);
+          Advance(/*on_worker=*/true);
+          Unref();
+        });
+        return;
+      }
+      BuildAt(offset);
+    }
+  }
+
+  // Builds next_ from payload byte `offset` on. REQUIRES: building_ was set by this thread.
+  void BuildAt(uint64_t offset) {
+    {
       const uint64_t n = std::min(chunk_bytes_, total_ - offset);
       absl::Status built = Build(offset, n, &next_);
       absl::MutexLock lock(&mu_);
@@ -528,6 +570,9 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
 
   const KvBankService* const service_;
   const uint64_t chunk_bytes_;
+  const bool on_device_;
+  // gRPC's (until OnDone) and each queued device step's: the last to go deletes the reactor.
+  std::atomic<int> refs_{1};
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
   // Used by the builder only (one at a time), and by the finisher once nothing is built.
   std::unique_ptr<FetchReader> reader_;
@@ -547,56 +592,72 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
 };
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const Raw* raw) {
-  DType dtype = DType::kFp16;
-  auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
+  // Everything but opening the reader runs here; the reader opens in the reactor (on a device
+  // worker when the model's memory waits on a device).
+  bool on_device = false;
+  auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
-    v1::FetchRequest parsed;
-    if (absl::Status s = ParseRequest(raw, &parsed); !s.ok()) return s;
-    const v1::FetchRequest* req = &parsed;
-    if (absl::Status s = CheckSequenceId(req->sequence_id()); !s.ok()) return s;
-    auto model = FindModel(*registry_, req->model());
+    v1::FetchRequest req;
+    if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
+    auto model = FindModel(*registry_, req.model());
     if (!model.ok()) return model.status();
-    auto d = FromProto(req->dtype(), "dtype");
+    auto d = FromProto(req.dtype(), "dtype");
     if (!d.ok()) return d.status();
     FetchSpec spec;
     spec.tenant = caller->tenant;
-    spec.sequence_id = req->sequence_id();
-    spec.token_begin = req->token_begin();
-    if (req->has_token_end()) spec.token_end = req->token_end();
-    spec.layer_begin = req->layer_begin();
-    if (req->has_layer_end()) spec.layer_end = req->layer_end();
+    spec.sequence_id = req.sequence_id();
+    spec.token_begin = req.token_begin();
+    if (req.has_token_end()) spec.token_end = req.token_end();
+    spec.layer_begin = req.layer_begin();
+    if (req.has_layer_end()) spec.layer_end = req.layer_end();
     spec.dtype = *d;
-    auto reader = (*model)->BeginFetch(spec);
-    if (reader.ok()) dtype = (*reader)->dtype();
-    return reader;
+    spec.kv_head_begin = req.kv_head_begin();
+    if (req.has_kv_head_end()) spec.kv_head_end = req.kv_head_end();
+    on_device = (*model)->pool().memory().waits_on_device();
+    return FetchReactor::Open(
+        [store = *std::move(model), spec = std::move(spec)] { return store->BeginFetch(spec); });
   };
-  auto reader = start();
-  return new FetchReactor(this, ctx, std::move(reader), dtype);
+  auto open = prepare();
+  if (!open.ok()) {
+    return new FetchReactor(
+        this, ctx,
+        [s = open.status()]() -> absl::StatusOr<std::unique_ptr<FetchReader>> { return s; }, false);
+  }
+  return new FetchReactor(this, ctx, *std::move(open), on_device);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
-  DType dtype = DType::kFp16;
-  auto start = [&]() -> absl::StatusOr<std::unique_ptr<FetchReader>> {
+  bool on_device = false;
+  auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
-    v1::FetchBlocksRequest parsed;
-    if (absl::Status s = ParseRequest(raw, &parsed); !s.ok()) return s;
-    const v1::FetchBlocksRequest* req = &parsed;
-    auto model = FindModel(*registry_, req->model());
+    v1::FetchBlocksRequest req;
+    if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    auto model = FindModel(*registry_, req.model());
     if (!model.ok()) return model.status();
-    auto hashes = HashesFromProto(req->block_hashes(), "block_hashes");
+    auto hashes = HashesFromProto(req.block_hashes(), "block_hashes");
     if (!hashes.ok()) return hashes.status();
-    std::optional<uint32_t> layer_end;
-    if (req->has_layer_end()) layer_end = req->layer_end();
-    auto d = FromProto(req->dtype(), "dtype");
+    std::optional<uint32_t> layer_end, head_end;
+    if (req.has_layer_end()) layer_end = req.layer_end();
+    if (req.has_kv_head_end()) head_end = req.kv_head_end();
+    auto d = FromProto(req.dtype(), "dtype");
     if (!d.ok()) return d.status();
-    auto reader = (*model)->FetchBlocks(caller->tenant, *hashes, req->layer_begin(), layer_end, *d);
-    if (reader.ok()) dtype = (*reader)->dtype();
-    return reader;
+    on_device = (*model)->pool().memory().waits_on_device();
+    return FetchReactor::Open([store = *std::move(model), tenant = caller->tenant,
+                               hashes = *std::move(hashes), l0 = req.layer_begin(), layer_end,
+                               dtype = *d, h0 = req.kv_head_begin(), head_end] {
+      return store->FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end);
+    });
   };
-  auto reader = start();
-  return new FetchReactor(this, ctx, std::move(reader), dtype);
+  auto open = prepare();
+  if (!open.ok()) {
+    return new FetchReactor(
+        this, ctx,
+        [s = open.status()]() -> absl::StatusOr<std::unique_ptr<FetchReader>> { return s; }, false);
+  }
+  return new FetchReactor(this, ctx, *std::move(open), on_device);
 }
 
 grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* out) {

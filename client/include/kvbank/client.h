@@ -154,12 +154,18 @@ class Client {
     uint32_t layer_begin = 0;
     std::optional<uint32_t> layer_end;
     std::optional<DType> dtype;
+    // KV heads [kv_head_begin, kv_head_end) only: a tensor-parallel rank's share (the payload
+    // layout with that many heads). Unset end: num_kv_heads. MLA's latent head is read whole.
+    uint32_t kv_head_begin = 0;
+    std::optional<uint32_t> kv_head_end;
   };
   struct FetchResult {
     uint64_t token_begin = 0;
     uint64_t num_tokens = 0;
     uint32_t layer_begin = 0;
     uint32_t layer_end = 0;
+    uint32_t kv_head_begin = 0;  // the heads the payload holds: [kv_head_begin, kv_head_end)
+    uint32_t kv_head_end = 0;
     DType dtype = DType::kFp16;
     std::vector<uint8_t> payload;  // layout of kvbank/layout.h (PayloadLayout); empty for FetchInto
     uint64_t payload_bytes = 0;    // its size (FetchInto: the bytes written at the buffer's start)
@@ -232,6 +238,10 @@ class Client {
                                           const std::vector<BlockHash>& hashes,
                                           uint32_t layer_begin = 0,
                                           std::optional<uint32_t> layer_end = std::nullopt);
+  // The same with args' layer range, dtype and kv head range (its token range is not used).
+  absl::StatusOr<FetchResult> FetchBlocks(const std::string& model,
+                                          const std::vector<BlockHash>& hashes,
+                                          const FetchArgs& args);
   // Pins (or unpins) cached blocks: by hashes, or the full blocks of a prompt. Returns how many
   // named a cached block.
   absl::StatusOr<uint64_t> Pin(const std::string& model, const MatchQuery& blocks, bool pin = true);
