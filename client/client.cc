@@ -657,7 +657,11 @@ absl::Status Client::FetchTensors(const std::string& model, uint64_t id, const F
   if (!info.ok()) return info.status();
   auto r = Fetch(model, id, args);
   if (!r.ok()) return r.status();
-  const BlockLayout b = ComputeBlockLayout(info->layout);
+  BlockLayout b = ComputeBlockLayout(info->layout);
+  if (r->kv_head_end > r->kv_head_begin &&
+      r->kv_head_end - r->kv_head_begin < info->layout.num_kv_heads) {
+    b = b.Heads(r->kv_head_begin, r->kv_head_end - r->kv_head_begin);  // a head range's payload
+  }
   const PayloadLayout p =
       PayloadLayout::Make(b, r->layer_begin, r->layer_end, r->num_tokens, r->dtype);
   uint64_t k_need = 0, v_need = 0;

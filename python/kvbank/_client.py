@@ -81,6 +81,8 @@ class FetchInfo:
     num_tokens: int
     layer_begin: int
     layer_end: int
+    kv_head_begin: int  # the kv heads the payload holds: [kv_head_begin, kv_head_end)
+    kv_head_end: int
     dtype: str
     payload_bytes: int
 
@@ -284,34 +286,40 @@ class Client:
     def fetch(self, model: str, seq_id: int, *, token_begin: int = 0,
               token_end: Optional[int] = None, layer_begin: int = 0,
               layer_end: Optional[int] = None, dtype: Optional[str] = None,
+              kv_head_begin: int = 0, kv_head_end: Optional[int] = None,
               as_bytes: bool = False) -> Union[np.ndarray, bytes]:
         """Tokens [token_begin, token_end) of layers [layer_begin, layer_end) as a flat numpy
         array of the wire dtype (bf16: uint16 bits) in the payload layout, owning the SDK's
-        buffer (no copy); as_bytes: bytes instead (one copy)."""
+        buffer (no copy); as_bytes: bytes instead (one copy). kv_head_begin / kv_head_end: only
+        those kv heads (a tensor-parallel rank's share; the layout with that many heads)."""
         meta, data = self._c.fetch(model, seq_id, token_begin, token_end, layer_begin, layer_end,
-                                   dtype)
+                                   dtype, kv_head_begin, kv_head_end)
         if as_bytes:
             return data.tobytes()
         return data.view(numpy_dtype(meta["dtype"]))
 
     def fetch_into(self, model: str, seq_id: int, out: Any, *, token_begin: int = 0,
                    token_end: Optional[int] = None, layer_begin: int = 0,
-                   layer_end: Optional[int] = None, dtype: Optional[str] = None) -> FetchInfo:
+                   layer_end: Optional[int] = None, dtype: Optional[str] = None,
+                   kv_head_begin: int = 0, kv_head_end: Optional[int] = None) -> FetchInfo:
         """Writes the payload straight into `out` (a writable C-contiguous numpy array,
         bytearray, memoryview, or CPU torch tensor): no intermediate copy. OutOfRangeError when
         it does not fit (ModelInfo.payload_bytes sizes it)."""
         return FetchInfo(**self._c.fetch_into(model, seq_id, _buffer(out, True), token_begin,
-                                              token_end, layer_begin, layer_end, dtype))
+                                              token_end, layer_begin, layer_end, dtype,
+                                              kv_head_begin, kv_head_end))
 
     def fetch_tensors(self, model: str, seq_id: int, k: Any, v: Any = None, *,
                       token_begin: int = 0, token_end: Optional[int] = None,
                       layer_begin: int = 0, layer_end: Optional[int] = None,
-                      dtype: Optional[str] = None) -> None:
+                      dtype: Optional[str] = None, kv_head_begin: int = 0,
+                      kv_head_end: Optional[int] = None) -> None:
         """Fills k [layers][kv_heads][tokens][head_dim] and v (head_dim_v; None for MLA), each
-        exactly the size of the range fetched."""
+        exactly the size of the range fetched (kv_heads: those of the head range)."""
         self._c.fetch_tensors(model, seq_id, _buffer(k, True),
                               _buffer(v, True) if v is not None else None, token_begin,
-                              token_end, layer_begin, layer_end, dtype)
+                              token_end, layer_begin, layer_end, dtype, kv_head_begin,
+                              kv_head_end)
 
     def fork(self, model: str, seq_id: int, *, lease_s: Optional[float] = None) -> SequenceInfo:
         return SequenceInfo(**self._c.fork(model, seq_id, lease_s))
@@ -375,10 +383,11 @@ class Client:
         return self._c.match(model, qs)
 
     def fetch_blocks(self, model: str, hashes: Sequence[bytes], *, layer_begin: int = 0,
-                     layer_end: Optional[int] = None) -> Blocks:
+                     layer_end: Optional[int] = None, dtype: Optional[str] = None,
+                     kv_head_begin: int = 0, kv_head_end: Optional[int] = None) -> Blocks:
         """The longest cached run of the leading `hashes`, full blocks in the payload layout."""
         meta, data = self._c.fetch_blocks(model, [bytes(h) for h in hashes], layer_begin,
-                                          layer_end)
+                                          layer_end, dtype, kv_head_begin, kv_head_end)
         return Blocks(FetchInfo(**meta), data.view(numpy_dtype(meta["dtype"])))
 
     def pin(self, model: str, *, tokens: Sequence[int] = (), hashes: Sequence[bytes] = (),

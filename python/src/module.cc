@@ -249,6 +249,8 @@ py::dict FetchToDict(const Client::FetchResult& r) {
   d["num_tokens"] = r.num_tokens;
   d["layer_begin"] = r.layer_begin;
   d["layer_end"] = r.layer_end;
+  d["kv_head_begin"] = r.kv_head_begin;
+  d["kv_head_end"] = r.kv_head_end;
   d["dtype"] = DTypeName(r.dtype);
   d["payload_bytes"] = r.payload_bytes;
   return d;
@@ -330,13 +332,16 @@ Client::AppendArgs MakeAppendArgs(uint64_t num_tokens, uint32_t layer_begin,
 
 Client::FetchArgs MakeFetchArgs(uint64_t token_begin, std::optional<uint64_t> token_end,
                                 uint32_t layer_begin, std::optional<uint32_t> layer_end,
-                                const std::optional<std::string>& dtype) {
+                                const std::optional<std::string>& dtype, uint32_t kv_head_begin,
+                                std::optional<uint32_t> kv_head_end) {
   Client::FetchArgs a;
   a.token_begin = token_begin;
   a.token_end = token_end;
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
   a.dtype = ToDType(dtype);
+  a.kv_head_begin = kv_head_begin;
+  a.kv_head_end = kv_head_end;
   return a;
 }
 
@@ -533,38 +538,43 @@ void BindClient(py::module_& m) {
           "fetch",
           [](PyClient& self, const std::string& model, uint64_t id, uint64_t token_begin,
              std::optional<uint64_t> token_end, uint32_t layer_begin,
-             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
-            const Client::FetchArgs a =
-                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end) {
+            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
+                                                      layer_end, dtype, kv_head_begin, kv_head_end);
             Client::FetchResult r = self.Call([&] { return self.c().Fetch(model, id, a); });
             py::dict meta = FetchToDict(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
           py::arg("model"), py::arg("id"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
-          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "fetch_into",
           [](PyClient& self, const std::string& model, uint64_t id, const py::object& out,
              uint64_t token_begin, std::optional<uint64_t> token_end, uint32_t layer_begin,
-             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype) {
-            const Client::FetchArgs a =
-                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end) {
+            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
+                                                      layer_end, dtype, kv_head_begin, kv_head_end);
             BufferView view(out, /*writable=*/true);
             const absl::Span<uint8_t> bytes(view.data(), view.size());
             return FetchToDict(self.Call([&] { return self.c().FetchInto(model, id, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
-          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "fetch_tensors",
           [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
              const py::object& v, uint64_t token_begin, std::optional<uint64_t> token_end,
              uint32_t layer_begin, std::optional<uint32_t> layer_end,
-             const std::optional<std::string>& dtype) {
-            const Client::FetchArgs a =
-                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype);
+             const std::optional<std::string>& dtype, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
+                                                      layer_end, dtype, kv_head_begin, kv_head_end);
             BufferView kview(k, true);
             std::optional<BufferView> vview;
             absl::Span<uint8_t> vbytes;
@@ -577,7 +587,8 @@ void BindClient(py::module_& m) {
           },
           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
-          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none())
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "fork",
           [](PyClient& self, const std::string& model, uint64_t id, std::optional<double> lease_s) {
@@ -616,15 +627,19 @@ void BindClient(py::module_& m) {
       .def(
           "fetch_blocks",
           [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
-             uint32_t layer_begin, std::optional<uint32_t> layer_end) {
+             uint32_t layer_begin, std::optional<uint32_t> layer_end,
+             const std::optional<std::string>& dtype, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
             const std::vector<BlockHash> hs = ToHashes(hashes);
-            Client::FetchResult r =
-                self.Call([&] { return self.c().FetchBlocks(model, hs, layer_begin, layer_end); });
+            const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
+                                                      dtype, kv_head_begin, kv_head_end);
+            Client::FetchResult r = self.Call([&] { return self.c().FetchBlocks(model, hs, a); });
             py::dict meta = FetchToDict(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
           py::arg("model"), py::arg("hashes"), py::arg("layer_begin") = 0,
-          py::arg("layer_end") = py::none())
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "pin",
           [](PyClient& self, const std::string& model, std::vector<uint32_t> tokens,

@@ -78,6 +78,32 @@ def test_round_trip_is_bit_exact(client, model_name, dtype):
     assert client.free(model_name, seq.id) > 0
 
 
+def test_each_tensor_parallel_rank_fetches_its_kv_heads(client, model_name):
+    model = client.ensure_model(small_layout(model_name, "fp16", kv_heads=4))
+    rng = np.random.default_rng(7101)
+    n = 21
+    payload = random_payload(rng, "fp16", elements(model, n))
+    seq = client.create_sequence(model_name)
+    client.append(model_name, seq.id, payload, num_tokens=n)
+    layer = payload.reshape(4, 2, 4, n, 64)  # [layer][K,V][head][token][dim]
+    for rank in range(2):  # a decode engine with TP 2: heads [2 rank, 2 rank + 2)
+        h0, h1 = 2 * rank, 2 * rank + 2
+        want = np.ascontiguousarray(layer[:, :, h0:h1]).tobytes()
+        got = client.fetch(model_name, seq.id, kv_head_begin=h0, kv_head_end=h1)
+        assert got.tobytes() == want
+        out = np.empty(len(want) // 2, dtype=np.float16)
+        info = client.fetch_into(model_name, seq.id, out, kv_head_begin=h0, kv_head_end=h1)
+        assert (info.kv_head_begin, info.kv_head_end) == (h0, h1)
+        assert out.tobytes() == want
+        k, v = np.empty((4, 2, n, 64), np.float16), np.empty((4, 2, n, 64), np.float16)
+        client.fetch_tensors(model_name, seq.id, k, v, kv_head_begin=h0, kv_head_end=h1)
+        assert k.tobytes() == np.ascontiguousarray(layer[:, 0, h0:h1]).tobytes()
+        assert v.tobytes() == np.ascontiguousarray(layer[:, 1, h0:h1]).tobytes()
+    with pytest.raises(kvbank.InvalidArgumentError, match="kv head range"):
+        client.fetch(model_name, seq.id, kv_head_begin=3, kv_head_end=6)
+    client.free(model_name, seq.id)
+
+
 def test_fetch_into_numpy_writes_in_place_without_a_python_copy(client, model_name):
     model = client.ensure_model(small_layout(model_name, "fp16", head_dim=128), pool_bytes=48 * MiB)
     n = 1024  # 4 layers x 2 heads x 2 (K, V) x 128 x 2 bytes = 4 KiB a token: 4 MiB
