@@ -60,8 +60,10 @@ using RawKvBankService = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
 }  // namespace internal
 
-// Thread-safe; reactions never block on anything but short metadata locks. Payload copies
-// (at most one chunk each) run inside the reactions; attention runs on a worker pool.
+// Thread-safe; reactions never block on anything but short metadata locks. On host memory a
+// payload copy (at most one chunk) runs inside the reaction; on memory that waits on a device
+// (cuda:N, host-staged) every transfer step and fork runs on the device workers instead
+// (transfers.cc); attention runs on its own worker pool.
 class KvBankService final : public internal::RawKvBankService {
  public:
   using Raw = grpc::ByteBuffer;
