@@ -334,6 +334,7 @@ class KvbankConnector(KVConnectorBase_V1):
             return 0, False
         salt, keys = self._keys(request)
         try:
+            self._root(salt)  # update_state_after_alloc hashes the prompt with it
             hits = self._client.match(self._model, [{"tokens": prompt[:limit], "cache_salt": salt,
                                                       "extra_keys": keys}])[0]
         except kvbank.Error as e:  # kvbank unreachable: vLLM computes the prompt itself
@@ -508,12 +509,11 @@ class KvbankConnector(KVConnectorBase_V1):
         for spec, got in zip(self._load_specs, results):
             n = 0
             if isinstance(got, kvbank.Blocks):
-                n = min(got.info.num_tokens // self._bs, len(spec.block_ids))
+                # The leading run of the hashes that is still cached: n <= len(spec.hashes).
+                n = got.info.num_tokens // self._bs
                 if n:
-                    data = torch.from_numpy(got.data).view(kv.dtype)
                     self._paged.scatter(kv, torch.tensor(spec.block_ids[:n], dtype=torch.int64),
-                                        data[:2 * self._layout["num_kv_heads"] * n * self._bs *
-                                             self._layout["head_dim"]])
+                                        torch.from_numpy(got.data).view(kv.dtype))
             if n < len(spec.block_ids):
                 logger.warning("KvbankConnector: request %s: %d of %d blocks of layer %s "
                                "loaded (%s)", spec.req_id, n, len(spec.block_ids), layer_name,
