@@ -44,13 +44,19 @@ def reference(run_instance):
 
 
 def test_reference_matches_transformers(reference, model_dir):
-    from tiny_llama import transformers_greedy
+    """The reference is the model: each greedy token of vLLM (bf16) is transformers' (float32,
+    teacher-forced) greedy choice, or within bf16 noise of it at a near-tie. A random token
+    would sit several logits below (the logits' spread is about 3)."""
+    from tiny_llama import transformers_gaps
 
-    want = transformers_greedy(model_dir, DISAGG, 16)
-    for p, w in zip(DISAGG, want):
-        print("[vllm] reference %d-token prompt: vLLM %s, transformers %s"
-              % (len(p), reference[tuple(p)], w))
-        assert reference[tuple(p)] == w
+    for p in DISAGG:
+        got = reference[tuple(p)]
+        gaps = transformers_gaps(model_dir, p, got)
+        print("[vllm] reference %d-token prompt: vLLM %s; transformers' greedy choice at %d of "
+              "%d, largest logit gap %.3f" % (len(p), got, sum(g == 0 for g in gaps), len(gaps),
+                                             max(gaps)))
+        assert gaps[0] == 0
+        assert max(gaps) <= 0.25
 
 
 def copy_prompt_kv(client, src, dst, p, noise_block=None):

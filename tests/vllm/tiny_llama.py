@@ -36,18 +36,17 @@ def make_tiny_llama(path, *, hidden=128, layers=2, heads=4, kv_heads=2, intermed
     return path
 
 
-def transformers_greedy(path, prompts, max_tokens):
-    """Greedy continuations of token-id prompts with transformers (the reference)."""
+def transformers_gaps(path, prompt, tokens):
+    """Teacher-forced check of a continuation with transformers in float32 (the reference):
+    for each token of `tokens`, how far its logit lies below the best one at that position
+    (0: the token is transformers' greedy choice)."""
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
-    out = []
     with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            g = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                               min_new_tokens=max_tokens, pad_token_id=0)
-            out.append(g[0, len(p):].tolist())
-    return out
+        logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0].float()
+    logits = logits[len(prompt) - 1:-1]
+    best = logits.max(dim=-1).values
+    return [float(best[i] - logits[i, t]) for i, t in enumerate(tokens)]
