@@ -7,7 +7,8 @@ global.
 SPEC: model (a directory), max_model_len, max_tokens, prefix_caching (vLLM's own, default
 true), batches (lists of token-id prompts; each batch is one LLM.generate call, in order), and
 for the connector: role (kv_producer / kv_consumer / kv_both; absent: no connector), target,
-kvbank_model (optional), extra (more kv_connector_extra_config).
+kvbank_model (optional), extra (more kv_connector_extra_config); llm_args: more LLM(...)
+keyword arguments (max_num_batched_tokens, ...).
 OUT: startup_s, batches: per prompt its output token ids, num_cached_tokens (vLLM's: local
 prefix cache + external), kv_transfer_params, and seconds (that generate call's wall time).
 """
@@ -26,7 +27,7 @@ def main(spec_path, out_path):
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    kwargs = {}
+    kwargs = dict(spec.get("llm_args") or {})
     if spec.get("role"):
         extra = {"kvbank_target": spec["target"]}
         if spec.get("kvbank_model"):

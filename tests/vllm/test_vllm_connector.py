@@ -156,6 +156,28 @@ def test_prefix_reuse_across_requests(client, run_instance, reference):
     assert client.match(model, [REUSE[1]])[0] == len(REUSE[1]) // BS * BS
 
 
+def test_chunked_prefill_stores_across_steps(client, run_instance, reference):
+    """A producer whose steps take at most 64 tokens prefills the 201-token prompt in four
+    chunks: each step appends the full blocks it completed (at positions 0, 64, 128), and a
+    consumer loads them all."""
+    model = "vllm-tiny-chunked"
+    p = DISAGG[1]
+    run_instance([[p]], role="kv_producer", max_tokens=1, kvbank_model=model,
+                 llm_args={"max_num_batched_tokens": 64, "max_num_seqs": 4})
+    s = stats(client, model)
+    layers = client.get_model(model).layout["num_layers"]
+    print("[vllm] chunked producer: kvbank holds %d tokens of the %d-token prompt after %d "
+          "appends" % (client.match(model, [p])[0], len(p), s["appends"]))
+    assert client.match(model, [p])[0] == len(p) // BS * BS
+    assert s["appends"] == 3 * layers  # steps ending at 64, 128, 192 tokens; 201 adds no block
+    out = run_instance([[p]], role="kv_consumer", kvbank_model=model)
+    o = out["batches"][0][0]
+    print("[vllm] consumer after the chunked producer: loaded %d, output %s"
+          % (o["num_cached_tokens"], o["tokens"]))
+    assert o["num_cached_tokens"] == loadable(p)
+    assert o["tokens"] == reference[tuple(p)]
+
+
 def test_paged_layout_round_trip():
     """The connector's layout probe against the CPU backend's own cache write: K / V written by
     vLLM's op come back from PagedLayout.gather as kvbank's payload and scatter restores the
