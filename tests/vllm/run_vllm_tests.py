@@ -48,8 +48,13 @@ def main():
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     r = subprocess.run([py, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", HERE]
                        + pytest_args, env=env, cwd=HERE)
+    # kvbank.hf needs torch and transformers, which this venv has (the Python SDK's own venv
+    # does not): its tests run here too.
+    python_tests = os.path.join(REPO, "tests", "python")
+    hf = subprocess.run([py, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider",
+                         os.path.join(python_tests, "test_hf.py")], env=env, cwd=python_tests)
     print("[vllm-tests] done in %.0f s" % (time.monotonic() - start), flush=True)
-    return r.returncode
+    return r.returncode or hf.returncode
 
 
 if __name__ == "__main__":
