@@ -217,6 +217,19 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
     });
   }
 
+  // The reactor of a fetch that `open` opens, or that answers open's error (which needs no
+  // device worker).
+  static FetchReactor* Start(KvBankService* service, grpc::CallbackServerContext* ctx,
+                             absl::StatusOr<Open> open, bool on_device) {
+    if (!open.ok()) {
+      return new FetchReactor(
+          service, ctx,
+          [s = open.status()]() -> absl::StatusOr<std::unique_ptr<FetchReader>> { return s; },
+          false);
+    }
+    return new FetchReactor(service, ctx, *std::move(open), on_device);
+  }
+
   void OnWriteDone(bool ok) override {
     stream_->Progress();
     {
@@ -407,13 +420,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     return FetchReactor::Open(
         [store = *std::move(model), spec = std::move(spec)] { return store->BeginFetch(spec); });
   };
-  auto open = prepare();
-  if (!open.ok()) {
-    return new FetchReactor(
-        this, ctx,
-        [s = open.status()]() -> absl::StatusOr<std::unique_ptr<FetchReader>> { return s; }, false);
-  }
-  return new FetchReactor(this, ctx, *std::move(open), on_device);
+  return FetchReactor::Start(this, ctx, prepare(), on_device);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
@@ -439,13 +446,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
       return store->FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end);
     });
   };
-  auto open = prepare();
-  if (!open.ok()) {
-    return new FetchReactor(
-        this, ctx,
-        [s = open.status()]() -> absl::StatusOr<std::unique_ptr<FetchReader>> { return s; }, false);
-  }
-  return new FetchReactor(this, ctx, *std::move(open), on_device);
+  return FetchReactor::Start(this, ctx, prepare(), on_device);
 }
 
 }  // namespace kvbank::rpc
