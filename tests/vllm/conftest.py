@@ -8,10 +8,8 @@ build/release/bin/kvbankd; it starts as in tests/python/conftest.py (--listen=12
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -21,59 +19,12 @@ import kvbank
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "tests", "python"))
 
+from kvbankd_process import Server  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 INSTANCE_TIMEOUT_S = 300
-
-
-class Server:
-    def __init__(self, flags=()):
-        path = os.environ.get("KVBANK_KVBANKD") or os.path.join(REPO, "build", "release", "bin",
-                                                                "kvbankd")
-        if not os.access(path, os.X_OK):
-            pytest.exit("no kvbankd at %s (build it, or set KVBANK_KVBANKD)" % path, returncode=2)
-        self.dir = tempfile.mkdtemp(prefix="kvbank-vllm-")
-        port_file = os.path.join(self.dir, "port")
-        self.log_path = os.path.join(self.dir, "server.log")
-        args = [path, "--listen=127.0.0.1:0", "--port-file=" + port_file, "--models=",
-                "--no-auth"] + list(flags)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        self.port = 0
-        while time.monotonic() < deadline and self.port <= 0:
-            if self.proc.poll() is not None:
-                raise RuntimeError("kvbankd exited with %s before serving:\n%s"
-                                   % (self.proc.returncode, self.log()))
-            try:
-                with open(port_file) as f:
-                    self.port = int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                self.port = 0
-            if self.port <= 0:
-                time.sleep(0.01)
-        if self.port <= 0:
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError("kvbankd wrote no port file within 20 s:\n" + self.log())
-        self.target = "127.0.0.1:%d" % self.port
-        kvbank.Client(self.target).check_serving(20.0)
-
-    def log(self):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError("kvbankd did not exit within 30 s of SIGTERM:\n" + self.log())
-        assert rc == 0, "kvbankd exited with %d:\n%s" % (rc, self.log())
 
 
 @pytest.fixture(scope="session")
