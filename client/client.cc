@@ -423,6 +423,8 @@ v1::AppendHeader MakeHeader(const std::string& model, uint64_t id, const Client:
   if (a.dtype.has_value()) h.set_dtype(proto::DTypeToProto(*a.dtype));
   for (uint32_t t : a.token_ids) h.add_token_ids(t);
   h.set_payload_bytes(payload_bytes);
+  h.set_kv_head_begin(a.kv_head_begin);
+  if (a.kv_head_end.has_value()) h.set_kv_head_end(*a.kv_head_end);
   return h;
 }
 }  // namespace
@@ -440,10 +442,20 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendTensors(const std::string& mo
                                                            absl::Span<const uint8_t> v) {
   auto info = GetModel(model);
   if (!info.ok()) return info.status();
-  const BlockLayout b = ComputeBlockLayout(info->layout);
+  BlockLayout b = ComputeBlockLayout(info->layout);
   const uint32_t l0 = args.layer_begin, l1 = args.layer_end.value_or(info->layout.num_layers);
   if (l0 >= l1 || l1 > b.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("layer range [", l0, ", ", l1, ") is invalid"));
+  }
+  if (info->layout.kind != AttentionKind::kMla) {
+    const uint32_t h0 = args.kv_head_begin;
+    const uint32_t h1 = args.kv_head_end.value_or(info->layout.num_kv_heads);
+    if (h0 >= h1 || h1 > info->layout.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat("kv head range [", h0, ", ", h1,
+                                                     ") is empty or outside the model's ",
+                                                     info->layout.num_kv_heads, " kv heads"));
+    }
+    if (h1 - h0 < info->layout.num_kv_heads) b = b.Heads(h0, h1 - h0);  // a rank's payload
   }
   // The tensors' dtype: as asked, else the server's default for the range (kvbank/layout.h).
   AppendArgs sent = args;

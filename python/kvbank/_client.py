@@ -262,13 +262,17 @@ class Client:
     def append(self, model: str, seq_id: int, payload: Any = None, *, k: Any = None,
                v: Any = None, num_tokens: Optional[int] = None, layer_begin: int = 0,
                layer_end: Optional[int] = None, dtype: Optional[str] = None,
-               token_ids: Optional[Sequence[int]] = None) -> SequenceInfo:
+               token_ids: Optional[Sequence[int]] = None, kv_head_begin: int = 0,
+               kv_head_end: Optional[int] = None) -> SequenceInfo:
         """Appends num_tokens tokens of layers [layer_begin, layer_end) (all by default).
 
         Either `payload`: the dense payload (per layer K [kv_heads][n][head_dim] then V), or `k`
         and `v`: [layers][kv_heads][n][head_dim(_v)] each (v None for MLA). Any C-contiguous
         buffer (numpy array, bytes, memoryview) or CPU torch tensor, read in place. dtype: the
-        payload's element type (default: the layers' storage dtype when they share one)."""
+        payload's element type (default: the layers' storage dtype when they share one).
+        kv_head_begin / kv_head_end: only those kv heads (a tensor-parallel rank's share; the
+        payload then has that many heads). The ranks of a prefill append their heads of the same
+        tokens at once; the tokens count in the length once every head holds them."""
         ids = list(token_ids) if token_ids is not None else []
         if (payload is None) == (k is None):
             raise InvalidArgumentError("give either a payload or k (and v)")
@@ -277,11 +281,13 @@ class Client:
             kb = _buffer(k, False)
             vb = _buffer(v, False) if v is not None else None
             return SequenceInfo(**self._c.append_tensors(model, seq_id, kb, vb, n, layer_begin,
-                                                         layer_end, dtype, ids))
+                                                         layer_end, dtype, ids, kv_head_begin,
+                                                         kv_head_end))
         if num_tokens is None:
             raise InvalidArgumentError("num_tokens is needed with a payload")
         return SequenceInfo(**self._c.append(model, seq_id, _buffer(payload, False), num_tokens,
-                                             layer_begin, layer_end, dtype, ids))
+                                             layer_begin, layer_end, dtype, ids, kv_head_begin,
+                                             kv_head_end))
 
     def fetch(self, model: str, seq_id: int, *, token_begin: int = 0,
               token_end: Optional[int] = None, layer_begin: int = 0,

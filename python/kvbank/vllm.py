@@ -37,8 +37,10 @@ kv_connector_extra_config:
 
 Supported: decoder attention layers on vLLM's CPU attention backend (the paged layout is
 discovered by running the backend's own cache-write op on a probe block, so its packed AMX layout
-is handled), one tensor- and pipeline-parallel rank, KV cache dtype = model dtype, prompts given
-as token ids (no multimodal inputs). Anything else raises at start, naming what is unsupported.
+is handled), any tensor-parallel size (each rank appends and fetches its own kv heads; a head
+that ranks replicate is stored by the first of them; prefill and decode instances may use
+different sizes), one pipeline-parallel rank, KV cache dtype = model dtype, prompts given as token
+ids (no multimodal inputs). Anything else raises at start, naming what is unsupported.
 Blocks evicted between the look-up and the fetch are reported through
 get_block_ids_with_load_errors (vLLM's kv_load_failure_policy decides: recompute or fail).
 """
@@ -87,17 +89,17 @@ def _default_model_name(vllm_config: "VllmConfig") -> str:
 
 
 def model_layout(vllm_config: "VllmConfig", name: Optional[str] = None) -> Dict[str, Any]:
-    """kvbank's layout dict of the model vLLM serves: layers, heads, head_dim, vLLM's block size
-    as block_tokens, the model's dtype. Raises NotImplementedError for what the connector does
-    not support (MLA, tensor / pipeline parallelism, a KV cache dtype other than the model's)."""
+    """kvbank's layout dict of the model vLLM serves: layers, every kv head (whatever the tensor
+    parallel size: the ranks share one kvbank model), head_dim, vLLM's block size as
+    block_tokens, the model's dtype. Raises NotImplementedError for what the connector does not
+    support (MLA, pipeline parallelism, a KV cache dtype other than the model's)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if mc.use_mla:
         raise NotImplementedError("KvbankConnector: MLA models are not supported")
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+    if pc.pipeline_parallel_size != 1:
         raise NotImplementedError(
-            "KvbankConnector: tensor_parallel_size %d, pipeline_parallel_size %d: only one rank "
-            "is supported (kvbank appends carry every kv head)"
-            % (pc.tensor_parallel_size, pc.pipeline_parallel_size))
+            "KvbankConnector: pipeline_parallel_size %d: only one pipeline stage is supported"
+            % pc.pipeline_parallel_size)
     if cc.cache_dtype not in ("auto", None):
         raise NotImplementedError("KvbankConnector: kv cache dtype %r: only the model's dtype "
                                   "('auto') is supported" % cc.cache_dtype)
@@ -105,8 +107,8 @@ def model_layout(vllm_config: "VllmConfig", name: Optional[str] = None) -> Dict[
     if dtype is None:
         raise NotImplementedError("KvbankConnector: model dtype %s is not one of %s"
                                   % (mc.dtype, ", ".join(str(d) for d in _KV_DTYPES)))
-    q_heads = mc.get_num_attention_heads(pc)
-    kv_heads = mc.get_num_kv_heads(pc)
+    q_heads = mc.get_num_attention_heads(pc) * pc.tensor_parallel_size
+    kv_heads = mc.get_total_num_kv_heads()
     kind = "mha" if q_heads == kv_heads else ("mqa" if kv_heads == 1 else "gqa")
     return {
         "name": name or _default_model_name(vllm_config),
@@ -118,6 +120,25 @@ def model_layout(vllm_config: "VllmConfig", name: Optional[str] = None) -> Dict[
         "kind": kind,
         "dtype": dtype,
     }
+
+
+def rank_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> Tuple[int, int, bool]:
+    """The kv heads [begin, end) that tensor-parallel rank `tp_rank` of `tp_size` holds, as vLLM
+    splits them (QKVParallelLinear), and whether the rank stores them: with fewer kv heads than
+    ranks each head is replicated on tp_size / total_kv_heads ranks, and the first of them
+    stores it (the others would append the same rows)."""
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise NotImplementedError("KvbankConnector: %d kv heads over %d ranks"
+                                      % (total_kv_heads, tp_size))
+        local = total_kv_heads // tp_size
+        return tp_rank * local, (tp_rank + 1) * local, True
+    if tp_size % total_kv_heads:
+        raise NotImplementedError("KvbankConnector: %d kv heads over %d ranks"
+                                  % (total_kv_heads, tp_size))
+    replicas = tp_size // total_kv_heads
+    head = tp_rank // replicas
+    return head, head + 1, tp_rank % replicas == 0
 
 
 # ---- vLLM's paged layout <-> kvbank's payload layout ---------------------------------------------
@@ -290,7 +311,21 @@ class KvbankConnector(KVConnectorBase_V1):
         self._failed_block_ids: Set[int] = set()
         self._broken_seqs: Set[int] = set()
         self._lock = threading.Lock()
+        # This rank's kv heads, and whether it appends them (rank_heads).
+        self._heads: Tuple[int, int] = (0, int(self._layout["num_kv_heads"]))
+        self._stores_heads = True
         if role == KVConnectorRole.WORKER:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            if tp > 1:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                rank = get_tensor_model_parallel_rank()
+                h0, h1, self._stores_heads = rank_heads(int(self._layout["num_kv_heads"]), tp,
+                                                        rank)
+                self._heads = (h0, h1)
+                logger.info("KvbankConnector: tensor-parallel rank %d of %d: kv heads [%d, %d)"
+                            "%s", rank, tp, h0, h1, "" if self._stores_heads else
+                            " (replicated: another rank stores them)")
             self._fetch_pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=int(extra.get("kvbank_fetch_threads", 4)),
                 thread_name_prefix="kvbank-fetch")
@@ -435,7 +470,7 @@ class KvbankConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        h, d = self._layout["num_kv_heads"], self._layout["head_dim"]
+        h, d = self._heads[1] - self._heads[0], self._layout["head_dim"]
         expected = (h, self._bs, 2 * d)
         num_layers = self._layout["num_layers"]
         fwd = self._vllm_config.compilation_config.static_forward_context
@@ -481,7 +516,9 @@ class KvbankConnector(KVConnectorBase_V1):
         for spec in loads:
             try:
                 out.append(self._client.fetch_blocks(self._model, spec.hashes, layer_begin=layer,
-                                                     layer_end=layer + 1))
+                                                     layer_end=layer + 1,
+                                                     kv_head_begin=self._heads[0],
+                                                     kv_head_end=self._heads[1]))
             except kvbank.Error as e:  # NOT_FOUND: evicted since the look-up
                 out.append(e)
         return out
@@ -534,7 +571,8 @@ class KvbankConnector(KVConnectorBase_V1):
         try:
             self._client.append(self._model, spec.seq_id, payload,
                                 num_tokens=spec.token_end - spec.token_begin, layer_begin=layer,
-                                layer_end=layer + 1, dtype=self._layout["dtype"])
+                                layer_end=layer + 1, dtype=self._layout["dtype"],
+                                kv_head_begin=self._heads[0], kv_head_end=self._heads[1])
         except kvbank.Error as e:
             # Later appends of this sequence would start at the wrong position: stop storing it.
             with self._lock:
@@ -547,7 +585,7 @@ class KvbankConnector(KVConnectorBase_V1):
                       attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbankConnectorMetadata)
-        if not meta.saves:
+        if not meta.saves or not self._stores_heads:
             return
         layer = self._layer_index[layer_name]
         for spec in meta.saves:

@@ -320,13 +320,16 @@ py::dict EventToDict(const Client::Event& e) {
 Client::AppendArgs MakeAppendArgs(uint64_t num_tokens, uint32_t layer_begin,
                                   std::optional<uint32_t> layer_end,
                                   const std::optional<std::string>& dtype,
-                                  std::vector<uint32_t> token_ids) {
+                                  std::vector<uint32_t> token_ids, uint32_t kv_head_begin,
+                                  std::optional<uint32_t> kv_head_end) {
   Client::AppendArgs a;
   a.num_tokens = num_tokens;
   a.layer_begin = layer_begin;
   a.layer_end = layer_end;
   a.dtype = ToDType(dtype);
   a.token_ids = std::move(token_ids);
+  a.kv_head_begin = kv_head_begin;
+  a.kv_head_end = kv_head_end;
   return a;
 }
 
@@ -502,24 +505,29 @@ void BindClient(py::module_& m) {
           "append",
           [](PyClient& self, const std::string& model, uint64_t id, const py::object& payload,
              uint64_t num_tokens, uint32_t layer_begin, std::optional<uint32_t> layer_end,
-             const std::optional<std::string>& dtype, std::vector<uint32_t> token_ids) {
+             const std::optional<std::string>& dtype, std::vector<uint32_t> token_ids,
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end) {
             const Client::AppendArgs a =
-                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids));
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
+                               kv_head_begin, kv_head_end);
             BufferView view(payload, /*writable=*/false);
             const absl::Span<const uint8_t> bytes(view.data(), view.size());
             return SequenceToDict(self.Call([&] { return self.c().Append(model, id, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("payload"), py::arg("num_tokens"),
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
-          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{})
+          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{},
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "append_tensors",
           [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
              const py::object& v, uint64_t num_tokens, uint32_t layer_begin,
              std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
-             std::vector<uint32_t> token_ids) {
+             std::vector<uint32_t> token_ids, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
             const Client::AppendArgs a =
-                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids));
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
+                               kv_head_begin, kv_head_end);
             BufferView kview(k, false);
             std::optional<BufferView> vview;
             absl::Span<const uint8_t> vbytes;
@@ -533,7 +541,8 @@ void BindClient(py::module_& m) {
           },
           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("num_tokens"),
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
-          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{})
+          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{},
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "fetch",
           [](PyClient& self, const std::string& model, uint64_t id, uint64_t token_begin,

@@ -17,6 +17,7 @@
 #ifndef KVBANK_SERVER_CORE_BLOCK_TABLE_H_
 #define KVBANK_SERVER_CORE_BLOCK_TABLE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -48,10 +49,10 @@ class BlockTable {
   const BlockRef& at(size_t i) const { return entries_[i]; }
   // Physical id of logical block i; kHoleId for a hole. REQUIRES: i < size().
   int32_t id(size_t i) const { return entries_[i].valid() ? entries_[i].id() : kHoleId; }
-  // Entries that are not holes.
-  size_t held() const {
+  // Entries that are not holes, among the first `end`.
+  size_t held(size_t end = SIZE_MAX) const {
     size_t n = 0;
-    for (const BlockRef& b : entries_) n += b.valid() ? 1 : 0;
+    for (size_t i = 0; i < std::min(end, entries_.size()); ++i) n += entries_[i].valid() ? 1 : 0;
     return n;
   }
   // True when any of logical blocks [b0, b1) is a hole. REQUIRES: b1 <= size().

@@ -17,6 +17,28 @@
 
 namespace kvbank {
 
+// An append in flight: the layers x kv heads it writes and the logical blocks it writes into.
+// Appends in flight on one sequence cover disjoint regions, so they write disjoint bytes (a
+// block holds each head's rows and scales apart: kvbank/layout.h), and may run at once: the
+// tensor-parallel ranks of a prefill each pushing their heads. An exclusive one (an fp8 append
+// that continues a block, whose scale may grow and so rewrite stored rows) runs alone.
+struct AppendRegion {
+  uint64_t id = 0;
+  uint32_t layer_begin = 0, layer_end = 0;
+  uint32_t head_begin = 0, head_end = 0;
+  uint64_t block_begin = 0, block_end = 0;
+  bool exclusive = false;
+  // Another append in flight writes into some of the same blocks: an abort then keeps its
+  // copies on write, which the other writes through.
+  bool joined = false;
+
+  bool Overlaps(const AppendRegion& o) const {
+    if (exclusive || o.exclusive) return true;
+    return layer_begin < o.layer_end && o.layer_begin < layer_end && head_begin < o.head_end &&
+           o.head_begin < head_end;
+  }
+};
+
 // One request's KV: metadata only. Guarded by SequenceStore::mu_; payload bytes move outside it,
 // into blocks only the moving transfer may write (rows past the lengths, or its own new blocks).
 struct Sequence {
@@ -29,15 +51,25 @@ struct Sequence {
   uint8_t priority = 50;
   std::vector<BlockHash> hashes;    // hash of each leading full block with known token ids
   BlockTable table;                 // logical block i -> physical block (block_table.h)
-  std::vector<uint64_t> layer_len;  // tokens written per layer
+  std::vector<uint64_t> layer_len;  // tokens every kv head of the layer holds, per layer
+  // Tokens each (layer, kv head) holds, layer-major, while appends over head ranges left some
+  // heads of a layer ahead of others; empty when each layer's heads all hold layer_len[l] (the
+  // usual case, which so costs no memory per head).
+  std::vector<uint64_t> head_len;
   std::vector<uint32_t> token_ids;  // known token ids, positions [0, size)
   uint64_t cached_tokens = 0;
   absl::Duration lease_ttl = absl::ZeroDuration();
   absl::Time lease_deadline = absl::InfiniteFuture();
-  // An AppendTxn is open (or its commit is compacting the sequence outside the lock): the lease
-  // does not run out meanwhile (ExpireLeases, Find) and is renewed when the transaction ends.
-  bool append_in_flight = false;
-  bool removed = false;  // freed or expired; blocks go when the append in flight ends
+  // Appends in flight (AppendTxn). While any is, or a commit compacts the sequence outside the
+  // lock, the lease does not run out (ExpireLeases, Find); it is renewed when each one ends. The
+  // table may then hold blocks past the lengths: the appends' new blocks, which go back when the
+  // last append ends without filling them.
+  std::vector<AppendRegion> appends;
+  bool compacting = false;  // heavy-hitter rows being copied after a commit: excludes appends
+  // An append's copy-on-write copies are being made outside the lock; the table takes them when
+  // they are done, and appends that begin meanwhile wait for that.
+  bool table_copying = false;
+  bool removed = false;  // freed or expired; blocks go when the last append in flight ends
   RetentionPolicy retention;
   std::vector<double> scores;  // heavy hitter: attention mass per token (all heads and layers)
   uint64_t generation = 0;     // bumped by every compaction (positions move)
@@ -47,6 +79,16 @@ struct Sequence {
   uint64_t counted_length = 0;
 
   uint64_t Length() const { return *std::min_element(layer_len.begin(), layer_len.end()); }
+  bool busy() const { return !appends.empty() || compacting; }
+  // Tokens kv head h of layer l holds; `heads`: the model's kv heads.
+  uint64_t HeadLength(uint32_t l, uint32_t h, uint32_t heads) const {
+    return head_len.empty() ? layer_len[l] : head_len[size_t{l} * heads + h];
+  }
+  // Tokens the furthest (layer, head) holds: the table covers them.
+  uint64_t MaxLength() const {
+    const std::vector<uint64_t>& v = head_len.empty() ? layer_len : head_len;
+    return *std::max_element(v.begin(), v.end());
+  }
 };
 
 inline uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }

@@ -75,7 +75,7 @@ absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id, const std
   if (it != live_.end() && it->second->tenant == tenant) {
     // A lease that ran out is expired on first touch, even before the reaper sees it; never
     // while an append is in flight (see ExpireLeases).
-    if (it->second->append_in_flight || it->second->lease_deadline > options_.clock()) {
+    if (it->second->busy() || it->second->lease_deadline > options_.clock()) {
       return it->second;
     }
     ++leases_expired_;
@@ -97,7 +97,8 @@ SequenceInfo SequenceStore::Info(const Sequence& s) const {
   i.id = s.id;
   i.length = s.Length();
   i.layer_lengths = s.layer_len;
-  i.num_blocks = s.table.held();
+  // The blocks its tokens hold: not the new blocks of appends in flight.
+  i.num_blocks = s.table.held(CeilDiv(s.MaxLength(), layout_.block_tokens));
   i.cached_tokens = s.cached_tokens;
   i.lease_ttl = s.lease_ttl;
   i.compactions = s.generation;
@@ -140,8 +141,10 @@ uint64_t SequenceStore::Remove(SeqPtr s, std::string reason) {
     tombstones_.erase(tombstone_order_.front());
     tombstone_order_.pop_front();
   }
-  const uint64_t n = s->table.size();
-  if (!s->append_in_flight) s->table.Clear();  // else the transaction releases them when it ends
+  // The blocks its tokens hold (not the new blocks of appends in flight).
+  const uint64_t n =
+      std::min<uint64_t>(s->table.size(), CeilDiv(s->MaxLength(), layout_.block_tokens));
+  if (!s->busy()) s->table.Clear();  // else the last append in flight releases them (EndAppend)
   return n;
 }
 
@@ -238,6 +241,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
     }
     if (absl::Status a = AdmitSequence(parent.tenant); !a.ok()) return a;
     const uint64_t full = parent.Length() / bt;  // blocks full in every layer: shared
+    // Rows every head of a layer holds are copied; rows only some heads hold (appends over head
+    // ranges that the other ranks have not matched yet) stay with the parent.
     const uint64_t max_len = *std::max_element(parent.layer_len.begin(), parent.layer_len.end());
     const uint64_t partial = CeilDiv(max_len, bt) - full;  // blocks some layer has rows in: copied
     auto allocated = pool_->Allocate(partial, parent.tenant_id);
@@ -302,7 +307,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   Sequence& s = **found;
-  if (s.append_in_flight) {
+  if (s.busy()) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence_id ", id, " has an append in flight; truncate after it ends"));
   }
@@ -317,6 +322,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
         "cannot truncate to ", num_tokens, " tokens: the sliding window released that block"));
   }
   for (uint64_t& l : s.layer_len) l = num_tokens;
+  s.head_len.clear();
   if (s.token_ids.size() > num_tokens) s.token_ids.resize(num_tokens);
   s.cached_tokens = std::min(s.cached_tokens, num_tokens);
   // Blocks past the end are dropped tail first; a block cut in two keeps its place in the index
@@ -357,7 +363,7 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
   std::vector<SeqPtr> expired;
   for (const auto& [id, s] : live_) {
     // An append in flight keeps its sequence: it renews the lease when it ends.
-    if (s->lease_deadline <= now && !s->append_in_flight) expired.push_back(s);
+    if (s->lease_deadline <= now && !s->busy()) expired.push_back(s);
   }
   for (const SeqPtr& s : expired) {
     ++tenant_counters_[s->tenant].leases_expired;
@@ -417,8 +423,21 @@ std::string SequenceStore::CheckInvariants() const {
   if (std::string e = pool_->CheckInvariants(); !e.empty()) return e;
   absl::MutexLock lock(&mu_);
   for (const auto& [id, s] : live_) {
-    const uint64_t max_len = *std::max_element(s->layer_len.begin(), s->layer_len.end());
-    if (s->table.size() != CeilDiv(max_len, layout_.block_tokens) && !s->append_in_flight) {
+    const uint64_t max_len = s->MaxLength();
+    if (!s->head_len.empty()) {
+      const uint32_t heads = layout_.num_kv_heads;
+      if (s->head_len.size() != s->layer_len.size() * heads) {
+        return absl::StrCat("sequence ", id, " has ", s->head_len.size(), " head lengths");
+      }
+      for (size_t l = 0; l < s->layer_len.size(); ++l) {
+        const uint64_t* row = s->head_len.data() + l * heads;
+        if (*std::min_element(row, row + heads) != s->layer_len[l]) {
+          return absl::StrCat("sequence ", id, " layer ", l, " length ", s->layer_len[l],
+                              " is not its heads' least");
+        }
+      }
+    }
+    if (s->table.size() != CeilDiv(max_len, layout_.block_tokens) && !s->busy()) {
       return absl::StrCat("sequence ", id, " has ", s->table.size(), " blocks for ", max_len,
                           " tokens");
     }

@@ -133,6 +133,11 @@ struct AppendSpec {
   uint64_t num_tokens = 0;
   std::optional<DType> dtype;       // unset: the storage dtype
   std::vector<uint32_t> token_ids;  // empty or num_tokens ids
+  // KV heads [kv_head_begin, kv_head_end) only (a tensor-parallel rank's share), as in
+  // FetchSpec. Appends over disjoint layer x head regions of one sequence may be in flight at
+  // once; a token counts in the sequence's length once every head of every layer holds it.
+  uint32_t kv_head_begin = 0;
+  std::optional<uint32_t> kv_head_end;
 };
 
 struct FetchSpec {
@@ -203,12 +208,17 @@ class AppendTxn {
   SequenceStore* store_ = nullptr;
   std::shared_ptr<Sequence> seq_;
   AppendSpec spec_;
+  uint64_t region_ = 0;  // its AppendRegion's id in seq_->appends
   uint32_t layer_end_ = 0;
+  uint32_t head_begin_ = 0, head_end_ = 0;
   uint64_t position_ = 0;                  // sequence position of payload token 0
   uint64_t own_blocks_ = 0;                // the sequence's table size when the append began
   std::unique_ptr<PayloadWriter> writer_;  // the payload over write_table (TransferSpec::table)
-  std::vector<BlockRef> new_blocks_;       // appended to the table at commit
-  std::vector<std::pair<size_t, BlockRef>> replacements_;  // copy-on-write: table[i] <- block
+  // MakePrivate's copies, swapped into the table at commit: table[i] <- block.
+  std::vector<std::pair<size_t, BlockRef>> replacements_;
+  // The blocks copied on write when the append began, at their logical index: an abort puts them
+  // back (unless another append wrote through the copies meanwhile: AppendRegion::joined).
+  std::vector<std::pair<size_t, BlockRef>> originals_;
   bool done_ = false;
 };
 
@@ -389,6 +399,10 @@ class SequenceStore {
   SeqPtr Insert(absl::Duration lease, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Renew(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SequenceInfo Info(const Sequence& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An append over `region_id` ended (committed or not): the region goes; when it was the last
+  // thing in flight, a freed sequence's blocks go, and blocks past the lengths (new blocks of
+  // appends that did not commit) go back.
+  void EndAppend(Sequence& s, uint64_t region_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `s` from the live set, leaving a tombstone with `reason`; its blocks go now, or when
   // its append in flight ends.
   // Takes `s` by value: callers often pass the map's own entry, which this erases.
@@ -427,7 +441,8 @@ class SequenceStore {
   std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
   uint64_t id_state_ ABSL_GUARDED_BY(mu_);
   uint64_t leases_expired_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live sequences' Length()
+  uint64_t last_append_region_ ABSL_GUARDED_BY(mu_) = 0;  // AppendRegion ids
+  uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;       // sum of live sequences' Length()
 
   std::atomic<uint64_t> appends_{0}, fetches_{0}, bytes_appended_{0}, bytes_fetched_{0};
 };

@@ -15,7 +15,7 @@ std::optional<SequenceStore::Compaction> SequenceStore::Retain(Sequence& s) {
   const RetentionPolicy& p = s.retention;
   const uint64_t bt = layout_.block_tokens;
   const uint64_t n = s.Length();
-  if (n != *std::max_element(s.layer_len.begin(), s.layer_len.end())) return std::nullopt;
+  if (n != s.MaxLength()) return std::nullopt;  // some layer or head is ahead: later
   if (p.kind == RetentionPolicy::Kind::kSlidingWindow) {
     if (n <= uint64_t{p.window} + p.sinks) return std::nullopt;
     // Blocks wholly past the sinks and before the window hold no kept token.
@@ -24,6 +24,7 @@ std::optional<SequenceStore::Compaction> SequenceStore::Retain(Sequence& s) {
     return std::nullopt;
   }
   if (p.kind != RetentionPolicy::Kind::kHeavyHitter) return std::nullopt;
+  if (s.busy()) return std::nullopt;  // positions move: not under another append in flight
   if (n < uint64_t{p.budget} + bt) return std::nullopt;  // a block of slack: not one per token
   s.scores.resize(n, 0.0);
   // The first token, the heaviest of the middle, the last `window`; ties go to the earlier.

@@ -136,6 +136,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     spec.num_tokens = h.num_tokens();
     spec.dtype = *dtype;
     spec.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
+    spec.kv_head_begin = h.kv_head_begin();
+    if (h.has_kv_head_end()) spec.kv_head_end = h.kv_head_end();
     auto txn = (*model)->BeginAppend(spec);
     if (!txn.ok()) return txn.status();
     if (h.payload_bytes() != 0 && h.payload_bytes() != (*txn)->payload_bytes()) {

@@ -1,9 +1,12 @@
 // Tensor parallelism on the wire, through the real kvbankd and client: a prefill (TP 1) stores
 // every kv head; a decode engine with TP 2 pulls each rank's half with a kv head range (Fetch,
 // FetchInto and FetchBlocks), and the two halves are exactly the full payload's rows of those
-// heads. Bad ranges are INVALID_ARGUMENT. Seeds are printed.
+// heads. A prefill with TP 2 pushes each rank's half at once, layer by layer, from two clients;
+// a decode with TP 1 reads what one all-heads append stores. Bad ranges are INVALID_ARGUMENT.
+// Seeds are printed.
 #include <cstring>
 #include <iostream>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -114,6 +117,92 @@ TEST_F(TpTest, DecodeRanksPullTheirKvHeads) {
     bad.kv_head_begin = 3;
     bad.kv_head_end = 5;
     auto refused = client->Fetch(m.name, seq->id, bad);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "kv head range")) << refused.status();
+  }
+}
+
+TEST_F(TpTest, PrefillRanksPushTheirKvHeadsAtOnce) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--max-pool-bytes=1GiB"}));
+  std::unique_ptr<Client> admin = NewClient();
+  for (DType storage : {DType::kFp16, DType::kInt8}) {
+    SCOPED_TRACE(DTypeName(storage));
+    const ModelLayout m = Gqa(storage);
+    auto info = admin->EnsureModel(m, 32 << 20);
+    ASSERT_TRUE(info.ok()) << info.status();
+    constexpr uint64_t kTokens = 70;
+    std::vector<uint32_t> ids(kTokens);
+    for (uint64_t i = 0; i < kTokens; ++i) ids[i] = uint32_t(3000 + i);
+    const uint64_t seed = 0x7ea + uint64_t(storage);
+    std::cerr << "[tp] prefill TP 2, " << m.name << " seed " << seed << "\n";
+    Random rng(seed);
+    std::vector<uint8_t> payload(info->payload_bytes_per_token * kTokens);
+    for (size_t i = 0; i < payload.size(); i += 2) {
+      const uint16_t bits = uint16_t(rng.Next() % 0x3c00) | uint16_t((rng.Next() & 1) << 15);
+      std::memcpy(payload.data() + i, &bits, 2);
+    }
+    Client::CreateArgs create;
+    create.lease = absl::ZeroDuration();
+    auto ref = admin->CreateSequence(m.name, create);
+    auto seq = admin->CreateSequence(m.name, create);
+    ASSERT_TRUE(ref.ok() && seq.ok());
+    Client::AppendArgs whole;
+    whole.num_tokens = kTokens;
+    whole.token_ids = ids;
+    ASSERT_TRUE(admin->Append(m.name, ref->id, whole, payload).ok());
+
+    // Each rank pushes its two heads of one layer at a time, as a prefill does while it runs.
+    const uint64_t layer_bytes = payload.size() / m.num_layers;
+    std::vector<absl::Status> results(2);
+    std::vector<std::thread> ranks;
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        std::unique_ptr<Client> client = NewClient();
+        for (uint32_t l = 0; l < m.num_layers && results[rank].ok(); ++l) {
+          std::vector<uint8_t> layer(payload.begin() + l * layer_bytes,
+                                     payload.begin() + (l + 1) * layer_bytes);
+          ModelLayout one = m;
+          one.num_layers = 1;
+          Client::AppendArgs a;
+          a.layer_begin = l;
+          a.layer_end = l + 1;
+          a.num_tokens = kTokens;
+          a.token_ids = ids;
+          a.kv_head_begin = 2 * rank;
+          a.kv_head_end = 2 * rank + 2;
+          auto done = client->Append(m.name, seq->id, a,
+                                     Heads(layer, one, kTokens, 2, 2 * rank, 2 * rank + 2));
+          results[rank] = done.status();
+        }
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    ASSERT_TRUE(results[0].ok()) << results[0];
+    ASSERT_TRUE(results[1].ok()) << results[1];
+
+    auto got = admin->GetSequence(m.name, seq->id);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->length, kTokens);
+    Client::FetchArgs stored;  // as stored: int8 with its scales, byte for byte
+    stored.dtype = storage;
+    auto want = admin->Fetch(m.name, ref->id, stored);
+    auto have = admin->Fetch(m.name, seq->id, stored);
+    ASSERT_TRUE(want.ok() && have.ok());
+    EXPECT_TRUE(BytesEqual(have->payload, want->payload));
+    // Both published the prompt's 4 full blocks under the same hashes.
+    Client::MatchQuery query;
+    query.tokens = ids;
+    auto hits = admin->Match(m.name, {query});
+    ASSERT_TRUE(hits.ok()) << hits.status();
+    EXPECT_EQ(hits->at(0), 64u);
+
+    // A head range outside the model is INVALID_ARGUMENT, with nothing appended.
+    Client::AppendArgs bad;
+    bad.num_tokens = 1;
+    bad.kv_head_begin = 3;
+    bad.kv_head_end = 5;
+    auto refused = admin->Append(m.name, seq->id, bad, std::vector<uint8_t>(16));
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "kv head range")) << refused.status();

@@ -104,6 +104,34 @@ def test_each_tensor_parallel_rank_fetches_its_kv_heads(client, model_name):
     client.free(model_name, seq.id)
 
 
+def test_prefill_ranks_append_their_kv_heads_at_once(client, model_name):
+    """A prefill with TP 2: each rank appends its two kv heads (a payload, and k / v tensors)
+    from its own thread with append_async; the sequence holds what one all-heads append does."""
+    client.ensure_model(small_layout(model_name, "fp16", kv_heads=4))
+    rng = np.random.default_rng(7102)
+    n = 37
+    kv = rng.standard_normal((4, 2, 4, n, 64)).astype(np.float16)  # [layer][K,V][head][t][dim]
+    seq = client.create_sequence(model_name)
+    futures = []
+    for rank in range(2):
+        h0, h1 = 2 * rank, 2 * rank + 2
+        part = np.ascontiguousarray(kv[:, :, h0:h1])
+        if rank == 0:
+            futures.append(client.append_async(model_name, seq.id, part, num_tokens=n,
+                                               kv_head_begin=h0, kv_head_end=h1))
+        else:
+            futures.append(client.append_async(
+                model_name, seq.id, k=np.ascontiguousarray(part[:, 0]),
+                v=np.ascontiguousarray(part[:, 1]), kv_head_begin=h0, kv_head_end=h1))
+    lengths = sorted(f.result(timeout=30).length for f in futures)
+    assert lengths[1] == n  # the second commit completes every head
+    assert client.get_sequence(model_name, seq.id).length == n
+    assert client.fetch(model_name, seq.id).tobytes() == kv.tobytes()
+    with pytest.raises(kvbank.InvalidArgumentError, match="kv head range"):
+        client.append(model_name, seq.id, kv[:, :, :1].copy(), num_tokens=n, kv_head_begin=4)
+    client.free(model_name, seq.id)
+
+
 def test_fetch_into_numpy_writes_in_place_without_a_python_copy(client, model_name):
     model = client.ensure_model(small_layout(model_name, "fp16", head_dim=128), pool_bytes=48 * MiB)
     n = 1024  # 4 layers x 2 heads x 2 (K, V) x 128 x 2 bytes = 4 KiB a token: 4 MiB

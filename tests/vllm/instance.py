@@ -8,7 +8,7 @@ SPEC: model (a directory), max_model_len, max_tokens, prefix_caching (vLLM's own
 true), batches (lists of token-id prompts; each batch is one LLM.generate call, in order), and
 for the connector: role (kv_producer / kv_consumer / kv_both; absent: no connector), target,
 kvbank_model (optional), extra (more kv_connector_extra_config); llm_args: more LLM(...)
-keyword arguments (max_num_batched_tokens, ...).
+keyword arguments (max_num_batched_tokens, tensor_parallel_size, ...).
 OUT: startup_s, batches: per prompt its output token ids, num_cached_tokens (vLLM's: local
 prefix cache + external), kv_transfer_params, and seconds (that generate call's wall time).
 """
@@ -24,6 +24,15 @@ def main(spec_path, out_path):
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    tp = int((spec.get("llm_args") or {}).get("tensor_parallel_size", 1))
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's CPU workers bind their OpenMP threads one NUMA node per rank by default; on a
+        # machine with one node, give each rank its share of this process's CPUs instead.
+        cpus = sorted(os.sched_getaffinity(0))
+        per = len(cpus) // tp
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(tp)
+        ) if per else "nobind"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 

@@ -132,6 +132,65 @@ def test_disaggregated_prefill_then_decode(client, run_instance, reference):
     assert o1["tokens"] == reference[tuple(DISAGG[1])]
 
 
+def stored_kv(client, model, p):
+    """The prompt's cached full blocks in kvbank model `model`: [layers][2][kv_heads][n][dim]."""
+    layout = client.get_model(model).layout
+    root = client.get_prefix_root(model)
+    blocks = client.fetch_blocks(model, kvbank.prefix_hashes(root.root, p, BS,
+                                                             algorithm=root.algorithm))
+    n = blocks.info.num_tokens
+    data = torch.from_numpy(blocks.data.copy()).view(torch.bfloat16).float()
+    return data.reshape(layout["num_layers"], 2, layout["num_kv_heads"], n, layout["head_dim"])
+
+
+def test_tensor_parallel_prefill_and_decode(client, run_instance, model_dir):
+    """A prefill instance with tensor parallelism 2 stores each rank's kv head (the tiny model
+    has 2) into one kvbank sequence, the ranks appending at once; its blocks hold what a TP 1
+    prefill stores, head for head, within the noise of bf16 and the ranks' all-reduce. A TP 1
+    decode loads the TP 2 prefill's blocks and a TP 2 decode (each rank its head) the TP 1
+    prefill's, and both generate the model's greedy tokens."""
+    from tiny_llama import transformers_gaps
+
+    tp1, tp2 = "vllm-tiny-tp1", "vllm-tiny-tp2"
+    run_instance([DISAGG], role="kv_producer", max_tokens=1, kvbank_model=tp1)
+    prod = run_instance([DISAGG], role="kv_producer", max_tokens=1, kvbank_model=tp2,
+                        llm_args={"tensor_parallel_size": 2})
+    for p, o in zip(DISAGG, prod["batches"][0]):
+        stored = len(p) // BS * BS
+        assert client.match(tp2, [p])[0] == stored
+        assert (o["kv_transfer_params"] or {}).get("kvbank_stored_tokens") == stored
+        a, b = stored_kv(client, tp1, p), stored_kv(client, tp2, p)
+        assert a.shape == b.shape and a.shape[3] == stored
+        for layer in range(a.shape[0]):
+            scale = a[layer].abs().max().item()
+            err = (a[layer] - b[layer]).abs().max().item()
+            swapped = (a[layer] - b[layer].flip(1)).abs().max().item()  # heads 0 and 1 swapped
+            print("[vllm] TP 2 prefill, %d-token prompt, layer %d: max |TP1 - TP2| %.4f of "
+                  "max |KV| %.3f; with the heads swapped it would be %.3f"
+                  % (len(p), layer, err, scale, swapped))
+            assert err <= 0.05 * scale
+            assert err < 0.2 * swapped
+
+    for model, tp in ((tp2, 1), (tp1, 2)):
+        args = {"tensor_parallel_size": tp} if tp > 1 else {}
+        fetches = stats(client, model).get("fetches", 0)
+        cons = run_instance([DISAGG], role="kv_consumer", kvbank_model=model, llm_args=args)
+        fetched = stats(client, model).get("fetches", 0) - fetches
+        layers = client.get_model(model).layout["num_layers"]
+        assert fetched == layers * len(DISAGG) * tp  # FetchBlocks per prompt, layer and rank
+        for p, o in zip(DISAGG, cons["batches"][0]):
+            gaps = transformers_gaps(model_dir, p, o["tokens"])
+            print("[vllm] TP %d decode from %s: %d-token prompt, %d tokens loaded, output %s; "
+                  "transformers' greedy choice at %d of %d, largest logit gap %.3f"
+                  % (tp, model, len(p), o["num_cached_tokens"], o["tokens"],
+                     sum(g == 0 for g in gaps), len(gaps), max(gaps)))
+            assert o["num_cached_tokens"] == loadable(p)
+            assert gaps[0] == 0
+            # Bf16 noise plus the ranks' all-reduce order (TP 1 and TP 2 KV differ by a bf16
+            # step): near-ties may flip; a wrong or misplaced head sits logits below.
+            assert max(gaps) <= 0.35
+
+
 def test_prefix_reuse_across_requests(client, run_instance, reference):
     model = "vllm-tiny-reuse"
     # vLLM's own prefix cache is off, so the second request's prefix can only come from kvbank.

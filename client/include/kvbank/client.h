@@ -147,6 +147,11 @@ class Client {
     // quantizes), or a quantized storage dtype (storage format). Unset: DefaultWireDType.
     std::optional<DType> dtype;
     std::vector<uint32_t> token_ids;  // empty or num_tokens ids
+    // KV heads [kv_head_begin, kv_head_end) only: a tensor-parallel rank's share (the payload
+    // layout with that many heads). Unset end: num_kv_heads. The ranks of a prefill may append
+    // their heads of the same tokens at once; the tokens count once every head holds them.
+    uint32_t kv_head_begin = 0;
+    std::optional<uint32_t> kv_head_end;
   };
   struct FetchArgs {
     uint64_t token_begin = 0;
