@@ -337,10 +337,17 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
 }
 
 absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id, const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
-  auto found = Find(id, tenant);
-  if (!found.ok()) return found.status();
-  return Remove(*found, "it was freed");
+  Fired fired;
+  uint64_t released = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = Find(id, tenant);
+    if (!found.ok()) return found.status();
+    released = Remove(*found, "it was freed");
+    TakeReadyWaiters(id, &fired);
+  }
+  Fire(std::move(fired));
+  return released;
 }
 
 absl::StatusOr<SequenceInfo> SequenceStore::RenewLease(uint64_t id, const std::string& tenant) {
@@ -359,17 +366,22 @@ absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id, const std::string& 
 }
 
 size_t SequenceStore::ExpireLeases(absl::Time now) {
-  absl::MutexLock lock(&mu_);
+  Fired fired;
   std::vector<SeqPtr> expired;
-  for (const auto& [id, s] : live_) {
-    // An append in flight keeps its sequence: it renews the lease when it ends.
-    if (s->lease_deadline <= now && !s->busy()) expired.push_back(s);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : live_) {
+      // An append in flight keeps its sequence: it renews the lease when it ends.
+      if (s->lease_deadline <= now && !s->busy()) expired.push_back(s);
+    }
+    for (const SeqPtr& s : expired) {
+      ++tenant_counters_[s->tenant].leases_expired;
+      Remove(s, "its lease expired");
+      TakeReadyWaiters(s->id, &fired);
+    }
+    leases_expired_ += expired.size();
   }
-  for (const SeqPtr& s : expired) {
-    ++tenant_counters_[s->tenant].leases_expired;
-    Remove(s, "its lease expired");
-  }
-  leases_expired_ += expired.size();
+  Fire(std::move(fired));
   return expired.size();
 }
 

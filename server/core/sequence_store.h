@@ -32,7 +32,8 @@ struct StoreOptions {
   uint64_t max_tokens_per_sequence = uint64_t{1} << 20;
   absl::Duration default_lease = absl::Minutes(5);
   absl::Duration max_lease = absl::Hours(24);
-  size_t tombstones = 65536;  // freed / expired ids remembered for clear errors
+  size_t tombstones = 65536;   // freed / expired ids remembered for clear errors
+  size_t max_waiters = 65536;  // WhenCommitted waiters at once
   std::function<absl::Time()> clock = absl::Now;
   HashAlgorithm hash = HashAlgorithm::kSha256;
   absl::Duration prefix_cache_ttl = absl::ZeroDuration();  // zero: cached blocks never age out
@@ -280,6 +281,18 @@ class SequenceStore {
   // BeginAppend + one Write + Commit.
   absl::StatusOr<SequenceInfo> Append(const AppendSpec& spec, absl::Span<const uint8_t> payload);
   absl::StatusOr<std::unique_ptr<FetchReader>> BeginFetch(const FetchSpec& spec);
+  // Layer-wise handoff: a decode worker waits for a prefill worker's layers. Answers 0 when the
+  // tokens [0, spec.token_end) of spec's layers and kv heads are committed already; else the id
+  // of a waiter whose `ready` runs once, outside the lock, on the thread that commits them (OK)
+  // or that frees or expires the sequence (FAILED_PRECONDITION saying it is gone). Errors as
+  // BeginFetch's (INVALID_ARGUMENT without token_end); RESOURCE_EXHAUSTED past
+  // StoreOptions::max_waiters. A sequence that expires on a touch, not through ExpireLeases,
+  // leaves its waiters to their caller's timeout.
+  absl::StatusOr<uint64_t> WhenCommitted(const FetchSpec& spec,
+                                         std::function<void(absl::Status)> ready);
+  // Drops a waiter. True when it was still waiting (its `ready` never runs); false when `ready`
+  // has run or is running.
+  bool CancelWait(uint64_t waiter);
   // The new sequence shares every full block and gets a private copy of the partial one.
   // Every call on a sequence names the caller's tenant: another tenant's sequence answers exactly
   // like one that never existed (NOT_FOUND).
@@ -399,6 +412,20 @@ class SequenceStore {
   SeqPtr Insert(absl::Duration lease, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Renew(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SequenceInfo Info(const Sequence& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waiters of WhenCommitted, per sequence id.
+  struct Waiter {
+    uint64_t id = 0;
+    uint32_t layer_begin = 0, layer_end = 0, head_begin = 0, head_end = 0;
+    uint64_t tokens = 0;
+    std::function<void(absl::Status)> ready;
+  };
+  using Fired = std::vector<std::pair<std::function<void(absl::Status)>, absl::Status>>;
+  // Tokens every (layer, head) of the ranges holds.
+  uint64_t Available(const Sequence& s, uint32_t l0, uint32_t l1, uint32_t h0, uint32_t h1) const;
+  // Takes the waiters of sequence `id` whose tokens are committed now, or all of them when it is
+  // gone, for Fire to call outside the lock.
+  void TakeReadyWaiters(uint64_t id, Fired* fired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void Fire(Fired fired);
   // An append over `region_id` ended (committed or not): the region goes; when it was the last
   // thing in flight, a freed sequence's blocks go, and blocks past the lengths (new blocks of
   // appends that did not commit) go back.
@@ -442,7 +469,10 @@ class SequenceStore {
   uint64_t id_state_ ABSL_GUARDED_BY(mu_);
   uint64_t leases_expired_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_append_region_ ABSL_GUARDED_BY(mu_) = 0;  // AppendRegion ids
-  uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;       // sum of live sequences' Length()
+  absl::flat_hash_map<uint64_t, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, uint64_t> waiter_sequence_ ABSL_GUARDED_BY(mu_);  // waiter -> seq
+  uint64_t last_waiter_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live sequences' Length()
 
   std::atomic<uint64_t> appends_{0}, fetches_{0}, bytes_appended_{0}, bytes_fetched_{0};
 };

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/quant.h"
@@ -225,6 +226,9 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   SequenceStore& st = *store_;
   Sequence& s = *seq_;
   const uint32_t num_heads = st.layout_.num_kv_heads;
+  // Fetches waiting for these tokens (WhenCommitted) start once the locks below are released.
+  SequenceStore::Fired fired;
+  absl::Cleanup wake = [&] { SequenceStore::Fire(std::move(fired)); };
   const uint64_t n = spec_.num_tokens;
   std::optional<SequenceStore::Compaction> compaction;
   {
@@ -287,6 +291,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     st.bytes_appended_.fetch_add(written, std::memory_order_relaxed);
     if (!compaction.has_value()) {
       st.EndAppend(s, /*region_id=*/0);
+      st.TakeReadyWaiters(s.id, &fired);
       return st.Info(s);
     }
     s.compacting = true;
@@ -302,6 +307,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     st.Account(s);
   }  // else the next append tries again
   st.EndAppend(s, /*region_id=*/0);
+  st.TakeReadyWaiters(s.id, &fired);
   return st.Info(s);
 }
 
@@ -390,16 +396,9 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     Sequence& s = **found;
     // The tokens every requested head of every requested layer holds: a rank may read its heads
     // once its prefill counterpart wrote them, before the other ranks did theirs.
-    const uint32_t num_heads = layout_.num_kv_heads;
-    const uint32_t h0 = heads->begin, h1 = heads->count == 0 ? num_heads : h0 + heads->count;
-    uint64_t avail = std::numeric_limits<uint64_t>::max();
-    for (uint32_t l = l0; l < l1; ++l) {
-      if (s.head_len.empty()) {
-        avail = std::min(avail, s.layer_len[l]);
-        continue;
-      }
-      for (uint32_t h = h0; h < h1; ++h) avail = std::min(avail, s.HeadLength(l, h, num_heads));
-    }
+    const uint32_t h0 = heads->begin;
+    const uint32_t h1 = heads->count == 0 ? layout_.num_kv_heads : h0 + heads->count;
+    const uint64_t avail = Available(s, l0, l1, h0, h1);
     const uint64_t t1 = spec.token_end.value_or(avail);
     if (spec.token_begin > t1 || t1 > avail) {
       return absl::OutOfRangeError(absl::StrCat("token range [", spec.token_begin, ", ", t1,

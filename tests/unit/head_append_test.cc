@@ -4,7 +4,8 @@
 // token counts in the length (and its block is published) once every head holds it; a rank's
 // heads can be read as soon as that rank committed them. Overlapping ranges are refused; an
 // aborted rank leaves the others' heads ahead, which Truncate evens; Fork takes what every head
-// holds. Seeds are fixed.
+// holds. A fetch's waiter (layer-wise handoff) wakes on the commit that completes its range.
+// Seeds are fixed.
 #include <atomic>
 #include <cstring>
 #include <optional>
@@ -313,6 +314,70 @@ TEST_P(HeadAppendTest, AnAbortedRankLeavesTheOthersAheadForkTakesWhatAllHoldTrun
   EXPECT_EQ((*r1)->Commit().status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(store->pool().Stats().used, 0u);
   EXPECT_EQ(store->CheckInvariants(), "");
+}
+
+// Layer-wise handoff: a waiter for layer 1's first 8 tokens of heads [2, 4) wakes on the commit
+// that completes them, not before (not on another layer's, another head range's, nor a shorter
+// one); one already satisfied answers 0; a freed sequence wakes its waiters with
+// FAILED_PRECONDITION; a cancelled waiter never runs; bad requests are refused.
+TEST_P(HeadAppendTest, WhenCommittedWakesOnTheCommitThatCompletesTheRange) {
+  auto store = NewStore();
+  const uint64_t id = NewSequence(*store);
+  FetchSpec want;
+  want.sequence_id = id;
+  want.layer_begin = 1;
+  want.layer_end = 2;
+  want.kv_head_begin = 2;
+  want.token_end = 8;
+  std::vector<absl::Status> woken;
+  auto waiter = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  ASSERT_TRUE(waiter.ok()) << waiter.status();
+  ASSERT_NE(*waiter, 0u);
+  const auto append = [&](uint32_t l0, uint32_t l1, uint32_t h0, uint32_t h1, uint64_t n) {
+    AppendSpec a = Spec(id, n, h0, h1);
+    a.layer_begin = l0;
+    a.layer_end = l1;
+    const BlockLayout nb = b_.Heads(h0, h1 - h0);
+    auto done = store->Append(
+        a, RandomFp32(PayloadLayout::Make(nb, l0, l1, n, DType::kFp32).total_bytes, 8));
+    ASSERT_TRUE(done.ok()) << done.status();
+  };
+  append(0, 1, 0, 4, 8);  // another layer
+  append(1, 2, 0, 2, 8);  // other heads of the layer
+  append(1, 2, 2, 4, 4);  // the heads, but 4 tokens of 8
+  EXPECT_TRUE(woken.empty());
+  append(1, 2, 2, 4, 4);
+  ASSERT_EQ(woken.size(), 1u);
+  EXPECT_TRUE(woken[0].ok()) << woken[0];
+  auto again = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, 0u) << "committed already: no waiter";
+  EXPECT_FALSE(store->CancelWait(*waiter)) << "it ran";
+
+  want.token_end = 12;
+  auto cancelled = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  auto freed = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  ASSERT_TRUE(cancelled.ok() && freed.ok());
+  EXPECT_TRUE(store->CancelWait(*cancelled));
+  ASSERT_TRUE(store->Free(id, "").ok());
+  ASSERT_EQ(woken.size(), 2u);
+  EXPECT_EQ(woken[1].code(), absl::StatusCode::kFailedPrecondition) << woken[1];
+  EXPECT_TRUE(absl::StrContains(woken[1].message(), "freed")) << woken[1];
+
+  const uint64_t other = NewSequence(*store);
+  FetchSpec bad;
+  bad.sequence_id = other;
+  EXPECT_EQ(store->WhenCommitted(bad, [](absl::Status) {}).status().code(),
+            absl::StatusCode::kInvalidArgument)
+      << "no token_end";
+  bad.token_end = 4;
+  bad.kv_head_begin = 5;
+  EXPECT_EQ(store->WhenCommitted(bad, [](absl::Status) {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  bad.kv_head_begin = 0;
+  bad.sequence_id = other + 100;
+  EXPECT_EQ(store->WhenCommitted(bad, [](absl::Status) {}).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, HeadAppendTest,
