@@ -55,8 +55,8 @@ absl::StatusOr<ShmHandoff> HandOver(const std::string& socket_path, int fd) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket_path.empty() || socket_path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("shm socket path '", socket_path,
-                                                   "' is empty or too long"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm socket path '", socket_path, "' is empty or too long"));
   }
   std::memcpy(addr.sun_path, socket_path.data(), socket_path.size());
   ShmHandoff out;
@@ -87,14 +87,19 @@ absl::StatusOr<ShmHandoff> HandOver(const std::string& socket_path, int fd) {
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  // A server that refuses at once (too many regions) may have answered and closed before this
+  // send: its answer is still read, and says why.
+  absl::Status sent = absl::OkStatus();
   if (sendmsg(out.conn, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(hello))) {
-    return fail(Errno("send the region to kvbankd", absl::StatusCode::kUnavailable));
+    sent = Errno("send the region to kvbankd", absl::StatusCode::kUnavailable);
   }
   proto::ShmReply reply{};
   if (!ReadFull(out.conn, &reply, sizeof(reply)) ||
       std::memcmp(reply.magic, proto::kShmMagic, sizeof(reply.magic)) != 0 ||
       reply.message_bytes > proto::kShmMaxMessageBytes) {
-    return fail(absl::UnavailableError("kvbankd's shm socket closed or answered no shm reply"));
+    return fail(!sent.ok() ? sent
+                           : absl::UnavailableError(
+                                 "kvbankd's shm socket closed or answered no shm reply"));
   }
   std::string text(reply.message_bytes, '\0');
   if (!ReadFull(out.conn, text.data(), text.size())) {
