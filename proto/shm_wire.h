@@ -2,7 +2,8 @@
 // SOCK_STREAM socket). Both ends run on one host, so integers travel in host byte order.
 //
 //   client -> server  one message: ShmHello (8 bytes), exactly one descriptor in SCM_RIGHTS: a
-//                     memfd sealed against shrinking (F_SEAL_SHRINK), of 1 .. --shm-max-region-bytes
+//                     memfd sealed against shrinking (F_SEAL_SHRINK), of 1 ..
+//                     --shm-max-region-bytes
 //   server -> client  ShmReply, then `message_bytes` bytes of text (why, when status is not 0)
 //
 // On status 0 the server has mapped the memfd and the client claims it with the gRPC call

@@ -90,8 +90,8 @@ absl::StatusOr<std::unique_ptr<ShmRegions>> ShmRegions::Start(ShmOptions options
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (options.socket_path.empty() || options.socket_path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("--shm-socket must be a path of 1..",
-                                                   sizeof(addr.sun_path) - 1, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shm-socket must be a path of 1..", sizeof(addr.sun_path) - 1, " bytes"));
   }
   if (options.max_regions == 0 || options.max_region_bytes == 0) {
     return absl::InvalidArgumentError("--shm-max-regions and --shm-max-region-bytes must be > 0");
@@ -104,8 +104,8 @@ absl::StatusOr<std::unique_ptr<ShmRegions>> ShmRegions::Start(ShmOptions options
           absl::StrCat("--shm-socket ", options.socket_path, " exists and is not a socket"));
     }
     if (Answers(addr)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--shm-socket ", options.socket_path, ": another server answers on it"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("--shm-socket ", options.socket_path, ": another server answers on it"));
     }
     unlink(options.socket_path.c_str());  // stale: its server is gone
   }
@@ -299,8 +299,8 @@ void ShmRegions::Expire(absl::Time now) {
 absl::StatusOr<ShmRegions::Claimed> ShmRegions::Claim(const std::string& tenant,
                                                       absl::string_view handle) {
   if (handle.size() != proto::kShmHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("handle must be ", proto::kShmHandleBytes,
-                                                   " bytes, not ", handle.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("handle must be ", proto::kShmHandleBytes, " bytes, not ", handle.size()));
   }
   absl::MutexLock lock(&mu_);
   auto it = pending_.find(handle);

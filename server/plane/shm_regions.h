@@ -139,7 +139,7 @@ class ShmRegions {
   const int wake_fd_;  // an eventfd: the destructor wakes the listener
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_map<int, Conn> conns_ ABSL_GUARDED_BY(mu_);  // by descriptor
+  absl::flat_hash_map<int, Conn> conns_ ABSL_GUARDED_BY(mu_);               // by descriptor
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by handle
   absl::flat_hash_map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);      // by id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

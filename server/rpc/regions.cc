@@ -30,9 +30,9 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
                                    "header.source");
   if (!bytes.ok()) return bytes.status();
   if (source.length() != txn->payload_bytes()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header.source.length ", source.length(), " is not the payload's ",
-                     txn->payload_bytes(), " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("header.source.length ", source.length(),
+                                                   " is not the payload's ", txn->payload_bytes(),
+                                                   " bytes"));
   }
   const std::vector<DType>& stored = model.layout().layer_dtypes;
   const bool plain =
