@@ -860,7 +860,8 @@ absl::Status Client::UnregisterRegion(uint64_t region_id) {
 absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string& model, uint64_t id,
                                                               const AppendArgs& args,
                                                               const RegionSlice& source) {
-  v1::AppendHeader header = MakeHeader(model, id, args, source.length);
+  // payload_bytes 0: the server checks source.length against the payload and names that field.
+  v1::AppendHeader header = MakeHeader(model, id, args, 0);
   v1::RegionSlice* s = header.mutable_source();
   s->set_region_id(source.region_id);
   s->set_offset(source.offset);
