@@ -236,6 +236,7 @@ TEST_F(ShmTest, BadSlicesAreRefusedNamingThemAndChangeNothing) {
     w2->WritesDone();
     s = w2->Finish();
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "header.source")) << s.error_message();
     auto info = c->GetSequence("m", seq->id);
     ASSERT_TRUE(info.ok());
     EXPECT_EQ(info->length, 0u);
