@@ -17,6 +17,8 @@
 // ratio = throughput / the paired memcpy's, the median over repetitions of per-repetition
 // ratios (steadier than a ratio of medians on a shared machine). GB/s columns are medians.
 // Repetition 0 is a warm-up, not recorded; it checks that every path returns the bytes given.
+// Then the same as microseconds a call, and the control plane's floor: a unary GetSequence on the
+// same connection (every shm transfer is one gRPC call too).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -135,6 +137,7 @@ double MemcpySeconds(uint8_t* dst, const uint8_t* src, uint64_t n) {
 
 struct Row {
   std::vector<double> memcpy_gbs;
+  std::vector<double> us[4];             // microseconds a call
   std::vector<double> gbs[4], ratio[4];  // shm append, shm fetch, grpc append, grpc fetch
 };
 
@@ -186,6 +189,9 @@ int Main(int argc, char** argv) {
   Touch(region->data(), max_bytes);
 
   std::vector<Row> rows(sizes.size());
+  // The control plane's floor: a unary call on the same connection (GetSequence).
+  std::vector<double> unary_us;
+  const auto probe = Check(client->CreateSequence(kModel, absl::ZeroDuration()), "Create");
   for (int rep = 0; rep <= reps; ++rep) {
     for (size_t si = 0; si < sizes.size(); ++si) {
       const uint64_t bytes = sizes[si];
@@ -232,10 +238,15 @@ int Main(int argc, char** argv) {
       }
       Check(client->Free(kModel, s1.id), "Free");
       Check(client->Free(kModel, s2.id), "Free");
+      t0 = Clock::now();
+      Check(client->GetSequence(kModel, probe.id), "GetSequence");
+      const double unary = Seconds(t0, Clock::now());
       if (rep == 0) continue;  // warm-up
+      unary_us.push_back(unary * 1e6);
       Row& r = rows[si];
       for (int k = 0; k < 4; ++k) {
         r.gbs[k].push_back(double(bytes) / t[k] / 1e9);
+        r.us[k].push_back(t[k] * 1e6);
         r.ratio[k].push_back(m[k] / t[k]);
         r.memcpy_gbs.push_back(double(bytes) / m[k] / 1e9);
       }
@@ -257,6 +268,18 @@ int Main(int argc, char** argv) {
     }
     std::printf("\n");
   }
+  std::printf("microseconds a call (median):\n");
+  for (size_t si = 0; si < sizes.size(); ++si) {
+    const Row& r = rows[si];
+    std::printf(
+        "%-8s memcpy %8.0f | shm append %8.0f | shm fetch %8.0f | grpc append %8.0f | "
+        "grpc fetch into %8.0f\n",
+        (std::to_string(sizes[si] / kMiB) + " MiB").c_str(),
+        double(sizes[si]) / Median(r.memcpy_gbs) / 1e3, Median(r.us[0]), Median(r.us[1]),
+        Median(r.us[2]), Median(r.us[3]));
+  }
+  std::printf("control plane floor: a unary GetSequence takes %.0f us (median)\n",
+              Median(unary_us));
   region.reset();
   client.reset();
   kill(server, SIGTERM);
