@@ -164,6 +164,73 @@ TEST_F(ShmTest, AppendAndFetchThroughARegionEqualTheGrpcPath) {
   ExpectAccounting(StatsOf(*c, "m"));
 }
 
+TEST_F(ShmTest, FetchBlocksIntoARegionEqualsTheGrpcPath) {
+  // Prefix caching on: full blocks get hashes that FetchBlocks names.
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--shm-socket=" + socket_}));
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  std::cerr << "[shm] seed 9202\n";
+  const std::vector<uint32_t> tokens = Tokens(9202, 3 * kBt + 5);
+  Client::AppendArgs args;
+  args.num_tokens = tokens.size();
+  args.token_ids = tokens;
+  ASSERT_TRUE(c->Append("m", seq->id, args, Random(9202).Bytes(tokens.size() * 256)).ok());
+  auto root = c->GetPrefixRoot("m");
+  ASSERT_TRUE(root.ok()) << root.status();
+  const std::vector<BlockHash> hashes =
+      PrefixHashes(root->algorithm, root->root, tokens, root->block_tokens);
+  ASSERT_EQ(hashes.size(), 3u);
+  auto want = c->FetchBlocks("m", hashes, 1, 2);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(want->payload.size(), 3 * kBt * 128);
+
+  auto region = c->RegisterRegion(64 * 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::memset((*region)->data(), 0xee, (*region)->size());
+  auto stub = v1::KvBank::NewStub(
+      grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
+  v1::FetchBlocksRequest req;
+  req.set_model("m");
+  for (const BlockHash& h : hashes) req.add_block_hashes(std::string(h.begin(), h.end()));
+  req.set_layer_begin(1);
+  req.set_layer_end(2);
+  req.mutable_dest()->set_region_id((*region)->id());
+  req.mutable_dest()->set_offset(100);
+  req.mutable_dest()->set_length(want->payload.size());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto reader = stub->FetchBlocks(&ctx, req);
+  std::vector<v1::FetchResponse> got;
+  v1::FetchResponse resp;
+  while (reader->Read(&resp)) got.push_back(resp);
+  grpc::Status s = reader->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(got.size(), 1u) << "the header alone";
+  EXPECT_TRUE(got[0].data().empty());
+  EXPECT_EQ(got[0].header().payload_bytes(), want->payload.size());
+  EXPECT_EQ(got[0].header().num_tokens(), 3 * kBt);
+  const uint8_t* d = (*region)->data();
+  EXPECT_TRUE(
+      BytesEqual(std::vector<uint8_t>(d + 100, d + 100 + want->payload.size()), want->payload));
+  EXPECT_EQ(d[99], 0xee);
+  EXPECT_EQ(d[100 + want->payload.size()], 0xee);
+  // One byte short: refused, nothing written.
+  std::memset((*region)->data(), 0xee, (*region)->size());
+  req.mutable_dest()->set_length(want->payload.size() - 1);
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto reader2 = stub->FetchBlocks(&ctx2, req);
+  while (reader2->Read(&resp)) {
+  }
+  s = reader2->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "dest.length")) << s.error_message();
+  for (uint64_t i = 0; i < (*region)->size(); ++i) ASSERT_EQ(d[i], 0xee) << "byte " << i;
+}
+
 TEST_F(ShmTest, BadSlicesAreRefusedNamingThemAndChangeNothing) {
   ASSERT_NO_FATAL_FAILURE(Start());
   std::unique_ptr<Client> c = Shm();
