@@ -166,7 +166,9 @@ void ShmRegions::Loop() {
       if (stop_) return;
       polled.clear();
       polled.push_back({wake_fd_, POLLIN, 0});
-      polled.push_back({listen_fd_, POLLIN, 0});
+      // Out of descriptors, accept fails and the listener stays readable: it rests a while.
+      polled.push_back(
+          {listen_fd_, absl::Now() < accept_paused_until_ ? short{0} : short{POLLIN}, 0});
       for (const auto& [fd, conn] : conns_) polled.push_back({fd, POLLIN, 0});
     }
     // A bounded wait, so that claim timeouts are enforced without a timer per connection.
@@ -196,7 +198,12 @@ void ShmRegions::Loop() {
 void ShmRegions::Accept() {
   for (;;) {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;  // EAGAIN: no more waiting; anything else: try again on the next poll
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED) {
+        accept_paused_until_ = absl::Now() + absl::Milliseconds(100);
+      }
+      return;
+    }
     if (conns_.size() >= options_.max_regions) {
       SendReply(fd, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted),
                 absl::StrCat("kvbankd holds ", options_.max_regions,

@@ -143,6 +143,7 @@ class ShmRegions {
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by handle
   absl::flat_hash_map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);      // by id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::Time accept_paused_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::thread listener_;  // last: it uses the members above
 };
 

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -266,6 +267,43 @@ TEST_F(ShmRegionsTest, RegionCountIsBounded) {
   close(a->conn);  // a place frees up once the server has seen it go
   ASSERT_TRUE(WaitFor([&] { return regions_->num_connections() == 1; }));
   EXPECT_TRUE(HandOver(4096).ok());
+}
+
+// Out of descriptors, accept fails while the listener stays readable: the listener must rest,
+// not spin on poll, and take the connection once descriptors are back.
+TEST_F(ShmRegionsTest, OutOfDescriptorsTheListenerRestsAndRecovers) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, options_.socket_path.c_str());
+  const int client = Keep(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_GE(client, 0);
+  // The lowest free descriptor is the one accept would take: allow none above the client's.
+  const int probe = dup(client);
+  ASSERT_GE(probe, 0);
+  close(probe);
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(probe);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  const bool connected =
+      connect(client, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  rusage before, after;
+  getrusage(RUSAGE_SELF, &before);
+  absl::SleepFor(absl::Milliseconds(500));  // a span to measure CPU over, not a wait
+  getrusage(RUSAGE_SELF, &after);
+  const int pending = regions_->num_connections();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(connected);
+  EXPECT_EQ(pending, 0) << "accept should have failed under the limit";
+  auto cpu_ms = [](const rusage& r) {
+    return (r.ru_utime.tv_sec + r.ru_stime.tv_sec) * 1000.0 +
+           (r.ru_utime.tv_usec + r.ru_stime.tv_usec) / 1000.0;
+  };
+  EXPECT_LT(cpu_ms(after) - cpu_ms(before), 150.0) << "the listener spun on a failing accept";
+  EXPECT_TRUE(WaitFor([&] { return regions_->num_connections() == 1; }))
+      << "the connection was not taken once descriptors were back";
 }
 
 TEST_F(ShmRegionsTest, StaleSocketIsReplacedLiveOneAndOtherFilesRefused) {
