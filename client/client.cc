@@ -4,6 +4,9 @@
 #include <malloc.h>
 #endif
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -18,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/fetch_decoder.h"
+#include "client/shm_handshake.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
@@ -829,5 +833,88 @@ absl::Status Client::CheckServing(absl::Duration deadline) {
 }
 
 bool Client::WaitForServing(absl::Duration deadline) { return CheckServing(deadline).ok(); }
+
+// The shared-memory plane: the memfd and socket step in shm_region.cc, the gRPC step here.
+absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size) {
+  if (impl_->options.shm_socket.empty()) {
+    return absl::FailedPreconditionError(
+        "ClientOptions::shm_socket is not set (kvbankd's --shm-socket path)");
+  }
+  std::unique_ptr<ShmRegion> region(new ShmRegion());
+  auto fd = internal::CreateSealedMemfd(size);
+  if (!fd.ok()) return fd.status();
+  region->memfd_ = *fd;
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map a ", size, "-byte region: ", std::strerror(errno)));
+  }
+  region->data_ = static_cast<uint8_t*>(p);
+  region->size_ = size;
+  auto handoff = internal::HandOver(impl_->options.shm_socket, *fd);
+  if (!handoff.ok()) return handoff.status();
+  region->conn_ = handoff->conn;
+  v1::RegisterRegionRequest req;
+  req.set_handle(handoff->handle);
+  v1::RegisterRegionResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterRegion, req, &resp); !s.ok()) return s;
+  region->id_ = resp.region_id();
+  return region;
+}
+
+absl::Status Client::UnregisterRegion(uint64_t region_id) {
+  v1::UnregisterRegionRequest req;
+  req.set_region_id(region_id);
+  v1::UnregisterRegionResponse resp;
+  return impl_->Call(&v1::KvBank::Stub::UnregisterRegion, req, &resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string& model, uint64_t id,
+                                                              const AppendArgs& args,
+                                                              const RegionSlice& source) {
+  // payload_bytes 0: the server checks source.length against the payload and names that field.
+  v1::AppendHeader header = MakeHeader(model, id, args, 0);
+  v1::RegionSlice* s = header.mutable_source();
+  s->set_region_id(source.region_id);
+  s->set_offset(source.offset);
+  s->set_length(source.length);
+  return impl_->StreamAppend(header, {});
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args,
+                                                          const RegionSlice& dest) {
+  v1::FetchRequest req = MakeFetchRequest(model, id, args);
+  v1::RegionSlice* d = req.mutable_dest();
+  d->set_region_id(dest.region_id);
+  d->set_offset(dest.offset);
+  d->set_length(dest.length);
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  // One message: the header; the payload is in the region.
+  auto reader = impl_->stub->Fetch(&ctx, req);
+  v1::FetchResponse resp;
+  bool got = false;
+  while (reader->Read(&resp)) got = true;
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  if (!got || !resp.has_header() || !resp.data().empty()) {
+    return absl::InternalError("a fetch into a region answered with no header, or with data");
+  }
+  const v1::FetchHeader& h = resp.header();
+  FetchResult r;
+  r.token_begin = h.token_begin();
+  r.num_tokens = h.num_tokens();
+  r.layer_begin = h.layer_begin();
+  r.layer_end = h.layer_end();
+  r.kv_head_begin = h.kv_head_begin();
+  r.kv_head_end = h.kv_head_end();
+  std::optional<DType> dtype;
+  if (!proto::DTypeFromProto(h.dtype(), &dtype) || !dtype.has_value()) {
+    return absl::InternalError("a fetch into a region answered with no payload dtype");
+  }
+  r.dtype = *dtype;
+  r.payload_bytes = h.payload_bytes();
+  return r;
+}
 
 }  // namespace kvbank

@@ -92,6 +92,13 @@ ABSL_FLAG(std::string, tls_cert, "",
           "serve TLS with this certificate chain (PEM); needs --tls-key. Without it bearer tokens "
           "travel in clear text");
 ABSL_FLAG(std::string, tls_key, "", "private key (PEM) of --tls-cert");
+ABSL_FLAG(std::string, shm_socket, "",
+          "same-host shared-memory plane: listen for memfd regions on this Unix socket path "
+          "(mode 0600; a stale file is replaced, one a server answers on is refused); empty: off");
+ABSL_FLAG(std::string, shm_max_region_bytes, "64GiB",
+          "largest shared-memory region a client may register");
+ABSL_FLAG(uint32_t, shm_max_regions, 256,
+          "most shared-memory regions (each one socket connection) registered or pending at once");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "with --tls-cert: require client certificates signed by these CAs (PEM): mutual TLS");
 
@@ -293,6 +300,23 @@ int Main(int argc, char** argv) {
     return Fail("--grpc-memory-bytes must be a byte size of at least 64MiB");
   }
   options.stream_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stream_idle_timeout_ms));
+  if (std::string path = absl::GetFlag(FLAGS_shm_socket); !path.empty()) {
+    plane::ShmOptions shm;
+    shm.socket_path = path;
+    auto max_region = ParseBytes(absl::GetFlag(FLAGS_shm_max_region_bytes));
+    if (!max_region.ok() || *max_region == 0) {
+      return Fail("--shm-max-region-bytes must be a byte size above 0");
+    }
+    shm.max_region_bytes = *max_region;
+    shm.max_regions = absl::GetFlag(FLAGS_shm_max_regions);
+    auto regions = plane::ShmRegions::Start(shm);
+    if (!regions.ok()) return Fail(std::string(regions.status().message()));
+    options.shm_regions = *std::move(regions);
+    std::cerr << "kvbankd: shared-memory plane on " << path << " (regions up to " << *max_region
+              << " bytes, at most " << shm.max_regions << ")" << std::endl;
+  }
+  // Kept apart from the service's copy: the socket file is removed before exit.
+  const std::shared_ptr<plane::ShmRegions> shm_regions = options.shm_regions;
 
   rpc::KvBankService service(registry, options, auth);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -377,6 +401,7 @@ int Main(int argc, char** argv) {
   // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
   // is left and close the connections now.
   (*serving)->Stop();
+  if (shm_regions != nullptr) unlink(shm_regions->options().socket_path.c_str());
   std::cerr << "kvbankd: stopped" << std::endl;
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51
   // sometimes waits ~10 s for one of its internal threads.

@@ -545,4 +545,31 @@ grpc::ServerUnaryReactor* KvBankService::Attend(Ctx* ctx, const Raw* raw, Raw* o
   return call;
 }
 
+// The shared-memory plane: the handle comes from the Unix socket (server/plane/shm_regions.h).
+grpc::ServerUnaryReactor* KvBankService::RegisterRegion(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::RegisterRegionRequest, v1::RegisterRegionResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::RegisterRegionRequest& req,
+             v1::RegisterRegionResponse* resp) -> absl::Status {
+        auto regions = ShmPlane();
+        if (!regions.ok()) return regions.status();
+        auto claimed = (*regions)->Claim(caller.tenant, req.handle());
+        if (!claimed.ok()) return claimed.status();
+        resp->set_region_id(claimed->region_id);
+        resp->set_size(claimed->size);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* KvBankService::UnregisterRegion(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::UnregisterRegionRequest& req,
+             v1::UnregisterRegionResponse*) -> absl::Status {
+        auto regions = ShmPlane();
+        if (!regions.ok()) return regions.status();
+        return (*regions)->Unregister(caller.tenant, req.region_id());
+      });
+}
+
 }  // namespace kvbank::rpc

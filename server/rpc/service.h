@@ -3,12 +3,14 @@
 #define KVBANK_SERVER_RPC_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
+#include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/stream_watchdog.h"
@@ -30,6 +32,9 @@ struct ServiceOptions {
   // A stream that waits this long on its client (an Append with no next message, a Fetch or
   // Watch whose client does not read) is cancelled and releases what it holds. Zero: never.
   absl::Duration stream_idle_timeout = absl::Seconds(60);
+  // The same-host shared-memory plane (--shm-socket); null: off (RegisterRegion and region
+  // slices answer FAILED_PRECONDITION).
+  std::shared_ptr<plane::ShmRegions> shm_regions;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
@@ -42,7 +47,7 @@ inline constexpr int kMaxMatchQueries = 4096;
 // UNIMPLEMENTED with no message), and Append, Fetch and FetchBlocks move payload bytes without
 // protobuf's copies (AppendRequest decoded and FetchResponse encoded from and into gRPC's slices).
 namespace internal {
-using RawKvBankService = v1::KvBank::WithRawCallbackMethod_EnsureModel<
+using RawKvBankServiceCore = v1::KvBank::WithRawCallbackMethod_EnsureModel<
     v1::KvBank::WithRawCallbackMethod_ListModels<v1::KvBank::WithRawCallbackMethod_GetStats<
         v1::KvBank::WithRawCallbackMethod_CreateSequence<v1::KvBank::WithRawCallbackMethod_Append<
             v1::KvBank::WithRawCallbackMethod_Fetch<v1::KvBank::WithRawCallbackMethod_Fork<
@@ -58,6 +63,8 @@ using RawKvBankService = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                     v1::KvBank::WithRawCallbackMethod_DropModel<
                                                         v1::KvBank::
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
+using RawKvBankService = v1::KvBank::WithRawCallbackMethod_RegisterRegion<
+    v1::KvBank::WithRawCallbackMethod_UnregisterRegion<RawKvBankServiceCore>>;
 }  // namespace internal
 
 // Thread-safe; reactions never block on anything but short metadata locks. On host memory a
@@ -98,6 +105,9 @@ class KvBankService final : public internal::RawKvBankService {
   // A WatchRequest in, KvEventBatch messages out.
   grpc::ServerWriteReactor<Raw>* Watch(Ctx* ctx, const Raw* req) override;
   Unary* Attend(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // The shared-memory plane (regions.cc).
+  Unary* RegisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* UnregisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
 
   // Drain mode, the first step of a graceful stop (see drain.h): every call from now on fails
   // UNAVAILABLE naming the drain, and every Watch stream ends with that status. Calls already
@@ -122,6 +132,20 @@ class KvBankService final : public internal::RawKvBankService {
 
   class AppendReactor;
   class FetchReactor;
+  class RegionFetchReactor;  // regions.cc
+  using OpenFetch = std::function<absl::StatusOr<std::unique_ptr<FetchReader>>()>;
+  // The shared-memory plane, or FAILED_PRECONDITION naming --shm-socket when it is off.
+  absl::StatusOr<plane::ShmRegions*> ShmPlane() const;
+  // A Fetch / FetchBlocks with a `dest` slice: `open` makes the reader, whose payload is copied
+  // into the caller's region on a worker; the stream answers with the header only (regions.cc).
+  grpc::ServerWriteReactor<Raw>* StartRegionFetch(Ctx* ctx, OpenFetch open,
+                                                  const std::string& tenant,
+                                                  const v1::RegionSlice& dest);
+  // Writes an append's whole payload from the caller's region (header.source) into `txn`.
+  // INVALID_ARGUMENT when the slice is not exactly txn's payload or lies outside the region;
+  // NOT_FOUND for a region that is not the tenant's (regions.cc).
+  absl::Status AppendFromRegion(const std::string& tenant, const SequenceStore& model,
+                                const v1::RegionSlice& source, AppendTxn* txn) const;
   class WatchReactor;
   template <typename Request, typename Response>
   class UnaryCall;

@@ -56,6 +56,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
         if (txn_ == nullptr && message_decoded_.header.has_value()) {
           auto model = FindModel(*service_->registry_, message_decoded_.header->model());
           on_device_ = model.ok() && (*model)->pool().memory().waits_on_device();
+          // A payload from a shared-memory region is copied whole: never in a reaction.
+          on_device_ = on_device_ || message_decoded_.header->has_source();
         }
       }
       if (!on_device_) return Step(ok);
@@ -113,8 +115,13 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
         return absl::InvalidArgumentError("the first append message must carry header");
       }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
+      if (header->has_source()) return BeginFromRegion(*header, m);
     } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
+    }
+    if (from_region_ && !m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append from a region (header.source) carries no data messages");
     }
     for (absl::Span<const uint8_t> piece : m.data) {
       if (absl::Status s = txn_->Write(piece); !s.ok()) return s;
@@ -150,6 +157,19 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     return absl::OkStatus();
   }
 
+  // The whole payload from the caller's shared-memory region; the stream then only half-closes.
+  absl::Status BeginFromRegion(const v1::AppendHeader& h, const proto::AppendMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append from a region (header.source) carries no data; the region holds the payload");
+    }
+    from_region_ = true;
+    auto model = FindModel(*service_->registry_, h.model());
+    if (!model.ok()) return model.status();
+    return service_->AppendFromRegion(tenant_, **model, h.source(), txn_.get());
+  }
+
   void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     txn_.reset();  // undoes the append
     End(ToGrpcStatus(s));
@@ -170,7 +190,10 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   absl::Mutex mu_;
   grpc::ByteBuffer message_ ABSL_GUARDED_BY(mu_);
   proto::AppendMessage message_decoded_ ABSL_GUARDED_BY(mu_);
-  bool on_device_ ABSL_GUARDED_BY(mu_) = false;  // the model's memory waits on a device
+  // The model's memory waits on a device, or the payload comes from a region: steps run on a
+  // worker.
+  bool on_device_ ABSL_GUARDED_BY(mu_) = false;
+  bool from_region_ ABSL_GUARDED_BY(mu_) = false;  // header.source: no data may follow
   std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);
@@ -398,11 +421,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   // Everything but opening the reader runs here; the reader opens in the reactor (on a device
   // worker when the model's memory waits on a device).
   bool on_device = false;
+  std::optional<v1::RegionSlice> dest;
+  std::string tenant;
   auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     v1::FetchRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    if (req.has_dest()) dest = req.dest();
+    tenant = caller->tenant;
     if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
     auto model = FindModel(*registry_, req.model());
     if (!model.ok()) return model.status();
@@ -422,16 +449,22 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     return FetchReactor::Open(
         [store = *std::move(model), spec = std::move(spec)] { return store->BeginFetch(spec); });
   };
-  return FetchReactor::Start(this, ctx, prepare(), on_device);
+  auto open = prepare();
+  if (open.ok() && dest.has_value()) return StartRegionFetch(ctx, *std::move(open), tenant, *dest);
+  return FetchReactor::Start(this, ctx, std::move(open), on_device);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
   bool on_device = false;
+  std::optional<v1::RegionSlice> dest;
+  std::string tenant;
   auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     v1::FetchBlocksRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    if (req.has_dest()) dest = req.dest();
+    tenant = caller->tenant;
     auto model = FindModel(*registry_, req.model());
     if (!model.ok()) return model.status();
     auto hashes = HashesFromProto(req.block_hashes(), "block_hashes");
@@ -448,7 +481,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
       return store->FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end);
     });
   };
-  return FetchReactor::Start(this, ctx, prepare(), on_device);
+  auto open = prepare();
+  if (open.ok() && dest.has_value()) return StartRegionFetch(ctx, *std::move(open), tenant, *dest);
+  return FetchReactor::Start(this, ctx, std::move(open), on_device);
 }
 
 }  // namespace kvbank::rpc

@@ -82,6 +82,14 @@ bool AppendSeeds(const std::string& dir) {
   ok &= Write(dir, "header_only", Input().Front(header_only.SerializeAsString()).Cuts({}).Bytes());
   ok &= Write(dir, "reordered", Input().Front(reordered).Cuts({1, 30, 31}).Bytes());
   ok &= Write(dir, "empty", Input().Cuts({}).Bytes());
+  // The shared-memory plane: the payload is a region slice, the message the header alone.
+  kvbank::v1::AppendRequest from_region = header_only;
+  kvbank::v1::RegionSlice* source = from_region.mutable_header()->mutable_source();
+  source->set_region_id(3);
+  source->set_offset(4096);
+  source->set_length(48);
+  ok &= Write(dir, "region_source",
+              Input().Front(from_region.SerializeAsString()).Cuts({3, 50}).Bytes());
   return ok;
 }
 

@@ -62,6 +62,45 @@ struct ClientOptions {
   // MALLOC_MMAP_THRESHOLD_ is set in the environment (the user's own setting wins). glibc only.
   // Set false before the first Connect to leave malloc as it is.
   bool tune_malloc = true;
+  // kvbankd's --shm-socket (a Unix socket path on this host): where RegisterRegion hands a
+  // shared-memory region over. Empty: RegisterRegion answers FAILED_PRECONDITION.
+  std::string shm_socket;
+};
+
+// Bytes [offset, offset + length) of a shared-memory region registered with kvbankd.
+struct RegionSlice {
+  uint64_t region_id = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// A same-host shared-memory region (Client::RegisterRegion): a memfd of this process, sealed
+// against shrinking and growing, mapped here and in kvbankd. Appends and fetches that name a
+// slice of it copy once, between kvbankd's pool and this memory, with no payload on a socket.
+// Only this client's tenant can name it. It stays registered while this object lives: the
+// destructor closes the socket connection it was handed over on, and kvbankd then drops it.
+// Not copyable (Client::RegisterRegion hands it out in a unique_ptr); data() may be read and
+// written from any thread (what a transfer in flight on the same bytes then sees is the
+// caller's business).
+class ShmRegion {
+ public:
+  ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  uint64_t id() const { return id_; }  // kvbankd's region id
+  RegionSlice Slice(uint64_t offset, uint64_t length) const { return {id_, offset, length}; }
+
+ private:
+  friend class Client;
+  ShmRegion() = default;
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  uint64_t id_ = 0;
+  int memfd_ = -1;
+  int conn_ = -1;  // the socket connection the region lives by
 };
 
 class Client {
@@ -223,6 +262,24 @@ class Client {
   // what `out` then holds is meaningless).
   absl::StatusOr<FetchResult> FetchInto(const std::string& model, uint64_t id,
                                         const FetchArgs& args, absl::Span<uint8_t> out);
+  // Same-host shared-memory plane (kvbankd --shm-socket, ClientOptions::shm_socket).
+  // Creates a `size`-byte memfd region, hands it to kvbankd over the socket and registers it for
+  // this client's tenant. FAILED_PRECONDITION when shm_socket is not set; UNAVAILABLE when
+  // nothing answers on it; the server's refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) as is.
+  absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterRegion(uint64_t size);
+  // Drops a region at once (destroying the ShmRegion does too). NOT_FOUND when the tenant has no
+  // such region.
+  absl::Status UnregisterRegion(uint64_t region_id);
+  // Append whose payload is `source` (exactly the payload's size); the bytes do not travel on
+  // gRPC. Atomic as Append.
+  absl::StatusOr<SequenceInfo> AppendFromRegion(const std::string& model, uint64_t id,
+                                                const AppendArgs& args, const RegionSlice& source);
+  // Fetch written into `dest` from its start (the result's payload stays empty; payload_bytes
+  // says how much was written). INVALID_ARGUMENT, nothing written, when dest is smaller than the
+  // payload.
+  absl::StatusOr<FetchResult> FetchToRegion(const std::string& model, uint64_t id,
+                                            const FetchArgs& args, const RegionSlice& dest);
+
   // Typed helper: fills k [layers][kv_heads][tokens][head_dim] and v (same, head_dim_v; empty for
   // MLA). REQUIRES: the spans are exactly the size of the range fetched; else INVALID_ARGUMENT.
   absl::Status FetchTensors(const std::string& model, uint64_t id, const FetchArgs& args,

@@ -1,0 +1,296 @@
+// shm_bench: the same-host shared-memory plane of the shipped kvbankd, measured as its own
+// process, against memcpy of the same bytes in the same run, with the gRPC path beside it.
+//
+//   shm_bench [--quick] [--reps N] [--kvbankd PATH]
+//
+// kvbankd (this build's, or --kvbankd) runs with --device=host, a 1 GiB llama-3.1-8b pool (bf16,
+// 128 KiB of payload per token) and --shm-socket in a temp dir; this process is the client
+// (kvbank::Client with ClientOptions::shm_socket) and registers one region of the largest size.
+// Payloads of 2, 16 and 128 MiB (16, 128, 1024 tokens); per size and repetition, in turn:
+//   shm append:  Client::AppendFromRegion of the whole payload to a fresh sequence (create and
+//                free not timed): kvbankd copies region -> pool, one copy.
+//   shm fetch:   Client::FetchToRegion of that sequence: pool -> region, one copy.
+//   grpc append: Client::Append of the same bytes from a buffer, over loopback TCP.
+//   grpc fetch:  Client::FetchInto a reused buffer (no fresh pages), over loopback TCP.
+//   memcpy:      one memcpy of the same number of bytes between two touched buffers, measured
+//                right before each of the four calls (the pair's baseline).
+// ratio = throughput / the paired memcpy's, the median over repetitions of per-repetition
+// ratios (steadier than a ratio of medians on a shared machine). GB/s columns are medians.
+// Repetition 0 is a warm-up, not recorded; it checks that every path returns the bytes given.
+// Then the same as microseconds a call, and the control plane's floor: a unary GetSequence on the
+// same connection (every shm transfer is one gRPC call too).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kvbank/client.h"
+
+#ifndef KVBANK_KVBANKD_PATH
+#error "KVBANK_KVBANKD_PATH must name the kvbankd binary (bench/CMakeLists.txt)"
+#endif
+
+namespace kvbank {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr char kModel[] = "llama-3.1-8b";
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "shm_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) Die(std::string(what) + ": " + v.status().ToString());
+  return *std::move(v);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// kvbankd as a child process, its output in `log`; dies with this process.
+pid_t SpawnServer(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (std::string& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const int log_fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(126);
+    dup2(null_fd, 0);
+    dup2(log_fd, 1);
+    dup2(log_fd, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  if (pid < 0) Die("fork");
+  close(log_fd);
+  close(null_fd);
+  return pid;
+}
+
+int WaitForPortFile(pid_t server, const std::string& port_file, const std::string& log) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    int status = 0;
+    if (waitpid(server, &status, WNOHANG) == server) {
+      Die("kvbankd exited before serving; its log:\n" + ReadFile(log));
+    }
+    const int port = std::atoi(ReadFile(port_file).c_str());
+    if (port > 0) return port;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  Die("kvbankd wrote no port file within 30 s; its log:\n" + ReadFile(log));
+}
+
+// Pages touched up front: no first-touch faults are timed.
+void Touch(uint8_t* p, uint64_t n) {
+  for (uint64_t i = 0; i < n; i += 4096) p[i] = static_cast<uint8_t>(i >> 12);
+}
+
+double MemcpySeconds(uint8_t* dst, const uint8_t* src, uint64_t n) {
+  const auto t0 = Clock::now();
+  std::memcpy(dst, src, n);
+  const auto t1 = Clock::now();
+  // Keeps the copy from being elided.
+  if (dst[n / 2] != src[n / 2]) Die("memcpy");
+  return Seconds(t0, t1);
+}
+
+struct Row {
+  std::vector<double> memcpy_gbs;
+  std::vector<double> us[4];             // microseconds a call
+  std::vector<double> gbs[4], ratio[4];  // shm append, shm fetch, grpc append, grpc fetch
+};
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  int reps = 7;
+  std::string kvbankd = KVBANK_KVBANKD_PATH;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--reps" && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--kvbankd" && i + 1 < argc) {
+      kvbankd = argv[++i];
+    } else {
+      Die("usage: shm_bench [--quick] [--reps N] [--kvbankd PATH]");
+    }
+  }
+  if (quick) reps = 2;
+  signal(SIGPIPE, SIG_IGN);
+  const std::vector<uint64_t> sizes = quick
+                                          ? std::vector<uint64_t>{2 * kMiB}
+                                          : std::vector<uint64_t>{2 * kMiB, 16 * kMiB, 128 * kMiB};
+  const uint64_t max_bytes = *std::max_element(sizes.begin(), sizes.end());
+
+  char templ[] = "/tmp/shm_bench-XXXXXX";
+  if (mkdtemp(templ) == nullptr) Die("mkdtemp");
+  const std::string dir = templ;
+  const std::string log = dir + "/kvbankd.log", port_file = dir + "/port";
+  const std::string socket = dir + "/kvbankd.sock";
+  const pid_t server = SpawnServer(
+      {kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file, "--no-auth", "--device=host",
+       "--models=llama-3.1-8b", "--pool-bytes=1GiB", "--shm-socket=" + socket},
+      log);
+  const int port = WaitForPortFile(server, port_file, log);
+  ClientOptions options;
+  options.shm_socket = socket;
+  auto client = Check(Client::Connect("127.0.0.1:" + std::to_string(port), options), "Connect");
+  if (absl::Status s = client->CheckServing(absl::Seconds(10)); !s.ok()) Die(s.ToString());
+  const Client::ModelInfo model = Check(client->GetModel(kModel), "GetModel");
+  std::unique_ptr<ShmRegion> region = Check(client->RegisterRegion(max_bytes), "RegisterRegion");
+
+  std::vector<uint8_t> payload(max_bytes), into(max_bytes), a(max_bytes), b(max_bytes);
+  for (uint64_t i = 0; i < max_bytes; ++i) payload[i] = static_cast<uint8_t>((i * 131) >> 3);
+  Touch(into.data(), max_bytes);
+  Touch(a.data(), max_bytes);
+  std::memcpy(b.data(), payload.data(), max_bytes);
+  Touch(region->data(), max_bytes);
+
+  std::vector<Row> rows(sizes.size());
+  // The control plane's floor: a unary call on the same connection (GetSequence).
+  std::vector<double> unary_us;
+  const auto probe = Check(client->CreateSequence(kModel, absl::ZeroDuration()), "Create");
+  for (int rep = 0; rep <= reps; ++rep) {
+    for (size_t si = 0; si < sizes.size(); ++si) {
+      const uint64_t bytes = sizes[si];
+      const uint64_t tokens = bytes / model.payload_bytes_per_token;
+      Client::AppendArgs args;
+      args.num_tokens = tokens;
+      double t[4], m[4];
+      // shm append
+      std::memcpy(region->data(), payload.data(), bytes);
+      const auto s1 = Check(client->CreateSequence(kModel, absl::ZeroDuration()), "Create");
+      m[0] = MemcpySeconds(a.data(), b.data(), bytes);
+      auto t0 = Clock::now();
+      Check(client->AppendFromRegion(kModel, s1.id, args, region->Slice(0, bytes)),
+            "AppendFromRegion");
+      t[0] = Seconds(t0, Clock::now());
+      // shm fetch
+      if (rep == 0) std::memset(region->data(), 0, bytes);
+      m[1] = MemcpySeconds(a.data(), b.data(), bytes);
+      t0 = Clock::now();
+      const auto f =
+          Check(client->FetchToRegion(kModel, s1.id, {}, region->Slice(0, bytes)), "FetchToRegion");
+      t[1] = Seconds(t0, Clock::now());
+      if (f.payload_bytes != bytes ||
+          (rep == 0 && std::memcmp(region->data(), payload.data(), bytes) != 0)) {
+        Die("FetchToRegion returned other bytes than AppendFromRegion stored");
+      }
+      // grpc append
+      const auto s2 = Check(client->CreateSequence(kModel, absl::ZeroDuration()), "Create");
+      m[2] = MemcpySeconds(a.data(), b.data(), bytes);
+      t0 = Clock::now();
+      Check(client->Append(kModel, s2.id, args, absl::MakeConstSpan(payload.data(), bytes)),
+            "Append");
+      t[2] = Seconds(t0, Clock::now());
+      // grpc fetch into
+      if (rep == 0) std::memset(into.data(), 0, bytes);
+      m[3] = MemcpySeconds(a.data(), b.data(), bytes);
+      t0 = Clock::now();
+      const auto g =
+          Check(client->FetchInto(kModel, s2.id, {}, absl::MakeSpan(into.data(), bytes)), "Fetch");
+      t[3] = Seconds(t0, Clock::now());
+      if (g.payload_bytes != bytes ||
+          (rep == 0 && std::memcmp(into.data(), payload.data(), bytes) != 0)) {
+        Die("FetchInto returned other bytes than Append stored");
+      }
+      Check(client->Free(kModel, s1.id), "Free");
+      Check(client->Free(kModel, s2.id), "Free");
+      t0 = Clock::now();
+      Check(client->GetSequence(kModel, probe.id), "GetSequence");
+      const double unary = Seconds(t0, Clock::now());
+      if (rep == 0) continue;  // warm-up
+      unary_us.push_back(unary * 1e6);
+      Row& r = rows[si];
+      for (int k = 0; k < 4; ++k) {
+        r.gbs[k].push_back(double(bytes) / t[k] / 1e9);
+        r.us[k].push_back(t[k] * 1e6);
+        r.ratio[k].push_back(m[k] / t[k]);
+        r.memcpy_gbs.push_back(double(bytes) / m[k] / 1e9);
+      }
+    }
+  }
+
+  std::printf("shm_bench: kvbankd pid %d (--device=host, llama-3.1-8b bf16), %d repetitions\n",
+              static_cast<int>(server), reps);
+  std::printf("%-8s %8s | %18s | %18s | %18s | %18s\n", "size", "memcpy", "shm append", "shm fetch",
+              "grpc append", "grpc fetch into");
+  std::printf("%-8s %8s | %9s %8s | %9s %8s | %9s %8s | %9s %8s\n", "", "GB/s", "GB/s", "ratio",
+              "GB/s", "ratio", "GB/s", "ratio", "GB/s", "ratio");
+  for (size_t si = 0; si < sizes.size(); ++si) {
+    const Row& r = rows[si];
+    std::printf("%-8s %8.2f", (std::to_string(sizes[si] / kMiB) + " MiB").c_str(),
+                Median(r.memcpy_gbs));
+    for (int k = 0; k < 4; ++k) {
+      std::printf(" | %9.2f %8.2f", Median(r.gbs[k]), Median(r.ratio[k]));
+    }
+    std::printf("\n");
+  }
+  std::printf("microseconds a call (median):\n");
+  for (size_t si = 0; si < sizes.size(); ++si) {
+    const Row& r = rows[si];
+    std::printf(
+        "%-8s memcpy %8.0f | shm append %8.0f | shm fetch %8.0f | grpc append %8.0f | "
+        "grpc fetch into %8.0f\n",
+        (std::to_string(sizes[si] / kMiB) + " MiB").c_str(),
+        double(sizes[si]) / Median(r.memcpy_gbs) / 1e3, Median(r.us[0]), Median(r.us[1]),
+        Median(r.us[2]), Median(r.us[3]));
+  }
+  std::printf("control plane floor: a unary GetSequence takes %.0f us (median)\n",
+              Median(unary_us));
+  region.reset();
+  client.reset();
+  kill(server, SIGTERM);
+  int status = 0;
+  waitpid(server, &status, 0);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvbank
+
+int main(int argc, char** argv) { return kvbank::Main(argc, argv); }

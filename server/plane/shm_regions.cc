@@ -1,0 +1,382 @@
+#include "server/plane/shm_regions.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "openssl/rand.h"
+#include "proto/shm_wire.h"
+
+namespace kvbank::plane {
+namespace {
+
+absl::Status Errno(absl::string_view what) {
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// Sends `reply` and `message` without blocking; a peer that does not read loses the answer (its
+// connection is closed on error anyway).
+void SendReply(int fd, uint32_t status, absl::string_view message, absl::string_view handle,
+               uint64_t size) {
+  proto::ShmReply reply{};
+  std::memcpy(reply.magic, proto::kShmMagic, sizeof(reply.magic));
+  reply.status = status;
+  message = message.substr(0, proto::kShmMaxMessageBytes);
+  reply.message_bytes = static_cast<uint32_t>(message.size());
+  std::memcpy(reply.handle, handle.data(), std::min<size_t>(handle.size(), sizeof(reply.handle)));
+  reply.size = size;
+  std::string out(reinterpret_cast<const char*>(&reply), sizeof(reply));
+  out.append(message.data(), message.size());
+  (void)send(fd, out.data(), out.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+// Whether a server answers on the socket at `path`.
+bool Answers(const sockaddr_un& addr) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool ok = connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t max_bytes) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return Errno("shm region: fstat");
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError("shm region: the descriptor is not a memfd (regular file)");
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return absl::InvalidArgumentError(
+        "shm region: the descriptor takes no seals: send a memfd made with MFD_ALLOW_SEALING");
+  }
+  // NOTE: without this seal the client could ftruncate the file under a copy, and the server's
+  // access past the new end would raise SIGBUS in kvbankd.
+  if ((seals & F_SEAL_SHRINK) == 0) {
+    return absl::InvalidArgumentError(
+        "shm region: the memfd is not sealed against shrinking (fcntl F_ADD_SEALS F_SEAL_SHRINK)");
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == 0) return absl::InvalidArgumentError("shm region: the memfd is empty (size 0)");
+  if (size > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shm region: ", size, " bytes is more than ",
+                                                   max_bytes, " (--shm-max-region-bytes)"));
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm region: cannot map it shared read/write (open it O_RDWR, no write seal): ",
+        std::strerror(errno)));
+  }
+  return std::shared_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), size));
+}
+
+ShmMapping::~ShmMapping() { munmap(data_, size_); }
+
+absl::StatusOr<std::unique_ptr<ShmRegions>> ShmRegions::Start(ShmOptions options) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (options.socket_path.empty() || options.socket_path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shm-socket must be a path of 1..", sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  if (options.max_regions == 0 || options.max_region_bytes == 0) {
+    return absl::InvalidArgumentError("--shm-max-regions and --shm-max-region-bytes must be > 0");
+  }
+  std::memcpy(addr.sun_path, options.socket_path.data(), options.socket_path.size());
+  struct stat st;
+  if (lstat(options.socket_path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--shm-socket ", options.socket_path, " exists and is not a socket"));
+    }
+    if (Answers(addr)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--shm-socket ", options.socket_path, ": another server answers on it"));
+    }
+    unlink(options.socket_path.c_str());  // stale: its server is gone
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Errno("--shm-socket: socket");
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+    absl::Status s = Errno(absl::StrCat("--shm-socket: bind ", options.socket_path));
+    close(fd);
+    return s;
+  }
+  // Owner only. Connecting gives nothing by itself (a region is claimed only through an
+  // authenticated RegisterRegion, with a handle only its sender knows); this keeps other users
+  // from holding connections.
+  if (chmod(options.socket_path.c_str(), 0600) != 0 || listen(fd, 64) != 0) {
+    absl::Status s = Errno(absl::StrCat("--shm-socket: chmod/listen ", options.socket_path));
+    close(fd);
+    unlink(options.socket_path.c_str());
+    return s;
+  }
+  const int wake = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake < 0) {
+    absl::Status s = Errno("--shm-socket: eventfd");
+    close(fd);
+    unlink(options.socket_path.c_str());
+    return s;
+  }
+  return std::unique_ptr<ShmRegions>(new ShmRegions(std::move(options), fd, wake));
+}
+
+ShmRegions::ShmRegions(ShmOptions options, int listen_fd, int wake_fd)
+    : options_(std::move(options)),
+      listen_fd_(listen_fd),
+      wake_fd_(wake_fd),
+      listener_([this] { Loop(); }) {}
+
+ShmRegions::~ShmRegions() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+  listener_.join();
+  absl::MutexLock lock(&mu_);
+  std::vector<int> fds;
+  for (const auto& [fd, conn] : conns_) fds.push_back(fd);
+  for (int fd : fds) Close(fd);
+  close(listen_fd_);
+  close(wake_fd_);
+  unlink(options_.socket_path.c_str());
+}
+
+void ShmRegions::Loop() {
+  std::vector<pollfd> polled;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return;
+      polled.clear();
+      polled.push_back({wake_fd_, POLLIN, 0});
+      // Out of descriptors, accept fails and the listener stays readable: it rests a while.
+      polled.push_back(
+          {listen_fd_, absl::Now() < accept_paused_until_ ? short{0} : short{POLLIN}, 0});
+      for (const auto& [fd, conn] : conns_) polled.push_back({fd, POLLIN, 0});
+    }
+    // A bounded wait, so that claim timeouts are enforced without a timer per connection.
+    const int n = poll(polled.data(), polled.size(), 200);
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    if (n > 0) {
+      // Connections before new ones: an Unregister may have closed one meanwhile, and its
+      // descriptor number must not be taken for a new connection's while these events are read.
+      for (size_t i = 2; i < polled.size(); ++i) {
+        const pollfd& p = polled[i];
+        if (p.revents == 0) continue;
+        auto it = conns_.find(p.fd);
+        if (it == conns_.end()) continue;  // closed meanwhile
+        if (it->second.state == Conn::State::kHello && (p.revents & POLLIN)) {
+          ReceiveHello(p.fd);
+        } else {
+          ReadAfterHello(p.fd);
+        }
+      }
+      if (polled[1].revents != 0) Accept();
+    }
+    Expire(absl::Now());
+  }
+}
+
+void ShmRegions::Accept() {
+  for (;;) {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED) {
+        accept_paused_until_ = absl::Now() + absl::Milliseconds(100);
+      }
+      return;
+    }
+    if (conns_.size() >= options_.max_regions) {
+      SendReply(fd, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted),
+                absl::StrCat("kvbankd holds ", options_.max_regions,
+                             " shared-memory regions and connections already (--shm-max-regions)"),
+                "", 0);
+      close(fd);
+      continue;
+    }
+    conns_[fd].opened = absl::Now();
+  }
+}
+
+void ShmRegions::ReceiveHello(int fd) {
+  proto::ShmHello hello{};
+  // Room for more than one descriptor, so that extra ones are received (and closed), not left
+  // to MSG_CTRUNC.
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+  iovec iov{&hello, sizeof(hello)};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t got = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (got < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; ++i) {
+      int received;
+      std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.push_back(received);
+    }
+  }
+  auto close_fds = [&fds] {
+    for (int f : fds) close(f);
+  };
+  const bool hello_ok = got == static_cast<ssize_t>(sizeof(hello)) &&
+                        std::memcmp(hello.magic, proto::kShmMagic, sizeof(hello.magic)) == 0 &&
+                        (msg.msg_flags & MSG_CTRUNC) == 0;
+  if (!hello_ok || fds.size() != 1) {
+    // Garbage, EOF or not exactly one descriptor: nothing was registered; the peer is closed.
+    if (hello_ok) {
+      SendReply(fd, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument),
+                "shm hello must carry exactly one descriptor (SCM_RIGHTS)", "", 0);
+    }
+    close_fds();
+    return Close(fd);
+  }
+  auto mapping = ShmMapping::Map(fds[0], options_.max_region_bytes);
+  close_fds();  // the mapping keeps the memory
+  if (!mapping.ok()) {
+    SendReply(fd, static_cast<uint32_t>(mapping.status().code()), mapping.status().message(), "",
+              0);
+    return Close(fd);
+  }
+  std::string handle(proto::kShmHandleBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(handle.data()), handle.size()) != 1) {
+    SendReply(fd, static_cast<uint32_t>(absl::StatusCode::kInternal),
+              "no random bytes for a region handle", "", 0);
+    return Close(fd);
+  }
+  Conn& conn = conns_[fd];
+  conn.state = Conn::State::kPending;
+  conn.opened = absl::Now();  // the claim timeout runs from the answer
+  conn.handle = handle;
+  pending_[handle] = Pending{*mapping, fd};
+  SendReply(fd, 0, "", handle, (*mapping)->size());
+}
+
+void ShmRegions::ReadAfterHello(int fd) {
+  char buf[64];
+  const ssize_t got = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+  if (got < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  // got == 0: the client closed its end (exit, crash); got > 0: it sent more than the protocol
+  // has; got < 0: the connection broke. The region goes in each case.
+  Close(fd);
+}
+
+void ShmRegions::Close(int fd) {
+  auto it = conns_.find(fd);
+  if (it == conns_.end()) return;
+  if (it->second.state == Conn::State::kPending) pending_.erase(it->second.handle);
+  if (it->second.state == Conn::State::kClaimed) regions_.erase(it->second.region_id);
+  conns_.erase(it);
+  close(fd);
+}
+
+void ShmRegions::Expire(absl::Time now) {
+  std::vector<int> late;
+  for (const auto& [fd, conn] : conns_) {
+    if (conn.state != Conn::State::kClaimed && now - conn.opened > options_.claim_timeout) {
+      late.push_back(fd);
+    }
+  }
+  for (int fd : late) Close(fd);
+}
+
+absl::StatusOr<ShmRegions::Claimed> ShmRegions::Claim(const std::string& tenant,
+                                                      absl::string_view handle) {
+  if (handle.size() != proto::kShmHandleBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("handle must be ", proto::kShmHandleBytes, " bytes, not ", handle.size()));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(handle);
+  if (it == pending_.end()) {
+    return absl::NotFoundError(
+        "handle names no shared-memory region waiting to be registered (unknown, claimed "
+        "already, or its socket connection closed or timed out)");
+  }
+  const uint64_t id = next_id_++;
+  const int fd = it->second.conn;
+  Claimed claimed{id, it->second.mapping->size()};
+  regions_[id] = Region{tenant, std::move(it->second.mapping), fd};
+  pending_.erase(it);
+  Conn& conn = conns_[fd];
+  conn.state = Conn::State::kClaimed;
+  conn.handle.clear();
+  conn.region_id = id;
+  return claimed;
+}
+
+absl::Status ShmRegions::Unregister(const std::string& tenant, uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end() || it->second.tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("region_id ", id, " names no region of this tenant"));
+  }
+  // The listener closes the connection (and drops the region) under this lock; the region is
+  // gone for every caller from now on.
+  Close(it->second.conn);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegionBytes> ShmRegions::Resolve(const std::string& tenant, uint64_t id,
+                                                uint64_t offset, uint64_t length,
+                                                absl::string_view field) const {
+  if (id == 0) return absl::InvalidArgumentError(absl::StrCat(field, ".region_id is 0 (unset)"));
+  std::shared_ptr<ShmMapping> mapping;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end() || it->second.tenant != tenant) {
+      return absl::NotFoundError(
+          absl::StrCat(field, ".region_id ", id, " names no shared-memory region of this tenant"));
+    }
+    mapping = it->second.mapping;
+  }
+  // Written so that nothing overflows: offset <= size, then length <= size - offset.
+  if (offset > mapping->size() || length > mapping->size() - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": offset ", offset, " + length ", length,
+                                                   " runs past the region's ", mapping->size(),
+                                                   " bytes"));
+  }
+  RegionBytes out;
+  out.bytes = absl::MakeSpan(mapping->data() + offset, length);
+  out.mapping = std::move(mapping);
+  return out;
+}
+
+size_t ShmRegions::num_regions() const {
+  absl::MutexLock lock(&mu_);
+  return regions_.size();
+}
+size_t ShmRegions::num_pending() const {
+  absl::MutexLock lock(&mu_);
+  return pending_.size();
+}
+size_t ShmRegions::num_connections() const {
+  absl::MutexLock lock(&mu_);
+  return conns_.size();
+}
+
+}  // namespace kvbank::plane

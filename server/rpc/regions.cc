@@ -1,0 +1,133 @@
+// KvBankService's side of the same-host shared-memory plane (server/plane/shm_regions.h): an
+// Append whose header names a source slice, and a Fetch / FetchBlocks whose request names a dest
+// slice. The payload moves in one copy between the pool and the client's region, through the
+// core's transfer seam (AppendTxn::Write, FetchReader::Read), always on a worker: it is a whole
+// payload, not one chunk, and on memory that waits on a device it is a device copy.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/rpc/handler_util.h"
+#include "server/rpc/service.h"
+
+namespace kvbank::rpc {
+
+absl::StatusOr<plane::ShmRegions*> KvBankService::ShmPlane() const {
+  if (options_.shm_regions == nullptr) {
+    return absl::FailedPreconditionError(
+        "kvbankd serves no shared-memory plane (start it with --shm-socket)");
+  }
+  return options_.shm_regions.get();
+}
+
+absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const SequenceStore& model,
+                                             const v1::RegionSlice& source, AppendTxn* txn) const {
+  auto regions = ShmPlane();
+  if (!regions.ok()) return regions.status();
+  auto bytes = (*regions)->Resolve(tenant, source.region_id(), source.offset(), source.length(),
+                                   "header.source");
+  if (!bytes.ok()) return bytes.status();
+  if (source.length() != txn->payload_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.source.length ", source.length(),
+                                                   " is not the payload's ", txn->payload_bytes(),
+                                                   " bytes"));
+  }
+  const std::vector<DType>& stored = model.layout().layer_dtypes;
+  const bool plain =
+      std::all_of(stored.begin(), stored.end(), [&](DType d) { return d == txn->dtype(); });
+  if (plain) return txn->Write(bytes->bytes);
+  // NOTE: the client may change its region while this reads it. A copy is harmless (the client
+  // gets what it wrote), but a conversion reads values more than once (the NaN check, an fp8
+  // group's scale, then the codes): it gets each piece from a private copy, read once.
+  std::vector<uint8_t> piece(std::min<uint64_t>(bytes->bytes.size(), uint64_t{1} << 20));
+  for (uint64_t at = 0; at < bytes->bytes.size(); at += piece.size()) {
+    const uint64_t n = std::min<uint64_t>(piece.size(), bytes->bytes.size() - at);
+    std::memcpy(piece.data(), bytes->bytes.data() + at, n);
+    if (absl::Status s = txn->Write(absl::MakeConstSpan(piece.data(), n)); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+// Server stream of one message: the FetchResponse header, once the payload is in the region.
+// The reader opens and copies on a worker; its blocks go before the answer is sent.
+class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
+                     absl::StatusOr<plane::RegionBytes> dest, OpenFetch open)
+      : service_(service), stream_(service->watchdog_.Watch(ctx)) {
+    if (!dest.ok()) {
+      Answer(dest.status());
+      return;
+    }
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    service_->device_work_->Submit(
+        [this, dest = *std::move(dest), open = std::move(open)]() mutable {
+          Answer(Copy(std::move(dest), open));
+          Unref();
+        });
+  }
+
+  void OnWriteDone(bool) override { stream_->Progress(); }
+  void OnDone() override {
+    stream_->Done();
+    Unref();
+  }
+
+ private:
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  static absl::StatusOr<v1::FetchResponse> Copy(plane::RegionBytes dest, const OpenFetch& open) {
+    auto reader = open();
+    if (!reader.ok()) return reader.status();
+    const uint64_t n = (*reader)->payload_bytes();
+    if (n > dest.bytes.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("dest.length ", dest.bytes.size(),
+                                                     " is less than the payload's ", n,
+                                                     " bytes; nothing was written"));
+    }
+    if (absl::Status s = (*reader)->Read(0, dest.bytes.subspan(0, n)); !s.ok()) return s;
+    v1::FetchResponse resp;
+    v1::FetchHeader* h = resp.mutable_header();
+    h->set_token_begin((*reader)->token_begin());
+    h->set_num_tokens((*reader)->num_tokens());
+    h->set_layer_begin((*reader)->layer_begin());
+    h->set_layer_end((*reader)->layer_end());
+    h->set_dtype(ToProto((*reader)->dtype()));
+    h->set_payload_bytes(n);
+    h->set_kv_head_begin((*reader)->kv_head_begin());
+    h->set_kv_head_end((*reader)->kv_head_end());
+    return resp;  // the reader goes here: a caller that saw the answer sees no block held by it
+  }
+
+  void Answer(const absl::StatusOr<v1::FetchResponse>& resp) {
+    stream_->SetWaiting(false);
+    if (!resp.ok()) return Finish(ToGrpcStatus(resp.status()));
+    bool own = false;
+    grpc::Status s =
+        grpc::SerializationTraits<v1::FetchResponse>::Serialize(*resp, &message_, &own);
+    if (!s.ok()) return Finish(s);
+    StartWriteAndFinish(&message_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  KvBankService* const service_;
+  // gRPC's (until OnDone) and the queued copy's: the last to go deletes the reactor.
+  std::atomic<int> refs_{1};
+  const std::shared_ptr<StreamWatchdog::Stream> stream_;
+  grpc::ByteBuffer message_;
+};
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
+    Ctx* ctx, OpenFetch open, const std::string& tenant, const v1::RegionSlice& dest) {
+  auto regions = ShmPlane();
+  absl::StatusOr<plane::RegionBytes> bytes =
+      regions.ok()
+          ? (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest")
+          : absl::StatusOr<plane::RegionBytes>(regions.status());
+  return new RegionFetchReactor(this, ctx, std::move(bytes), std::move(open));
+}
+
+}  // namespace kvbank::rpc

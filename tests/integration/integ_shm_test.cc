@@ -1,0 +1,555 @@
+// The same-host shared-memory plane end to end: the real kvbankd with --shm-socket, the real
+// client (ClientOptions::shm_socket, ShmRegion), the generated stub for what the SDK never sends,
+// and clients SIGKILLed while kvbankd copies to or from their region (shm_client).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <limits>
+
+#include "client/shm_handshake.h"
+#include "grpcpp/grpcpp.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
+#include "tests/integration/prefix_support.h"
+
+#ifndef KVBANK_SHM_CLIENT_PATH
+#error "KVBANK_SHM_CLIENT_PATH must name the shm_client binary (tests/integration/CMakeLists.txt)"
+#endif
+
+namespace kvbank::integ {
+namespace {
+
+// Polls `done` until it holds or the deadline passes.
+bool WaitFor(const std::function<bool()>& done, absl::Duration deadline = absl::Seconds(15)) {
+  const absl::Time end = absl::Now() + deadline;
+  while (!done()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+class ShmTest : public KvbankdTest {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/kvbank-shm-integ-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    socket_ = dir_ + "/kvbankd.sock";
+    std::ofstream(dir_ + "/tokens") << "token-of-a a\n"
+                                    << "token-of-b b\n"
+                                    << "token-of-ops ops admin\n";
+  }
+  void TearDown() override {
+    KvbankdTest::TearDown();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  void Start(std::vector<std::string> flags = {}) {
+    flags.insert(flags.begin(), {"--models=", "--enable-prefix-caching=false"});
+    flags.push_back("--shm-socket=" + socket_);
+    StartServer(flags);
+  }
+  std::unique_ptr<Client> Shm(const std::string& token = "") {
+    ClientOptions o;
+    o.shm_socket = socket_;
+    o.bearer_token = token;
+    return NewClient(o);
+  }
+
+  std::string dir_, socket_;
+};
+
+// Whether region `id` is gone for `c`'s tenant: a fetch into it answers NOT_FOUND naming it (an
+// existing region answers that the slice is too small, before anything is written).
+bool RegionGone(Client& c, const std::string& model, uint64_t seq, uint64_t id) {
+  auto r = c.FetchToRegion(model, seq, {}, {id, 0, 1});
+  return r.status().code() == absl::StatusCode::kNotFound &&
+         absl::StrContains(r.status().message(), "dest.region_id");
+}
+
+TEST_F(ShmTest, AppendAndFetchThroughARegionEqualTheGrpcPath) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> c = Shm();
+  // An fp16 model (copied as is) and an int8 one (quantized on the way in: the server reads the
+  // region through a private copy).
+  ModelLayout plain = SmallLayout("m");
+  ModelLayout quant = SmallLayout("q");
+  quant.layer_dtypes.assign(quant.num_layers, DType::kInt8);
+  for (const ModelLayout& layout : {plain, quant}) {
+    SCOPED_TRACE(layout.name);
+    auto model = c->EnsureModel(layout, 64 * BlockBytes(layout));
+    ASSERT_TRUE(model.ok()) << model.status();
+    const uint64_t per_token = model->payload_bytes_per_token;
+    auto region = c->RegisterRegion(4 * kMiB);
+    ASSERT_TRUE(region.ok()) << region.status();
+    ASSERT_NE((*region)->id(), 0u);
+    ASSERT_EQ((*region)->size(), 4 * kMiB);
+    auto via_shm = c->CreateSequence(layout.name);
+    auto via_grpc = c->CreateSequence(layout.name);
+    ASSERT_TRUE(via_shm.ok() && via_grpc.ok());
+    std::cerr << "[shm] seed 9101\n";
+    Random rng(9101);
+    // Odd token counts, odd offsets in the region.
+    uint64_t offset = 3;
+    for (uint64_t n : {37u, 1u, 21u}) {
+      Client::AppendArgs args;
+      args.num_tokens = n;
+      args.dtype = DType::kFp16;
+      const uint64_t bytes = n * per_token;
+      std::vector<uint8_t> payload(bytes);
+      // Values of magnitude < 1 as fp16 (bytes with the high exponent bits clear): no NaN/Inf.
+      for (size_t i = 0; i < bytes; i += 2) {
+        payload[i] = static_cast<uint8_t>(rng.Next());
+        payload[i + 1] = static_cast<uint8_t>(rng.Next() % 0x3b);
+      }
+      std::memcpy((*region)->data() + offset, payload.data(), bytes);
+      auto a = c->AppendFromRegion(layout.name, via_shm->id, args, (*region)->Slice(offset, bytes));
+      ASSERT_TRUE(a.ok()) << a.status();
+      auto b = c->Append(layout.name, via_grpc->id, args, payload);
+      ASSERT_TRUE(b.ok()) << b.status();
+      EXPECT_EQ(a->length, b->length);
+      offset += bytes + 5;
+    }
+    for (const Client::FetchArgs& args :
+         {Client::FetchArgs{}, Client::FetchArgs{5, 40, 1, 2, DType::kFp16, 0, std::nullopt},
+          Client::FetchArgs{0, std::nullopt, 0, std::nullopt, DType::kFp16, 1, 2}}) {
+      auto want = c->Fetch(layout.name, via_grpc->id, args);
+      ASSERT_TRUE(want.ok()) << want.status();
+      auto got_grpc = c->Fetch(layout.name, via_shm->id, args);
+      ASSERT_TRUE(got_grpc.ok()) << got_grpc.status();
+      EXPECT_TRUE(BytesEqual(got_grpc->payload, want->payload)) << "appended through the region";
+      // Into the region, past a sentinel; what follows the payload is not touched.
+      std::memset((*region)->data(), 0xab, (*region)->size());
+      auto into = c->FetchToRegion(layout.name, via_shm->id, args,
+                                   (*region)->Slice(4096, (*region)->size() - 4096));
+      ASSERT_TRUE(into.ok()) << into.status();
+      EXPECT_EQ(into->payload_bytes, want->payload.size());
+      EXPECT_EQ(into->num_tokens, want->num_tokens);
+      EXPECT_EQ(into->layer_begin, want->layer_begin);
+      EXPECT_EQ(into->layer_end, want->layer_end);
+      EXPECT_EQ(into->kv_head_end, want->kv_head_end);
+      EXPECT_TRUE(into->payload.empty());
+      const uint8_t* d = (*region)->data();
+      EXPECT_TRUE(BytesEqual(std::vector<uint8_t>(d + 4096, d + 4096 + into->payload_bytes),
+                             want->payload));
+      EXPECT_EQ(d[4095], 0xab);
+      EXPECT_EQ(d[4096 + into->payload_bytes], 0xab);
+    }
+    // Dropped on request: the id names nothing any more.
+    const uint64_t id = (*region)->id();
+    ASSERT_TRUE(c->UnregisterRegion(id).ok());
+    EXPECT_TRUE(RegionGone(*c, layout.name, via_shm->id, id));
+    EXPECT_EQ(c->UnregisterRegion(id).code(), absl::StatusCode::kNotFound);
+  }
+  // Dropped when its client's socket connection closes (the ShmRegion goes).
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  auto region = c->RegisterRegion(8192);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const uint64_t id = (*region)->id();
+  EXPECT_FALSE(RegionGone(*c, "m", seq->id, id));
+  region->reset();
+  EXPECT_TRUE(WaitFor([&] { return RegionGone(*c, "m", seq->id, id); }))
+      << "the region outlived its client's socket connection";
+  ExpectAccounting(StatsOf(*c, "m"));
+}
+
+TEST_F(ShmTest, FetchBlocksIntoARegionEqualsTheGrpcPath) {
+  // Prefix caching on: full blocks get hashes that FetchBlocks names.
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--shm-socket=" + socket_}));
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  std::cerr << "[shm] seed 9202\n";
+  const std::vector<uint32_t> tokens = Tokens(9202, 3 * kBt + 5);
+  Client::AppendArgs args;
+  args.num_tokens = tokens.size();
+  args.token_ids = tokens;
+  ASSERT_TRUE(c->Append("m", seq->id, args, Random(9202).Bytes(tokens.size() * 256)).ok());
+  auto root = c->GetPrefixRoot("m");
+  ASSERT_TRUE(root.ok()) << root.status();
+  const std::vector<BlockHash> hashes =
+      PrefixHashes(root->algorithm, root->root, tokens, root->block_tokens);
+  ASSERT_EQ(hashes.size(), 3u);
+  auto want = c->FetchBlocks("m", hashes, 1, 2);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(want->payload.size(), 3 * kBt * 128);
+
+  auto region = c->RegisterRegion(64 * 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::memset((*region)->data(), 0xee, (*region)->size());
+  auto stub = v1::KvBank::NewStub(
+      grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
+  v1::FetchBlocksRequest req;
+  req.set_model("m");
+  for (const BlockHash& h : hashes) req.add_block_hashes(std::string(h.begin(), h.end()));
+  req.set_layer_begin(1);
+  req.set_layer_end(2);
+  req.mutable_dest()->set_region_id((*region)->id());
+  req.mutable_dest()->set_offset(100);
+  req.mutable_dest()->set_length(want->payload.size());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto reader = stub->FetchBlocks(&ctx, req);
+  std::vector<v1::FetchResponse> got;
+  v1::FetchResponse resp;
+  while (reader->Read(&resp)) got.push_back(resp);
+  grpc::Status s = reader->Finish();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(got.size(), 1u) << "the header alone";
+  EXPECT_TRUE(got[0].data().empty());
+  EXPECT_EQ(got[0].header().payload_bytes(), want->payload.size());
+  EXPECT_EQ(got[0].header().num_tokens(), 3 * kBt);
+  const uint8_t* d = (*region)->data();
+  EXPECT_TRUE(
+      BytesEqual(std::vector<uint8_t>(d + 100, d + 100 + want->payload.size()), want->payload));
+  EXPECT_EQ(d[99], 0xee);
+  EXPECT_EQ(d[100 + want->payload.size()], 0xee);
+  // One byte short: refused, nothing written.
+  std::memset((*region)->data(), 0xee, (*region)->size());
+  req.mutable_dest()->set_length(want->payload.size() - 1);
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  auto reader2 = stub->FetchBlocks(&ctx2, req);
+  while (reader2->Read(&resp)) {
+  }
+  s = reader2->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "dest.length")) << s.error_message();
+  for (uint64_t i = 0; i < (*region)->size(); ++i) ASSERT_EQ(d[i], 0xee) << "byte " << i;
+}
+
+TEST_F(ShmTest, BadSlicesAreRefusedNamingThemAndChangeNothing) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  auto region = c->RegisterRegion(64 * 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ShmRegion& r = **region;
+  const uint64_t per_token = 256, n = 16, bytes = n * per_token;
+  Client::AppendArgs args;
+  args.num_tokens = n;
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  struct Case {
+    RegionSlice slice;
+    absl::StatusCode code;
+    const char* names;
+  };
+  const Case cases[] = {
+      {{r.id(), r.size() - bytes + 1, bytes}, absl::StatusCode::kInvalidArgument, "header.source"},
+      {{r.id(), r.size() + 1, 0}, absl::StatusCode::kInvalidArgument, "header.source"},
+      {{r.id(), 1, max}, absl::StatusCode::kInvalidArgument, "header.source"},
+      {{r.id(), max, 2}, absl::StatusCode::kInvalidArgument, "header.source"},
+      {{r.id(), 0, bytes - 1}, absl::StatusCode::kInvalidArgument, "header.source.length"},
+      {{r.id(), 0, bytes + 256}, absl::StatusCode::kInvalidArgument, "header.source.length"},
+      {{0, 0, bytes}, absl::StatusCode::kInvalidArgument, "header.source.region_id"},
+      {{r.id() + 777, 0, bytes}, absl::StatusCode::kNotFound, "header.source.region_id"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(
+        absl::StrCat("slice ", k.slice.region_id, " ", k.slice.offset, " ", k.slice.length));
+    auto a = c->AppendFromRegion("m", seq->id, args, k.slice);
+    EXPECT_EQ(a.status().code(), k.code) << a.status();
+    EXPECT_TRUE(absl::StrContains(a.status().message(), k.names)) << a.status();
+    auto info = c->GetSequence("m", seq->id);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->length, 0u) << "a refused append changed the sequence";
+  }
+  // A data chunk beside the source: refused, nothing appended.
+  {
+    auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+    auto stub = v1::KvBank::NewStub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::AppendResponse resp;
+    auto w = stub->Append(&ctx, &resp);
+    v1::AppendRequest req;
+    v1::AppendHeader* h = req.mutable_header();
+    h->set_model("m");
+    h->set_sequence_id(seq->id);
+    h->set_num_tokens(n);
+    h->mutable_source()->set_region_id(r.id());
+    h->mutable_source()->set_length(bytes);
+    req.set_data(std::string(bytes, '\0'));
+    w->Write(req);
+    w->WritesDone();
+    grpc::Status s = w->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "header.source")) << s.error_message();
+    // ... and in a later message.
+    grpc::ClientContext ctx2;
+    ctx2.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    auto w2 = stub->Append(&ctx2, &resp);
+    req.clear_data();
+    w2->Write(req);
+    v1::AppendRequest data;
+    data.set_data("xyz");
+    w2->Write(data);
+    w2->WritesDone();
+    s = w2->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "header.source")) << s.error_message();
+    auto info = c->GetSequence("m", seq->id);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->length, 0u);
+  }
+  // A good append, then fetches into bad slices: refused, the region untouched.
+  std::memset(r.data(), 1, bytes);
+  ASSERT_TRUE(c->AppendFromRegion("m", seq->id, args, r.Slice(0, bytes)).ok());
+  std::memset(r.data(), 0xcd, r.size());
+  for (const Case& k : std::vector<Case>{
+           {{r.id(), 0, bytes - 1}, absl::StatusCode::kInvalidArgument, "dest.length"},
+           {{r.id(), r.size() - 10, 11}, absl::StatusCode::kInvalidArgument, "dest"},
+           {{r.id(), 1, max}, absl::StatusCode::kInvalidArgument, "dest"},
+           {{r.id() + 777, 0, bytes}, absl::StatusCode::kNotFound, "dest.region_id"}}) {
+    auto f = c->FetchToRegion("m", seq->id, {}, k.slice);
+    EXPECT_EQ(f.status().code(), k.code) << f.status();
+    EXPECT_TRUE(absl::StrContains(f.status().message(), k.names)) << f.status();
+  }
+  for (uint64_t i = 0; i < r.size(); ++i) ASSERT_EQ(r.data()[i], 0xcd) << "byte " << i;
+  auto st = StatsOf(*c, "m");
+  EXPECT_EQ(st.blocks_used, 1u);
+  ExpectAccounting(st);
+}
+
+TEST_F(ShmTest, ARegionIsItsTenantsOnly) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--auth-tokens-file=" + dir_ + "/tokens"}));
+  std::unique_ptr<Client> admin = Shm("token-of-ops");
+  std::unique_ptr<Client> a = Shm("token-of-a");
+  std::unique_ptr<Client> b = Shm("token-of-b");
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(admin->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto seq_a = a->CreateSequence("m");
+  auto seq_b = b->CreateSequence("m");
+  ASSERT_TRUE(seq_a.ok() && seq_b.ok());
+  auto region = a->RegisterRegion(64 * 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ShmRegion& r = **region;
+  Random(77).Fill(r.data(), 4096);
+  Client::AppendArgs args;
+  args.num_tokens = 16;
+  ASSERT_TRUE(a->AppendFromRegion("m", seq_a->id, args, r.Slice(0, 4096)).ok());
+  const std::vector<uint8_t> before(r.data(), r.data() + r.size());
+  // b names a's region: the same answer as for an id that never was, and nothing moves.
+  auto append = b->AppendFromRegion("m", seq_b->id, args, r.Slice(0, 4096));
+  EXPECT_EQ(append.status().code(), absl::StatusCode::kNotFound) << append.status();
+  auto fetch = b->FetchToRegion("m", seq_b->id, {}, r.Slice(0, r.size()));
+  EXPECT_EQ(fetch.status().code(), absl::StatusCode::kNotFound) << fetch.status();
+  EXPECT_EQ(b->UnregisterRegion(r.id()).code(), absl::StatusCode::kNotFound);
+  auto info_b = b->GetSequence("m", seq_b->id);
+  ASSERT_TRUE(info_b.ok());
+  EXPECT_EQ(info_b->length, 0u);
+  EXPECT_TRUE(BytesEqual(std::vector<uint8_t>(r.data(), r.data() + r.size()), before));
+  // a's own calls still work; no token at all is UNAUTHENTICATED before any region is looked at.
+  EXPECT_TRUE(a->FetchToRegion("m", seq_a->id, {}, r.Slice(8192, 4096)).ok());
+  EXPECT_EQ(0, std::memcmp(r.data(), r.data() + 8192, 4096));
+  std::unique_ptr<Client> nobody = Shm();
+  EXPECT_EQ(nobody->RegisterRegion(4096).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(nobody->FetchToRegion("m", seq_a->id, {}, r.Slice(0, 4096)).status().code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(ShmTest, UnsealedMemfdAndGarbageOnTheSocketAreRefused) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  // A memfd the client could still shrink under a copy.
+  const int fd = memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 65536), 0);
+  auto h = internal::HandOver(socket_, fd);
+  close(fd);
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+  EXPECT_TRUE(absl::StrContains(h.status().message(), "F_SEAL_SHRINK")) << h.status();
+  // Garbage: the connection is closed, nothing else happens.
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, socket_.c_str());
+  for (const std::string& g : {std::string("GET / HTTP/1.1\r\n\r\n"), std::string(100000, 'z')}) {
+    const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_EQ(connect(s, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    (void)!send(s, g.data(), g.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    pollfd p{s, POLLIN, 0};
+    bool closed = false;
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (!closed && absl::Now() < end) {
+      char buf[256];
+      if (poll(&p, 1, 100) > 0) closed = recv(s, buf, sizeof(buf), MSG_DONTWAIT) <= 0;
+    }
+    EXPECT_TRUE(closed) << "kvbankd kept a connection that sent garbage";
+    close(s);
+  }
+  // A handle nobody was given.
+  std::unique_ptr<Client> c = Shm();
+  grpc::ClientContext ctx;
+  auto stub = v1::KvBank::NewStub(
+      grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
+  v1::RegisterRegionRequest req;
+  req.set_handle(std::string(16, '\x42'));
+  v1::RegisterRegionResponse resp;
+  grpc::Status s = stub->RegisterRegion(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  // The server is fine: a good region registers and works.
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto region = c->RegisterRegion(4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  Client::AppendArgs args;
+  args.num_tokens = 16;
+  EXPECT_TRUE(c->AppendFromRegion("m", seq->id, args, (*region)->Slice(0, 4096)).ok());
+}
+
+TEST_F(ShmTest, PlaneOffAnswersFailedPrecondition) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models="}));
+  ClientOptions o;
+  o.shm_socket = socket_;  // nothing listens there
+  std::unique_ptr<Client> c = NewClient(o);
+  EXPECT_EQ(c->RegisterRegion(4096).status().code(), absl::StatusCode::kUnavailable);
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  Client::AppendArgs args;
+  args.num_tokens = 1;
+  auto a = c->AppendFromRegion("m", seq->id, args, {1, 0, 256});
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition) << a.status();
+  EXPECT_TRUE(absl::StrContains(a.status().message(), "--shm-socket")) << a.status();
+  EXPECT_EQ(c->UnregisterRegion(1).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A shm_client child process, its stdout read line by line.
+class Child {
+ public:
+  explicit Child(std::vector<std::string> args) {
+    args.insert(args.begin(), KVBANK_SHM_CLIENT_PATH);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) != 0) return;
+    const pid_t parent = getpid();
+    pid_ = fork();
+    if (pid_ == 0) {  // async-signal-safe calls only until exec
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(126);
+      dup2(out[1], 1);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    out_ = out[0];
+  }
+  ~Child() {
+    Kill();
+    if (out_ >= 0) close(out_);
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    int status;
+    while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+  }
+  // Reads lines until one starts with `prefix` (returned whole) or the deadline passes.
+  std::optional<std::string> Line(const std::string& prefix,
+                                  absl::Duration deadline = absl::Seconds(20)) {
+    const absl::Time end = absl::Now() + deadline;
+    for (;;) {
+      size_t nl;
+      while ((nl = pending_.find('\n')) != std::string::npos) {
+        std::string line = pending_.substr(0, nl);
+        pending_.erase(0, nl + 1);
+        if (absl::StartsWith(line, "error")) std::cerr << "[shm_client] " << line << "\n";
+        if (absl::StartsWith(line, prefix)) return line;
+      }
+      const int64_t ms = absl::ToInt64Milliseconds(end - absl::Now());
+      if (ms <= 0) return std::nullopt;
+      pollfd p{out_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 100))) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = read(out_, buf, sizeof(buf));
+      if (n == 0) return std::nullopt;
+      if (n > 0) pending_.append(buf, static_cast<size_t>(n));
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string pending_;
+};
+
+TEST_F(ShmTest, ClientKilledMidTransferLeavesNoTraceAndNoLeak) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> c = Shm();
+  // 4 layers x 8 heads x 128 dims fp16: 16 KiB a token; 256 tokens = 4 MiB a transfer.
+  ModelLayout layout = SmallLayout("big");
+  layout.num_layers = 4;
+  layout.num_q_heads = layout.num_kv_heads = 8;
+  layout.head_dim = layout.head_dim_v = 128;
+  layout.layer_dtypes.assign(layout.num_layers, DType::kFp16);
+  auto model = c->EnsureModel(layout, 96 * kMiB);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const uint64_t n = 256, bytes = n * model->payload_bytes_per_token;
+  const uint64_t seed = 4242;
+  std::cerr << "[shm] seed " << seed << "\n";
+  const std::vector<uint8_t> payload = Random(seed).Bytes(bytes);
+  for (int round = 0; round < 4; ++round) {
+    const bool append = round % 2 == 0;
+    SCOPED_TRACE(absl::StrCat("round ", round, append ? " (append)" : " (fetch)"));
+    auto seq = c->CreateSequence("big", absl::ZeroDuration());
+    ASSERT_TRUE(seq.ok());
+    Client::AppendArgs args;
+    args.num_tokens = n;
+    if (!append) {
+      ASSERT_TRUE(c->Append("big", seq->id, args, payload).ok());
+    }
+    Child child({append ? "append" : "fetch", server_->target(), socket_, "big",
+                 std::to_string(seq->id), std::to_string(n), std::to_string(seed)});
+    auto region = child.Line("region ");
+    ASSERT_TRUE(region.has_value()) << "the child registered no region";
+    const uint64_t id = std::strtoull(region->c_str() + 7, nullptr, 10);
+    // Killed once it has done a few rounds: its next transfer is under way.
+    ASSERT_TRUE(child.Line("op 3").has_value()) << "the child did not get going";
+    child.Kill();
+    EXPECT_TRUE(WaitFor([&] { return RegionGone(*c, "big", seq->id, id); }))
+        << "the killed client's region stayed registered";
+    ASSERT_TRUE(c->CheckServing(absl::Seconds(10)).ok()) << "kvbankd did not survive the kill";
+    // Nothing partial: the sequence holds the whole payload or nothing.
+    auto info = c->GetSequence("big", seq->id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_TRUE(info->length == 0 || info->length == n) << info->length;
+    if (info->length == n) {
+      auto f = c->Fetch("big", seq->id, {});
+      ASSERT_TRUE(f.ok()) << f.status();
+      EXPECT_TRUE(BytesEqual(f->payload, payload));
+    }
+    ASSERT_TRUE(c->Free("big", seq->id).ok());
+    // Every block comes back once the killed call's transfer has ended.
+    EXPECT_TRUE(WaitFor([&] {
+      auto st = c->GetStats("big");
+      return st.ok() && st->size() == 1 && (*st)[0].blocks_used == 0;
+    })) << "blocks leaked: "
+        << StatsOf(*c, "big").blocks_used;
+    ExpectAccounting(StatsOf(*c, "big"));
+  }
+}
+
+}  // namespace
+}  // namespace kvbank::integ

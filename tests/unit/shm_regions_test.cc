@@ -1,0 +1,334 @@
+// The shared-memory plane's registry (server/plane/shm_regions.h) through its real Unix socket:
+// handover, tenant ownership, slice bounds, lifetime = the client's connection, and the peers it
+// must refuse (unsealed memfd, garbage, too many, too large).
+#include "server/plane/shm_regions.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "client/shm_handshake.h"
+#include "gtest/gtest.h"
+
+namespace kvbank::plane {
+namespace {
+
+// Polls `done` until it holds or `deadline` passes.
+bool WaitFor(const std::function<bool()>& done, absl::Duration deadline = absl::Seconds(10)) {
+  const absl::Time end = absl::Now() + deadline;
+  while (!done()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
+// Whether the peer closed `fd` within the deadline (a read answers EOF or an error after
+// whatever the peer sent before).
+bool PeerCloses(int fd, absl::Duration deadline = absl::Seconds(10)) {
+  const absl::Time end = absl::Now() + deadline;
+  for (;;) {
+    const int64_t left = absl::ToInt64Milliseconds(end - absl::Now());
+    if (left <= 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left)) <= 0) return false;
+    char buf[1024];
+    if (recv(fd, buf, sizeof(buf), MSG_DONTWAIT) <= 0) return true;
+  }
+}
+
+class ShmRegionsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/kvbank-shm-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    options_.socket_path = dir_ + "/shm.sock";
+  }
+  void TearDown() override {
+    regions_.reset();
+    for (int fd : fds_) close(fd);
+    std::remove(options_.socket_path.c_str());
+    rmdir(dir_.c_str());
+  }
+  void StartRegions() {
+    auto r = ShmRegions::Start(options_);
+    ASSERT_TRUE(r.ok()) << r.status();
+    regions_ = *std::move(r);
+  }
+  int Keep(int fd) {
+    fds_.push_back(fd);
+    return fd;
+  }
+  // A sealed memfd of `size` bytes, handed over; its connection and memfd are closed at the end.
+  absl::StatusOr<internal::ShmHandoff> HandOver(uint64_t size, int* memfd = nullptr) {
+    auto fd = internal::CreateSealedMemfd(size);
+    if (!fd.ok()) return fd.status();
+    Keep(*fd);
+    if (memfd != nullptr) *memfd = *fd;
+    auto h = internal::HandOver(options_.socket_path, *fd);
+    if (h.ok()) Keep(h->conn);
+    return h;
+  }
+
+  std::string dir_;
+  ShmOptions options_;
+  std::unique_ptr<ShmRegions> regions_;
+  std::vector<int> fds_;
+};
+
+TEST_F(ShmRegionsTest, RegionIsSharedTenantOwnedAndBounded) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  struct stat st;
+  ASSERT_EQ(stat(options_.socket_path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << "the socket is the owner's only";
+  int memfd = -1;
+  auto h = HandOver(8192, &memfd);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->size, 8192u);
+  EXPECT_EQ(h->handle.size(), 16u);
+  EXPECT_EQ(regions_->num_pending(), 1u);
+  auto claimed = regions_->Claim("a", h->handle);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  EXPECT_EQ(claimed->size, 8192u);
+  EXPECT_EQ(regions_->num_pending(), 0u);
+  EXPECT_EQ(regions_->num_regions(), 1u);
+  // A handle is claimed once.
+  EXPECT_EQ(regions_->Claim("a", h->handle).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(regions_->Claim("a", "short").status().code(), absl::StatusCode::kInvalidArgument);
+
+  // The client's bytes are the server's: one memory.
+  uint8_t* mine =
+      static_cast<uint8_t*>(mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0));
+  ASSERT_NE(mine, MAP_FAILED);
+  std::memset(mine + 100, 0x5a, 28);
+  auto bytes = regions_->Resolve("a", claimed->region_id, 100, 28, "src");
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  for (uint8_t b : bytes->bytes) ASSERT_EQ(b, 0x5a);
+  bytes->bytes[0] = 7;
+  EXPECT_EQ(mine[100], 7);
+  munmap(mine, 8192);
+
+  // Another tenant cannot name it: the same answer as for an id that never was.
+  auto foreign = regions_->Resolve("b", claimed->region_id, 0, 1, "src");
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kNotFound) << foreign.status();
+  EXPECT_EQ(regions_->Resolve("a", claimed->region_id + 1000, 0, 1, "src").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(regions_->Unregister("b", claimed->region_id).code(), absl::StatusCode::kNotFound);
+
+  // Bounds, overflow included; the field is named.
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  for (auto [offset, length] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {8193, 0}, {0, 8193}, {8000, 193}, {1, max}, {max, 2}, {max, max}}) {
+    auto r = regions_->Resolve("a", claimed->region_id, offset, length, "header.source");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << offset << "+" << length;
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "header.source")) << r.status();
+  }
+  EXPECT_TRUE(regions_->Resolve("a", claimed->region_id, 8192, 0, "src").ok());
+  EXPECT_TRUE(regions_->Resolve("a", claimed->region_id, 0, 8192, "src").ok());
+  EXPECT_EQ(regions_->Resolve("a", 0, 0, 1, "dest").status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Unregister drops it and closes the connection it came on.
+  ASSERT_TRUE(regions_->Unregister("a", claimed->region_id).ok());
+  EXPECT_EQ(regions_->num_regions(), 0u);
+  EXPECT_TRUE(PeerCloses(h->conn));
+  EXPECT_EQ(regions_->Resolve("a", claimed->region_id, 0, 1, "src").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShmRegionsTest, ClosingTheConnectionDropsTheRegionButNotAMappingInUse) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  auto fd = internal::CreateSealedMemfd(4096);
+  ASSERT_TRUE(fd.ok());
+  auto h = internal::HandOver(options_.socket_path, *fd);
+  ASSERT_TRUE(h.ok()) << h.status();
+  auto claimed = regions_->Claim("a", h->handle);
+  ASSERT_TRUE(claimed.ok());
+  auto held = regions_->Resolve("a", claimed->region_id, 0, 4096, "src");
+  ASSERT_TRUE(held.ok());
+  close(h->conn);  // the client exits
+  close(*fd);
+  ASSERT_TRUE(WaitFor([&] { return regions_->num_regions() == 0; }))
+      << "the region outlived its client's connection";
+  EXPECT_EQ(regions_->num_connections(), 0u);
+  EXPECT_EQ(regions_->Resolve("a", claimed->region_id, 0, 1, "src").status().code(),
+            absl::StatusCode::kNotFound);
+  // A transfer that resolved it before still has its bytes mapped.
+  std::memset(held->bytes.data(), 1, held->bytes.size());
+  EXPECT_EQ(held->bytes[4095], 1);
+}
+
+TEST_F(ShmRegionsTest, RefusesUnsealedEmptyLargeAndReadOnlyRegions) {
+  options_.max_region_bytes = 16384;
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  // No F_SEAL_SHRINK: the client could truncate it under a copy.
+  const int unsealed = Keep(memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(ftruncate(unsealed, 4096), 0);
+  auto h = internal::HandOver(options_.socket_path, unsealed);
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+  EXPECT_TRUE(absl::StrContains(h.status().message(), "F_SEAL_SHRINK")) << h.status();
+  // Sealing disallowed altogether.
+  const int no_seals = Keep(memfd_create("noseals", MFD_CLOEXEC));
+  ASSERT_EQ(ftruncate(no_seals, 4096), 0);
+  h = internal::HandOver(options_.socket_path, no_seals);
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+  // Too large, and empty.
+  EXPECT_EQ(HandOver(32768).status().code(), absl::StatusCode::kInvalidArgument);
+  const int empty = Keep(memfd_create("empty", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(fcntl(empty, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  EXPECT_EQ(internal::HandOver(options_.socket_path, empty).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A write-sealed memfd cannot be mapped writable for fetches.
+  auto ro2 = memfd_create("ro", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  Keep(ro2);
+  ASSERT_EQ(ftruncate(ro2, 4096), 0);
+  ASSERT_EQ(fcntl(ro2, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_WRITE), 0);
+  EXPECT_EQ(internal::HandOver(options_.socket_path, ro2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A regular file on disk takes no seals.
+  const std::string file = dir_ + "/plain";
+  std::ofstream(file) << std::string(4096, 'x');
+  const int plain = Keep(open(file.c_str(), O_RDWR | O_CLOEXEC));
+  EXPECT_EQ(internal::HandOver(options_.socket_path, plain).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::remove(file.c_str());
+  EXPECT_EQ(regions_->num_pending() + regions_->num_regions(), 0u);
+  EXPECT_TRUE(WaitFor([&] { return regions_->num_connections() == 0; }));
+}
+
+TEST_F(ShmRegionsTest, GarbageOrNoDescriptorClosesThePeerAndNothingElse) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  auto good = HandOver(4096);
+  ASSERT_TRUE(good.ok());
+  auto claimed = regions_->Claim("a", good->handle);
+  ASSERT_TRUE(claimed.ok());
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, options_.socket_path.c_str());
+  const std::vector<std::string> garbage = {"hello world, no fd", "KVBSHM01",  // hello, no fd
+                                            std::string(5000, '\xff')};
+  for (const std::string& g : garbage) {
+    const int fd = Keep(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(send(fd, g.data(), g.size(), MSG_NOSIGNAL), static_cast<ssize_t>(g.size()));
+    EXPECT_TRUE(PeerCloses(fd)) << "garbage of " << g.size() << " bytes left the peer connected";
+  }
+  // A registered client that sends bytes after its hello breaks the protocol: its region goes.
+  auto second = HandOver(4096);
+  ASSERT_TRUE(second.ok());
+  auto claimed2 = regions_->Claim("a", second->handle);
+  ASSERT_TRUE(claimed2.ok());
+  ASSERT_EQ(send(second->conn, "x", 1, MSG_NOSIGNAL), 1);
+  EXPECT_TRUE(PeerCloses(second->conn));
+  EXPECT_TRUE(WaitFor([&] { return regions_->num_regions() == 1; }));
+  EXPECT_TRUE(regions_->Resolve("a", claimed->region_id, 0, 4096, "src").ok())
+      << "other peers' garbage dropped a good region";
+}
+
+TEST_F(ShmRegionsTest, UnclaimedHandlesAndSilentPeersExpire) {
+  options_.claim_timeout = absl::Milliseconds(300);
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  auto h = HandOver(4096);
+  ASSERT_TRUE(h.ok());
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, options_.socket_path.c_str());
+  const int silent = Keep(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(connect(silent, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_TRUE(PeerCloses(h->conn));
+  EXPECT_TRUE(PeerCloses(silent));
+  EXPECT_EQ(regions_->num_pending(), 0u);
+  EXPECT_EQ(regions_->Claim("a", h->handle).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ShmRegionsTest, RegionCountIsBounded) {
+  options_.max_regions = 2;
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  auto a = HandOver(4096);
+  auto b = HandOver(4096);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto c = HandOver(4096);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted) << c.status();
+  close(a->conn);  // a place frees up once the server has seen it go
+  ASSERT_TRUE(WaitFor([&] { return regions_->num_connections() == 1; }));
+  EXPECT_TRUE(HandOver(4096).ok());
+}
+
+// Out of descriptors, accept fails while the listener stays readable: the listener must rest,
+// not spin on poll, and take the connection once descriptors are back.
+TEST_F(ShmRegionsTest, OutOfDescriptorsTheListenerRestsAndRecovers) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, options_.socket_path.c_str());
+  const int client = Keep(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_GE(client, 0);
+  // The lowest free descriptor is the one accept would take: allow none above the client's.
+  const int probe = dup(client);
+  ASSERT_GE(probe, 0);
+  close(probe);
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(probe);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  const bool connected =
+      connect(client, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  rusage before, after;
+  getrusage(RUSAGE_SELF, &before);
+  absl::SleepFor(absl::Milliseconds(500));  // a span to measure CPU over, not a wait
+  getrusage(RUSAGE_SELF, &after);
+  const int pending = regions_->num_connections();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_TRUE(connected);
+  EXPECT_EQ(pending, 0) << "accept should have failed under the limit";
+  auto cpu_ms = [](const rusage& r) {
+    return (r.ru_utime.tv_sec + r.ru_stime.tv_sec) * 1000.0 +
+           (r.ru_utime.tv_usec + r.ru_stime.tv_usec) / 1000.0;
+  };
+  EXPECT_LT(cpu_ms(after) - cpu_ms(before), 150.0) << "the listener spun on a failing accept";
+  EXPECT_TRUE(WaitFor([&] { return regions_->num_connections() == 1; }))
+      << "the connection was not taken once descriptors were back";
+}
+
+TEST_F(ShmRegionsTest, StaleSocketIsReplacedLiveOneAndOtherFilesRefused) {
+  // A socket file nobody answers on (a server that was killed) is replaced.
+  {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strcpy(addr.sun_path, options_.socket_path.c_str());
+    ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    close(fd);
+  }
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  // One a server answers on is not.
+  auto second = ShmRegions::Start(options_);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  EXPECT_TRUE(HandOver(4096).ok()) << "the refused second start broke the first";
+  regions_.reset();
+  struct stat st;
+  EXPECT_NE(stat(options_.socket_path.c_str(), &st), 0) << "the socket file outlived the plane";
+  // Nor is a file that is not a socket.
+  std::ofstream(options_.socket_path) << "not a socket";
+  auto r = ShmRegions::Start(options_);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+}
+
+}  // namespace
+}  // namespace kvbank::plane
