@@ -308,6 +308,7 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
     m.evictions = p.evictions();
     m.prefix_query_tokens = p.prefix_query_tokens();
     m.prefix_hit_tokens = p.prefix_hit_tokens();
+    m.fetches_waiting = p.fetches_waiting();
     for (const auto& t : p.tenants()) {
       m.tenants.push_back({t.tenant(), t.prefix_query_tokens(), t.prefix_hit_tokens(),
                            t.blocks_referenced(), t.sequences()});
@@ -524,6 +525,10 @@ v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
   if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
   req.set_kv_head_begin(args.kv_head_begin);
   if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  if (args.wait > absl::ZeroDuration()) {
+    req.set_wait_ms(static_cast<uint32_t>(std::min<int64_t>(
+        absl::ToInt64Milliseconds(absl::Ceil(args.wait, absl::Milliseconds(1))), UINT32_MAX)));
+  }
   return req;
 }
 }  // namespace

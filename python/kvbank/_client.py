@@ -293,13 +293,16 @@ class Client:
               token_end: Optional[int] = None, layer_begin: int = 0,
               layer_end: Optional[int] = None, dtype: Optional[str] = None,
               kv_head_begin: int = 0, kv_head_end: Optional[int] = None,
-              as_bytes: bool = False) -> Union[np.ndarray, bytes]:
+              as_bytes: bool = False, wait_s: float = 0.0) -> Union[np.ndarray, bytes]:
         """Tokens [token_begin, token_end) of layers [layer_begin, layer_end) as a flat numpy
         array of the wire dtype (bf16: uint16 bits) in the payload layout, owning the SDK's
         buffer (no copy); as_bytes: bytes instead (one copy). kv_head_begin / kv_head_end: only
-        those kv heads (a tensor-parallel rank's share; the layout with that many heads)."""
+        those kv heads (a tensor-parallel rank's share; the layout with that many heads).
+        wait_s (layer-wise handoff, with token_end): wait up to that long for appends to commit
+        the tokens (DeadlineExceededError when they do not), so a decode worker pulls each layer
+        as soon as the prefill worker's append of it commits."""
         meta, data = self._c.fetch(model, seq_id, token_begin, token_end, layer_begin, layer_end,
-                                   dtype, kv_head_begin, kv_head_end)
+                                   dtype, kv_head_begin, kv_head_end, wait_s)
         if as_bytes:
             return data.tobytes()
         return data.view(numpy_dtype(meta["dtype"]))
@@ -307,25 +310,27 @@ class Client:
     def fetch_into(self, model: str, seq_id: int, out: Any, *, token_begin: int = 0,
                    token_end: Optional[int] = None, layer_begin: int = 0,
                    layer_end: Optional[int] = None, dtype: Optional[str] = None,
-                   kv_head_begin: int = 0, kv_head_end: Optional[int] = None) -> FetchInfo:
+                   kv_head_begin: int = 0, kv_head_end: Optional[int] = None,
+                   wait_s: float = 0.0) -> FetchInfo:
         """Writes the payload straight into `out` (a writable C-contiguous numpy array,
         bytearray, memoryview, or CPU torch tensor): no intermediate copy. OutOfRangeError when
-        it does not fit (ModelInfo.payload_bytes sizes it)."""
+        it does not fit (ModelInfo.payload_bytes sizes it). wait_s: as for fetch."""
         return FetchInfo(**self._c.fetch_into(model, seq_id, _buffer(out, True), token_begin,
                                               token_end, layer_begin, layer_end, dtype,
-                                              kv_head_begin, kv_head_end))
+                                              kv_head_begin, kv_head_end, wait_s))
 
     def fetch_tensors(self, model: str, seq_id: int, k: Any, v: Any = None, *,
                       token_begin: int = 0, token_end: Optional[int] = None,
                       layer_begin: int = 0, layer_end: Optional[int] = None,
                       dtype: Optional[str] = None, kv_head_begin: int = 0,
-                      kv_head_end: Optional[int] = None) -> None:
+                      kv_head_end: Optional[int] = None, wait_s: float = 0.0) -> None:
         """Fills k [layers][kv_heads][tokens][head_dim] and v (head_dim_v; None for MLA), each
-        exactly the size of the range fetched (kv_heads: those of the head range)."""
+        exactly the size of the range fetched (kv_heads: those of the head range). wait_s: as
+        for fetch."""
         self._c.fetch_tensors(model, seq_id, _buffer(k, True),
                               _buffer(v, True) if v is not None else None, token_begin,
                               token_end, layer_begin, layer_end, dtype, kv_head_begin,
-                              kv_head_end)
+                              kv_head_end, wait_s)
 
     def fork(self, model: str, seq_id: int, *, lease_s: Optional[float] = None) -> SequenceInfo:
         return SequenceInfo(**self._c.fork(model, seq_id, lease_s))

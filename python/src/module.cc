@@ -279,6 +279,7 @@ py::dict StatsToDict(const Client::ModelStats& s) {
   KVBANK_STAT(evictions);
   KVBANK_STAT(prefix_query_tokens);
   KVBANK_STAT(prefix_hit_tokens);
+  KVBANK_STAT(fetches_waiting);
 #undef KVBANK_STAT
   py::list tenants;
   for (const auto& t : s.tenants) {
@@ -336,7 +337,7 @@ Client::AppendArgs MakeAppendArgs(uint64_t num_tokens, uint32_t layer_begin,
 Client::FetchArgs MakeFetchArgs(uint64_t token_begin, std::optional<uint64_t> token_end,
                                 uint32_t layer_begin, std::optional<uint32_t> layer_end,
                                 const std::optional<std::string>& dtype, uint32_t kv_head_begin,
-                                std::optional<uint32_t> kv_head_end) {
+                                std::optional<uint32_t> kv_head_end, double wait_s = 0) {
   Client::FetchArgs a;
   a.token_begin = token_begin;
   a.token_end = token_end;
@@ -345,6 +346,10 @@ Client::FetchArgs MakeFetchArgs(uint64_t token_begin, std::optional<uint64_t> to
   a.dtype = ToDType(dtype);
   a.kv_head_begin = kv_head_begin;
   a.kv_head_end = kv_head_end;
+  if (!(wait_s >= 0 && wait_s <= 600)) {
+    throw py::value_error("wait_s must be within [0, 600] seconds");
+  }
+  a.wait = absl::Seconds(wait_s);
   return a;
 }
 
@@ -548,9 +553,10 @@ void BindClient(py::module_& m) {
           [](PyClient& self, const std::string& model, uint64_t id, uint64_t token_begin,
              std::optional<uint64_t> token_end, uint32_t layer_begin,
              std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
-             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end) {
-            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
-                                                      layer_end, dtype, kv_head_begin, kv_head_end);
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end, double wait_s) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
+                              kv_head_end, wait_s);
             Client::FetchResult r = self.Call([&] { return self.c().Fetch(model, id, a); });
             py::dict meta = FetchToDict(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
@@ -558,15 +564,17 @@ void BindClient(py::module_& m) {
           py::arg("model"), py::arg("id"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
-          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none(),
+          py::arg("wait_s") = 0.0)
       .def(
           "fetch_into",
           [](PyClient& self, const std::string& model, uint64_t id, const py::object& out,
              uint64_t token_begin, std::optional<uint64_t> token_end, uint32_t layer_begin,
              std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
-             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end) {
-            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
-                                                      layer_end, dtype, kv_head_begin, kv_head_end);
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end, double wait_s) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
+                              kv_head_end, wait_s);
             BufferView view(out, /*writable=*/true);
             const absl::Span<uint8_t> bytes(view.data(), view.size());
             return FetchToDict(self.Call([&] { return self.c().FetchInto(model, id, a, bytes); }));
@@ -574,16 +582,18 @@ void BindClient(py::module_& m) {
           py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
-          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none(),
+          py::arg("wait_s") = 0.0)
       .def(
           "fetch_tensors",
           [](PyClient& self, const std::string& model, uint64_t id, const py::object& k,
              const py::object& v, uint64_t token_begin, std::optional<uint64_t> token_end,
              uint32_t layer_begin, std::optional<uint32_t> layer_end,
              const std::optional<std::string>& dtype, uint32_t kv_head_begin,
-             std::optional<uint32_t> kv_head_end) {
-            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
-                                                      layer_end, dtype, kv_head_begin, kv_head_end);
+             std::optional<uint32_t> kv_head_end, double wait_s) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
+                              kv_head_end, wait_s);
             BufferView kview(k, true);
             std::optional<BufferView> vview;
             absl::Span<uint8_t> vbytes;
@@ -597,7 +607,8 @@ void BindClient(py::module_& m) {
           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
-          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none(),
+          py::arg("wait_s") = 0.0)
       .def(
           "fork",
           [](PyClient& self, const std::string& model, uint64_t id, std::optional<double> lease_s) {

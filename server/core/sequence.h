@@ -70,6 +70,13 @@ struct Sequence {
   // they are done, and appends that begin meanwhile wait for that.
   bool table_copying = false;
   bool removed = false;  // freed or expired; blocks go when the last append in flight ends
+  // The block a Truncate cut in two (kNoBlock: none). Appends write only rows past the lengths,
+  // which no reader of the sequence reads and no other sequence holds (Fork copies partial
+  // blocks; the prefix cache holds full published ones), so a block a reader shares is written
+  // in place; but readers from before a truncate may read rows of the cut block past the new
+  // length, so that block is copied before a write while anyone else holds it.
+  static constexpr uint64_t kNoBlock = ~uint64_t{0};
+  uint64_t cut_block = kNoBlock;
   RetentionPolicy retention;
   std::vector<double> scores;  // heavy hitter: attention mass per token (all heads and layers)
   uint64_t generation = 0;     // bumped by every compaction (positions move)

@@ -329,6 +329,8 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   // (it is immutable) but leaves the sequence's hash chain, and is copied before any write.
   const uint64_t keep = CeilDiv(num_tokens, layout_.block_tokens);
   s.table.Truncate(keep);
+  s.cut_block = num_tokens % layout_.block_tokens != 0 ? num_tokens / layout_.block_tokens
+                                                         : Sequence::kNoBlock;
   if (s.scores.size() > num_tokens) s.scores.resize(num_tokens);
   s.hashes.resize(std::min<uint64_t>(s.hashes.size(), num_tokens / layout_.block_tokens));
   Account(s);
@@ -420,6 +422,7 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
       st.prefix_hit_tokens += c.prefix_hit_tokens;
     }
     st.leases_expired = leases_expired_;
+    st.fetches_waiting = waiter_sequence_.size();
   }
   std::sort(st.tenants.begin(), st.tenants.end(),
             [](const TenantStats& a, const TenantStats& b) { return a.tenant < b.tenant; });

@@ -122,6 +122,7 @@ struct TenantLimits {
 // tenant view leaves them 0.
 struct StoreStats : Activity {
   bool tenant_view = false;
+  uint64_t fetches_waiting = 0;  // WhenCommitted waiters now (0 in a tenant view)
   PoolStats pool;
   std::vector<TenantStats> tenants;  // tenants with any activity or limit, by name
 };
@@ -224,7 +225,10 @@ class AppendTxn {
 };
 
 // A consistent read of a token range x layer range. Holds references on the blocks it reads, so
-// they stay as they were (writers copy on write) until the reader is destroyed. Not thread-safe.
+// the rows it reads stay as they were until the reader is destroyed: appends write only rows
+// past the lengths (other layers of the same blocks, as a prefill streams layer by layer, go in
+// place), and copy first a block whose rows a reader may hold past them (after a truncate, or an
+// fp8 rescale). Not thread-safe.
 class FetchReader {
  public:
   uint64_t payload_bytes() const { return reader_->spec().payload.total_bytes; }

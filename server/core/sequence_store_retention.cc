@@ -70,6 +70,7 @@ void SequenceStore::ApplyCompaction(Sequence& s, Compaction c) {
   s.scores = std::move(scores);
   s.table.Clear();  // tail first; shared blocks stay as they were
   for (BlockRef& b : c.fresh) s.table.Append(std::move(b));
+  s.cut_block = Sequence::kNoBlock;
   for (uint64_t& l : s.layer_len) l = c.keep.size();
   s.hashes.clear();
   s.publishable = false;

@@ -129,19 +129,23 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
       }
     }
 
-    // Blocks touched: from the one holding `pos` to the one holding pos + n - 1. Existing ones that
-    // are not writable (someone else references them, or they are published and so immutable) are
-    // copied first (copy on write), unless an append in flight writes into them already (it made
-    // them writable when it began; a reader that shares one since reads only rows below the
-    // lengths, and this append writes past them). Missing ones are allocated and go into the
-    // table now, so that appends of the other heads of the same tokens write into them too.
+    // Blocks touched: from the one holding `pos` to the one holding pos + n - 1. Existing ones
+    // that must not change (published, or the block a truncate cut while someone else holds it)
+    // are copied first (copy on write), unless an append in flight writes into them already (it
+    // made them safe to write when it began). Missing ones are allocated and go into the table
+    // now, so that appends of the other heads of the same tokens write into them too.
     const uint64_t have = s->table.size();
     for (uint64_t i = first; i < std::min(have, need); ++i) {
       bool in_flight = false;
       for (AppendRegion& a : s->appends) {
         if (a.block_begin <= i && i < a.block_end) in_flight = a.joined = region.joined = true;
       }
-      if (!in_flight && !pool_->Writable(s->table.at(i).id())) cow.push_back(i);
+      if (in_flight) continue;
+      // Published blocks are immutable; the cut block is read past its length by readers from
+      // before the truncate (Sequence::cut_block); any other block another holds is a reader's,
+      // which reads no row this append writes.
+      const int32_t id = s->table.at(i).id();
+      if (pool_->Published(id) || (i == s->cut_block && !pool_->Writable(id))) cow.push_back(i);
     }
     const uint64_t fresh = need > have ? need - have : 0;
     auto blocks = pool_->Allocate(cow.size() + fresh, s->tenant_id);

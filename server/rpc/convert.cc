@@ -190,6 +190,7 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
   out->set_prefix_query_tokens(st.prefix_query_tokens);
   out->set_prefix_hit_tokens(st.prefix_hit_tokens);
   out->set_tenant_view(st.tenant_view);
+  out->set_fetches_waiting(st.fetches_waiting);
   for (const TenantStats& t : st.tenants) {
     v1::TenantStats* p = out->add_tenants();
     p->set_tenant(t.tenant);

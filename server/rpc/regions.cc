@@ -54,22 +54,34 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
 // The reader opens and copies on a worker; its blocks go before the answer is sent.
 class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
+  // wait: copy only once the tokens are committed (FetchRequest.wait_ms).
   RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
-                     absl::StatusOr<plane::RegionBytes> dest, OpenFetch open)
+                     absl::StatusOr<plane::RegionBytes> dest, OpenFetch open,
+                     std::optional<FetchWaitSpec> wait)
       : service_(service), stream_(service->watchdog_.Watch(ctx)) {
     if (!dest.ok()) {
       Answer(dest.status());
       return;
     }
-    refs_.fetch_add(1, std::memory_order_relaxed);
-    service_->device_work_->Submit(
-        [this, dest = *std::move(dest), open = std::move(open)]() mutable {
-          Answer(Copy(std::move(dest), open));
-          Unref();
-        });
+    if (!wait.has_value()) {
+      CopyOnWorker(*std::move(dest), std::move(open));
+      return;
+    }
+    stream_->SetWaiting(false);  // it waits for the sequence, not for its client
+    wait_ = std::make_unique<FetchWait>(
+        &service_->timers_, [this] { refs_.fetch_add(1, std::memory_order_relaxed); },
+        [this] { Unref(); });
+    wait_->Begin(std::move(wait->store), wait->spec, wait->timeout,
+                 [this, dest = *std::move(dest), open = std::move(open)](absl::Status s) {
+                   if (!s.ok()) return Answer(s);
+                   CopyOnWorker(dest, open);
+                 });
   }
 
   void OnWriteDone(bool) override { stream_->Progress(); }
+  void OnCancel() override {
+    if (wait_ != nullptr) wait_->Cancel();
+  }
   void OnDone() override {
     stream_->Done();
     Unref();
@@ -78,6 +90,15 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
  private:
   void Unref() {
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  void CopyOnWorker(plane::RegionBytes dest, OpenFetch open) {
+    refs_.fetch_add(1, std::memory_order_relaxed);
+    service_->device_work_->Submit(
+        [this, dest = std::move(dest), open = std::move(open)]() mutable {
+          Answer(Copy(std::move(dest), open));
+          Unref();
+        });
   }
 
   static absl::StatusOr<v1::FetchResponse> Copy(plane::RegionBytes dest, const OpenFetch& open) {
@@ -117,17 +138,19 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
   // gRPC's (until OnDone) and the queued copy's: the last to go deletes the reactor.
   std::atomic<int> refs_{1};
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
+  std::unique_ptr<FetchWait> wait_;  // set by the constructor, or never
   grpc::ByteBuffer message_;
 };
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
-    Ctx* ctx, OpenFetch open, const std::string& tenant, const v1::RegionSlice& dest) {
+    Ctx* ctx, OpenFetch open, const std::string& tenant, const v1::RegionSlice& dest,
+    std::optional<FetchWaitSpec> wait) {
   auto regions = ShmPlane();
   absl::StatusOr<plane::RegionBytes> bytes =
       regions.ok()
           ? (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest")
           : absl::StatusOr<plane::RegionBytes>(regions.status());
-  return new RegionFetchReactor(this, ctx, std::move(bytes), std::move(open));
+  return new RegionFetchReactor(this, ctx, std::move(bytes), std::move(open), std::move(wait));
 }
 
 }  // namespace kvbank::rpc

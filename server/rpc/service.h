@@ -5,6 +5,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
@@ -13,6 +14,7 @@
 #include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
+#include "server/rpc/fetch_wait.h"
 #include "server/rpc/stream_watchdog.h"
 #include "server/rpc/work_queue.h"
 
@@ -39,6 +41,8 @@ struct ServiceOptions {
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
 inline constexpr int kMaxMessageBytes = 4 << 20;
+// The longest a fetch may wait for its tokens (FetchRequest.wait_ms).
+inline constexpr uint32_t kMaxFetchWaitMs = 600000;
 // Most queries one Match call may carry.
 inline constexpr int kMaxMatchQueries = 4096;
 
@@ -134,13 +138,20 @@ class KvBankService final : public internal::RawKvBankService {
   class FetchReactor;
   class RegionFetchReactor;  // regions.cc
   using OpenFetch = std::function<absl::StatusOr<std::unique_ptr<FetchReader>>()>;
+  // A fetch that first waits for its tokens to be committed (FetchRequest.wait_ms): fetch_wait.h.
+  struct FetchWaitSpec {
+    std::shared_ptr<SequenceStore> store;
+    FetchSpec spec;
+    absl::Duration timeout;
+  };
   // The shared-memory plane, or FAILED_PRECONDITION naming --shm-socket when it is off.
   absl::StatusOr<plane::ShmRegions*> ShmPlane() const;
   // A Fetch / FetchBlocks with a `dest` slice: `open` makes the reader, whose payload is copied
   // into the caller's region on a worker; the stream answers with the header only (regions.cc).
   grpc::ServerWriteReactor<Raw>* StartRegionFetch(Ctx* ctx, OpenFetch open,
                                                   const std::string& tenant,
-                                                  const v1::RegionSlice& dest);
+                                                  const v1::RegionSlice& dest,
+                                                  std::optional<FetchWaitSpec> wait);
   // Writes an append's whole payload from the caller's region (header.source) into `txn`.
   // INVALID_ARGUMENT when the slice is not exactly txn's payload or lies outside the region;
   // NOT_FOUND for a region that is not the tenant's (regions.cc).
@@ -161,6 +172,7 @@ class KvBankService final : public internal::RawKvBankService {
   absl::Mutex watches_mu_;             // before any WatchReactor's own lock
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
   StreamWatchdog watchdog_;
+  mutable Timers timers_;  // fetches' wait_ms (thread-safe)
   // Last: joined (finishing their calls) first.
   std::unique_ptr<WorkQueue> device_work_;
   std::unique_ptr<WorkQueue> attend_work_;

@@ -132,6 +132,32 @@ def test_prefill_ranks_append_their_kv_heads_at_once(client, model_name):
     client.free(model_name, seq.id)
 
 
+def test_fetch_waits_for_its_layer_to_be_committed(client, model_name):
+    """Layer-wise handoff: a fetch with wait_s registered before layer 1 exists returns its
+    bytes once the append of layer 1 commits; one whose layer never comes times out."""
+    client.ensure_model(small_layout(model_name, "fp16", layers=2))
+    rng = np.random.default_rng(7103)
+    n = 19
+    kv = rng.standard_normal((2, 2, 2, n, 64)).astype(np.float16)
+    seq = client.create_sequence(model_name)
+    pulled = client.fetch_async(model_name, seq.id, token_end=n, layer_begin=1, layer_end=2,
+                                wait_s=30)
+
+    def waiting():
+        return {s["model"]: s for s in client.stats()}[model_name]["fetches_waiting"]
+
+    deadline = time.monotonic() + 20
+    while waiting() != 1:
+        assert time.monotonic() < deadline, "the fetch never waited on the server"
+        time.sleep(0.002)
+    client.append(model_name, seq.id, kv[1:].copy(), num_tokens=n, layer_begin=1, layer_end=2)
+    assert pulled.result(timeout=30).tobytes() == kv[1].tobytes()
+    with pytest.raises(kvbank.DeadlineExceededError, match="wait_ms=200"):
+        client.fetch(model_name, seq.id, token_end=n, layer_begin=0, layer_end=1, wait_s=0.2)
+    assert waiting() == 0
+    client.free(model_name, seq.id)
+
+
 def test_fetch_into_numpy_writes_in_place_without_a_python_copy(client, model_name):
     model = client.ensure_model(small_layout(model_name, "fp16", head_dim=128), pool_bytes=48 * MiB)
     n = 1024  # 4 layers x 2 heads x 2 (K, V) x 128 x 2 bytes = 4 KiB a token: 4 MiB

@@ -316,6 +316,50 @@ TEST_P(HeadAppendTest, AnAbortedRankLeavesTheOthersAheadForkTakesWhatAllHoldTrun
   EXPECT_EQ(store->CheckInvariants(), "");
 }
 
+// A prefill streaming layer by layer while a decode reads the layers already there: the next
+// layer goes in place into the blocks the reader holds (no block copied), and the reader's bytes
+// stay as they were. After a truncate, the cut block is copied before a write under a reader.
+TEST_P(HeadAppendTest, ALayerGoesInPlaceBesideAReaderOfAnother) {
+  auto store = NewStore();
+  const uint64_t id = NewSequence(*store);
+  const auto layer = [&](uint32_t l, uint64_t n, uint32_t seed) {
+    AppendSpec a = Spec(id, n, 0, std::nullopt);
+    a.layer_begin = l;
+    a.layer_end = l + 1;
+    return store->Append(
+        a, RandomFp32(PayloadLayout::Make(b_, l, l + 1, n, DType::kFp32).total_bytes, seed));
+  };
+  ASSERT_TRUE(layer(0, 14, 1).ok());
+  FetchSpec f;
+  f.sequence_id = id;
+  f.layer_end = 1;
+  auto reader = store->BeginFetch(f);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  std::vector<uint8_t> before((*reader)->payload_bytes()), after(before.size());
+  ASSERT_TRUE((*reader)->Read(0, absl::MakeSpan(before)).ok());
+  const uint64_t used = store->pool().Stats().used;
+  ASSERT_TRUE(layer(1, 14, 2).ok());
+  ASSERT_TRUE(layer(2, 14, 3).ok());
+  EXPECT_EQ(store->pool().Stats().used, used) << "blocks were copied for rows no reader reads";
+  ASSERT_TRUE((*reader)->Read(0, absl::MakeSpan(after)).ok());
+  EXPECT_EQ(after, before);
+
+  // Truncate to 10 under the reader (which holds tokens 10..13 of block 2), then append: block 2
+  // is copied, and the reader still reads what it read.
+  ASSERT_TRUE(store->Truncate(id, 10, "").ok());
+  ASSERT_TRUE(
+      store
+          ->Append(Spec(id, 4, 0, std::nullopt),
+                   RandomFp32(PayloadLayout::Make(b_, 0, kLayers, 4, DType::kFp32).total_bytes, 4))
+          .ok());
+  // Block 3 stays the reader's; tokens 12..13 go into a new one, and block 2 is copied.
+  EXPECT_EQ(store->pool().Stats().used, used + 2) << "the cut block is copied";
+  ASSERT_TRUE((*reader)->Read(0, absl::MakeSpan(after)).ok());
+  EXPECT_EQ(after, before);
+  reader->reset();
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
 // Layer-wise handoff: a waiter for layer 1's first 8 tokens of heads [2, 4) wakes on the commit
 // that completes them, not before (not on another layer's, another head range's, nor a shorter
 // one); one already satisfied answers 0; a freed sequence wakes its waiters with

@@ -125,6 +125,7 @@ class Client {
     uint64_t bytes_fetched = 0, leases_expired = 0;
     uint64_t blocks_cached = 0, blocks_pinned = 0, evictions = 0;
     uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
+    uint64_t fetches_waiting = 0;  // fetches waiting for their tokens (FetchArgs::wait)
     struct Tenant {
       std::string tenant;
       uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0, blocks_referenced = 0;
@@ -202,6 +203,11 @@ class Client {
     // layout with that many heads). Unset end: num_kv_heads. MLA's latent head is read whole.
     uint32_t kv_head_begin = 0;
     std::optional<uint32_t> kv_head_end;
+    // Layer-wise handoff: with token_end set, wait up to this long (at most 10 minutes) for
+    // appends to commit the tokens, then fetch (a decode worker pulling each layer as soon as
+    // the prefill worker's append of it commits). DEADLINE_EXCEEDED when they are not
+    // committed in time. Zero: no wait (OUT_OF_RANGE past what the sequence holds).
+    absl::Duration wait = absl::ZeroDuration();
   };
   struct FetchResult {
     uint64_t token_begin = 0;
