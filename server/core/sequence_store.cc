@@ -330,7 +330,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
   const uint64_t keep = CeilDiv(num_tokens, layout_.block_tokens);
   s.table.Truncate(keep);
   s.cut_block = num_tokens % layout_.block_tokens != 0 ? num_tokens / layout_.block_tokens
-                                                         : Sequence::kNoBlock;
+                                                       : Sequence::kNoBlock;
   if (s.scores.size() > num_tokens) s.scores.resize(num_tokens);
   s.hashes.resize(std::min<uint64_t>(s.hashes.size(), num_tokens / layout_.block_tokens));
   Account(s);
