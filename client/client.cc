@@ -280,6 +280,13 @@ absl::StatusOr<Client::ModelInfo> Client::GetModel(const std::string& model) {
   return absl::NotFoundError(absl::StrCat("model '", model, "' not found"));
 }
 
+absl::StatusOr<Client::ServerInfo> Client::GetServerInfo() {
+  v1::GetServerInfoRequest req;
+  v1::GetServerInfoResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::GetServerInfo, req, &resp); !s.ok()) return s;
+  return ServerInfo{resp.version(), resp.shm_socket()};
+}
+
 absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::string& model) {
   v1::GetStatsRequest req;
   req.set_model(model);

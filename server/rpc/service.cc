@@ -545,6 +545,18 @@ grpc::ServerUnaryReactor* KvBankService::Attend(Ctx* ctx, const Raw* raw, Raw* o
   return call;
 }
 
+grpc::ServerUnaryReactor* KvBankService::GetServerInfo(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
+      ctx, raw, out,
+      [this](const Caller&, const v1::GetServerInfoRequest&, v1::GetServerInfoResponse* resp) {
+        resp->set_version(KVBANK_VERSION_STRING);
+        if (options_.shm_regions != nullptr) {
+          resp->set_shm_socket(options_.shm_regions->options().socket_path);
+        }
+        return absl::OkStatus();
+      });
+}
+
 // The shared-memory plane: the handle comes from the Unix socket (server/plane/shm_regions.h).
 grpc::ServerUnaryReactor* KvBankService::RegisterRegion(Ctx* ctx, const Raw* raw, Raw* out) {
   return Serve<v1::RegisterRegionRequest, v1::RegisterRegionResponse>(

@@ -67,8 +67,9 @@ using RawKvBankServiceCore = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                     v1::KvBank::WithRawCallbackMethod_DropModel<
                                                         v1::KvBank::
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
-using RawKvBankService = v1::KvBank::WithRawCallbackMethod_RegisterRegion<
-    v1::KvBank::WithRawCallbackMethod_UnregisterRegion<RawKvBankServiceCore>>;
+using RawKvBankService = v1::KvBank::WithRawCallbackMethod_GetServerInfo<
+    v1::KvBank::WithRawCallbackMethod_RegisterRegion<
+        v1::KvBank::WithRawCallbackMethod_UnregisterRegion<RawKvBankServiceCore>>>;
 }  // namespace internal
 
 // Thread-safe; reactions never block on anything but short metadata locks. On host memory a
@@ -91,6 +92,7 @@ class KvBankService final : public internal::RawKvBankService {
   Unary* DropModel(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* ListModels(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* GetStats(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* GetServerInfo(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* CreateSequence(Ctx* ctx, const Raw* req, Raw* resp) override;
   // AppendRequest messages in, an AppendResponse out.
   grpc::ServerReadReactor<Raw>* Append(Ctx* ctx, Raw* resp) override;

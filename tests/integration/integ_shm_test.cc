@@ -414,11 +414,23 @@ TEST_F(ShmTest, UnsealedMemfdAndGarbageOnTheSocketAreRefused) {
   EXPECT_TRUE(c->AppendFromRegion("m", seq->id, args, (*region)->Slice(0, 4096)).ok());
 }
 
+// GetServerInfo names the socket, so a client can find the plane without being told the path.
+TEST_F(ShmTest, ServerInfoNamesTheSocket) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  auto info = NewClient()->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shm_socket, socket_);
+  EXPECT_FALSE(info->version.empty());
+}
+
 TEST_F(ShmTest, PlaneOffAnswersFailedPrecondition) {
   ASSERT_NO_FATAL_FAILURE(StartServer({"--models="}));
   ClientOptions o;
   o.shm_socket = socket_;  // nothing listens there
   std::unique_ptr<Client> c = NewClient(o);
+  auto info = c->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shm_socket, "") << "no plane: no socket named";
   EXPECT_EQ(c->RegisterRegion(4096).status().code(), absl::StatusCode::kUnavailable);
   const ModelLayout layout = SmallLayout("m");
   ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());

@@ -246,6 +246,12 @@ class Client {
   // miss).
   absl::StatusOr<ModelInfo> GetModel(const std::string& model);
   absl::StatusOr<std::vector<ModelStats>> GetStats(const std::string& model = "");
+  // What the server is and which data planes it serves.
+  struct ServerInfo {
+    std::string version;
+    std::string shm_socket;  // kvbankd's --shm-socket; empty when the plane is off
+  };
+  absl::StatusOr<ServerInfo> GetServerInfo();
 
   // lease: unset = the server's default; zero = no lease (lives until freed).
   absl::StatusOr<SequenceInfo> CreateSequence(const std::string& model,
