@@ -291,6 +291,10 @@ class Client {
   // payload.
   absl::StatusOr<FetchResult> FetchToRegion(const std::string& model, uint64_t id,
                                             const FetchArgs& args, const RegionSlice& dest);
+  // FetchBlocks written into `dest` (args' layer, dtype and head fields apply), as FetchToRegion.
+  absl::StatusOr<FetchResult> FetchBlocksToRegion(const std::string& model,
+                                                  const std::vector<BlockHash>& hashes,
+                                                  const FetchArgs& args, const RegionSlice& dest);
 
   // Typed helper: fills k [layers][kv_heads][tokens][head_dim] and v (same, head_dim_v; empty for
   // MLA). REQUIRES: the spans are exactly the size of the range fetched; else INVALID_ARGUMENT.
