@@ -230,8 +230,7 @@ cudaError_t FindNonFiniteCuda(const uint8_t* payload, DType dtype, uint64_t n, u
   if (n == 0) return cudaSuccess;
   uint64_t blocks = (n + kThreads - 1) / kThreads;
   blocks = blocks > kMaxGridX * 4 ? kMaxGridX * 4 : blocks;
-  NonFiniteKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(payload, dtype, n,
-                                                                           found);
+  NonFiniteKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(payload, dtype, n, found);
   return cudaGetLastError();
 }
 

@@ -100,9 +100,10 @@ ABSL_FLAG(std::string, shm_max_region_bytes, "64GiB",
           "largest shared-memory region a client may register");
 ABSL_FLAG(uint32_t, shm_max_regions, 256,
           "most shared-memory regions (each one socket connection) registered or pending at once");
-ABSL_FLAG(uint32_t, cuda_ipc_lease_ms, 60000,
-          "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "
-          "closed (cudaIpcCloseMemHandle); the client registers again");
+ABSL_FLAG(
+    uint32_t, cuda_ipc_lease_ms, 60000,
+    "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "
+    "closed (cudaIpcCloseMemHandle); the client registers again");
 ABSL_FLAG(uint32_t, cuda_ipc_max_regions, 256, "most CUDA IPC device regions registered at once");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "with --tls-cert: require client certificates signed by these CAs (PEM): mutual TLS");
@@ -382,7 +383,8 @@ int Main(int argc, char** argv) {
       registry->ExpireCache(absl::Now());
       if (cuda_ipc != nullptr) {
         if (size_t n = cuda_ipc->Sweep(absl::Now()); n > 0) {
-          std::cerr << "kvbankd: " << n << " CUDA IPC device region(s) unused for the lease; closed\n";
+          std::cerr << "kvbankd: " << n
+                    << " CUDA IPC device region(s) unused for the lease; closed\n";
         }
       }
       // The heap is kept large on purpose (see mallopt above), so a burst (many large messages

@@ -285,9 +285,9 @@ class CudaMemory final : public PoolMemory {
                       "checking a payload for NaN / Inf");
       KVBANK_CUDA_TRY(kernels::FindNonFiniteCuda(payload, dtype, n, dev_found, lane.stream),
                       "checking a payload for NaN / Inf");
-      KVBANK_CUDA_TRY(cudaMemcpyAsync(*args, dev_found, sizeof(uint32_t), cudaMemcpyDeviceToHost,
-                                      lane.stream),
-                      "checking a payload for NaN / Inf");
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(*args, dev_found, sizeof(uint32_t), cudaMemcpyDeviceToHost, lane.stream),
+          "checking a payload for NaN / Inf");
       if (absl::Status f = Finish(lane, "checking a payload for NaN / Inf"); !f.ok()) return f;
       std::memcpy(&found, *args, sizeof(found));
     }

@@ -110,7 +110,7 @@ class PoolMemory {
   // The index of the first NaN or Inf of `n` elements of `dtype` (fp32 / fp16 / bf16) at device
   // memory `payload`, or -1 when all are finite. FAILED_PRECONDITION unless cuda:N.
   virtual absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
-                                                         uint64_t n);
+                                                        uint64_t n);
   // dst[i] <- src[i], whole blocks of `block_bytes`.
   virtual absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                                   uint64_t block_bytes) = 0;

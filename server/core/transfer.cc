@@ -51,8 +51,8 @@ absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
 
 absl::Status PayloadWriter::WriteFromDevice(const uint8_t* device_payload) {
   if (written_ != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "a payload from device memory comes whole; ", written_, " bytes were written already"));
+    return absl::FailedPreconditionError(absl::StrCat("a payload from device memory comes whole; ",
+                                                      written_, " bytes were written already"));
   }
   if (spec_.mode == TransferMode::kStorage) {
     return absl::FailedPreconditionError(

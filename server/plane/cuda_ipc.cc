@@ -8,15 +8,15 @@
 namespace kvbank::plane {
 
 CudaIpcRegions::CudaIpcRegions(CudaIpcOptions options, DeviceOpener open)
-    : options_(std::move(options)), open_(open ? std::move(open) : DeviceOpener(OpenCudaIpcHandle)) {}
+    : options_(std::move(options)),
+      open_(open ? std::move(open) : DeviceOpener(OpenCudaIpcHandle)) {}
 
 absl::StatusOr<uint64_t> CudaIpcRegions::Register(const std::string& tenant,
                                                   absl::string_view handle, uint64_t offset,
                                                   uint64_t size) {
   if (handle.size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("handle is ", handle.size(),
-                                                   " bytes; a cudaIpcMemHandle_t is ",
-                                                   kCudaIpcHandleBytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "handle is ", handle.size(), " bytes; a cudaIpcMemHandle_t is ", kCudaIpcHandleBytes));
   }
   if (size == 0) return absl::InvalidArgumentError("size is 0: an empty device region");
   if (size > options_.max_region_bytes) {

@@ -30,10 +30,11 @@ GetAddressRange FindGetAddressRange() {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-  const cudaError_t e =
-      cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found);
+  const cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                         cudaEnableDefault, &found);
 #else
-  const cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &fn, cudaEnableDefault, &found);
+  const cudaError_t e =
+      cudaGetDriverEntryPoint("cuMemGetAddressRange", &fn, cudaEnableDefault, &found);
 #endif
   if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
     cudaGetLastError();
@@ -73,8 +74,8 @@ absl::StatusOr<std::shared_ptr<DeviceMapping>> OpenCudaIpcHandle(int device,
                                                                  absl::string_view handle,
                                                                  uint64_t offset, uint64_t size) {
   if (handle.size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("handle is ", handle.size(), " bytes, not ",
-                                                   kCudaIpcHandleBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("handle is ", handle.size(), " bytes, not ", kCudaIpcHandleBytes));
   }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -82,8 +83,8 @@ absl::StatusOr<std::shared_ptr<DeviceMapping>> OpenCudaIpcHandle(int device,
     n = 0;
   }
   if (device < 0 || device >= n) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("no CUDA device ", device, " to open a device region on: this machine has ", n));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no CUDA device ", device, " to open a device region on: this machine has ", n));
   }
   DeviceGuard guard(device);
   if (guard.status() != cudaSuccess) {
@@ -109,11 +110,11 @@ absl::StatusOr<std::shared_ptr<DeviceMapping>> OpenCudaIpcHandle(int device,
   GetAddressRange range = FindGetAddressRange();
   CUdeviceptr base = 0;
   size_t bytes = 0;
-  if (range == nullptr ||
-      range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
+  if (range == nullptr || range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
     close();
-    return absl::InternalError(absl::StrCat(
-        "cuda:", device, ": cuMemGetAddressRange failed on an opened handle: cannot check its size"));
+    return absl::InternalError(
+        absl::StrCat("cuda:", device,
+                     ": cuMemGetAddressRange failed on an opened handle: cannot check its size"));
   }
   const uint64_t have = bytes - (reinterpret_cast<CUdeviceptr>(p) - base);
   if (offset > have || size > have - offset) {

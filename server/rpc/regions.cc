@@ -2,9 +2,10 @@
 // (server/plane/shm_regions.h; an Append whose header names a source slice, a Fetch / FetchBlocks
 // whose request names a dest slice) and the CUDA IPC plane (server/plane/cuda_ipc.h; device_source
 // and device_dest slices, moved device to device by AppendTxn::WriteFromDevice and
-// FetchReader::ReadToDevice). The payload moves in one copy between the pool and the client's region, through the
-// core's transfer seam (AppendTxn::Write, FetchReader::Read), always on a worker: it is a whole
-// payload, not one chunk, and on memory that waits on a device it is a device copy.
+// FetchReader::ReadToDevice). The payload moves in one copy between the pool and the client's
+// region, through the core's transfer seam (AppendTxn::Write, FetchReader::Read), always on a
+// worker: it is a whole payload, not one chunk, and on memory that waits on a device it is a device
+// copy.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -178,10 +179,9 @@ absl::StatusOr<plane::CudaIpcRegions*> KvBankService::CudaIpcPlane() const {
   return options_.cuda_ipc.get();
 }
 
-absl::StatusOr<plane::DeviceBytes> KvBankService::ResolveDeviceSlice(const std::string& tenant,
-                                                                     const SequenceStore& model,
-                                                                     const v1::RegionSlice& slice,
-                                                                     absl::string_view field) const {
+absl::StatusOr<plane::DeviceBytes> KvBankService::ResolveDeviceSlice(
+    const std::string& tenant, const SequenceStore& model, const v1::RegionSlice& slice,
+    absl::string_view field) const {
   if (slice.region_id() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".region_id is 0 (unset)"));
   }

@@ -72,7 +72,7 @@ class CudaIpcRefusalTest : public KvbankdTest {
 #define EXPECT_STATUS(s, code, text)                                                  \
   do {                                                                                \
     const grpc::Status st_ = (s);                                                     \
-    EXPECT_EQ(st_.error_code(), grpc::StatusCode::code) << st_.error_message();      \
+    EXPECT_EQ(st_.error_code(), grpc::StatusCode::code) << st_.error_message();       \
     EXPECT_TRUE(absl::StrContains(st_.error_message(), text)) << st_.error_message(); \
   } while (0)
 

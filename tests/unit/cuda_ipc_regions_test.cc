@@ -1,8 +1,6 @@
 // The CUDA IPC plane's registry (server/plane/cuda_ipc.h) with an injected opener: tenancy, slice
 // checks, limits, the lease and when a region is closed. Opening real handles is
 // tests/gpu/gpu_cuda_ipc_test.cc.
-#include "server/plane/cuda_ipc.h"
-
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -10,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "server/plane/cuda_ipc.h"
 
 namespace kvbank::plane {
 namespace {
@@ -23,8 +22,7 @@ struct FakeOpener {
                   uint64_t size) -> absl::StatusOr<std::shared_ptr<DeviceMapping>> {
       buffers.push_back(std::make_unique<uint8_t[]>(offset + size));
       auto c = closed;
-      return std::make_shared<DeviceMapping>(buffers.back().get() + offset, size,
-                                             [c] { ++*c; });
+      return std::make_shared<DeviceMapping>(buffers.back().get() + offset, size, [c] { ++*c; });
     };
   }
 };
@@ -58,8 +56,7 @@ TEST(CudaIpcRegionsTest, BadSlicesAndRequestsAreRefusedNamingThem) {
             absl::StatusCode::kInvalidArgument);
   auto id = r.Register("a", kHandle, 0, 4096);
   ASSERT_TRUE(id.ok());
-  EXPECT_EQ(r.Register("a", kHandle, 0, 1).status().code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.Register("a", kHandle, 0, 1).status().code(), absl::StatusCode::kResourceExhausted);
   auto zero = r.Resolve("a", 0, 0, 1, "header.device_source");
   EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(zero.status().message(), "header.device_source.region_id"));
