@@ -151,7 +151,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
       regions.ok()
           ? (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest")
           : absl::StatusOr<plane::RegionBytes>(regions.status());
-  absl::StatusOr<RegionFetchReactor::Sink> sink = bytes.status();
+  absl::StatusOr<RegionFetchReactor::Sink> sink =
+      bytes.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
+                 : absl::StatusOr<RegionFetchReactor::Sink>(bytes.status());
   if (bytes.ok()) {
     sink = [region = *std::move(bytes)](FetchReader& reader) {
       const uint64_t n = reader.payload_bytes();
@@ -215,7 +217,9 @@ absl::Status KvBankService::AppendFromDevice(const std::string& tenant, const Se
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartDeviceFetch(
     Ctx* ctx, OpenFetch open, absl::StatusOr<plane::DeviceBytes> dest,
     std::optional<FetchWaitSpec> wait) {
-  absl::StatusOr<RegionFetchReactor::Sink> sink = dest.status();
+  absl::StatusOr<RegionFetchReactor::Sink> sink =
+      dest.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
+                : absl::StatusOr<RegionFetchReactor::Sink>(dest.status());
   if (dest.ok()) {
     sink = [region = *std::move(dest)](FetchReader& reader) {
       const uint64_t n = reader.payload_bytes();
