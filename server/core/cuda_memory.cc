@@ -41,6 +41,7 @@
 #include "kernels/block_copy_cuda.h"
 #include "kernels/payload_codec.h"
 #include "kernels/payload_codec_cuda.h"
+#include "kernels/quant.h"
 #include "kvbank/layout.h"
 #include "server/core/pool_memory.h"
 
@@ -255,6 +256,53 @@ class CudaMemory final : public PoolMemory {
     return MovePayload(job, kernels::CopyDirection::kPoolToPayload, payload);
   }
 
+  absl::Status WritePayloadFromDevice(const PayloadJob& job, const uint8_t* payload) override {
+    return MovePayload(job, kernels::CopyDirection::kPayloadToPool, const_cast<uint8_t*>(payload),
+                       /*on_device=*/true);
+  }
+
+  absl::Status ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload) override {
+    return MovePayload(job, kernels::CopyDirection::kPoolToPayload, payload, /*on_device=*/true);
+  }
+
+  absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
+                                                uint64_t n) override {
+    if (n == 0) return -1;
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    uint32_t found = 0;
+    {
+      LaneHold hold(this);
+      Lane& lane = hold.lane();
+      ScratchPlan plan;
+      const uint64_t at_found = plan.Device(sizeof(uint32_t));
+      absl::StatusOr<uint8_t*> s = Scratch(lane, plan.total());
+      if (!s.ok()) return s.status();
+      absl::StatusOr<uint8_t*> args = Args(lane, sizeof(uint32_t));
+      if (!args.ok()) return args.status();
+      uint32_t* dev_found = At<uint32_t>(*s, at_found);
+      KVBANK_CUDA_TRY(cudaMemsetAsync(dev_found, 0, sizeof(uint32_t), lane.stream),
+                      "checking a payload for NaN / Inf");
+      KVBANK_CUDA_TRY(kernels::FindNonFiniteCuda(payload, dtype, n, dev_found, lane.stream),
+                      "checking a payload for NaN / Inf");
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(*args, dev_found, sizeof(uint32_t), cudaMemcpyDeviceToHost, lane.stream),
+          "checking a payload for NaN / Inf");
+      if (absl::Status f = Finish(lane, "checking a payload for NaN / Inf"); !f.ok()) return f;
+      std::memcpy(&found, *args, sizeof(found));
+    }
+    if (found == 0) return -1;
+    // NOTE: slow path, a bad payload only: the payload comes to the host to name the first bad
+    // element exactly as the host path does.
+    std::vector<uint8_t> host(n * DTypeBytes(dtype));
+    const cudaError_t e = cudaMemcpy(host.data(), payload, host.size(), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return Error(e, "copying a bad payload to the host to name its first NaN / Inf");
+    }
+    return kernels::FindNonFinite(host.data(), dtype, n);
+  }
+
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                           uint64_t block_bytes) override {
     if (src.size() != dst.size()) {
@@ -388,9 +436,11 @@ class CudaMemory final : public PoolMemory {
   }
 
  private:
-  // The payload (host; read for kPayloadToPool, written for kPoolToPayload) to or from the blocks:
-  // it travels through the device scratch, next to the map's arrays.
-  absl::Status MovePayload(const PayloadJob& job, kernels::CopyDirection dir, uint8_t* payload) {
+  // The payload (read for kPayloadToPool, written for kPoolToPayload) to or from the blocks. In
+  // host memory it travels through the device scratch, next to the map's arrays; in device
+  // memory (on_device) the kernels use it where it is.
+  absl::Status MovePayload(const PayloadJob& job, kernels::CopyDirection dir, uint8_t* payload,
+                           bool on_device = false) {
     if (absl::Status s = CheckJob(job); !s.ok()) return s;
     const kernels::PayloadMap& m = job.map;
     if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
@@ -399,10 +449,11 @@ class CudaMemory final : public PoolMemory {
     LaneHold hold(this);
     Lane& lane = hold.lane();
     uint8_t* dev_payload = nullptr;
-    absl::StatusOr<kernels::PayloadMap> d = SendMap(lane, m, &dev_payload);
+    absl::StatusOr<kernels::PayloadMap> d = SendMap(lane, m, on_device ? nullptr : &dev_payload);
     if (!d.ok()) return d.status();
+    if (on_device) dev_payload = payload;
     const bool in = dir == kernels::CopyDirection::kPayloadToPool;
-    if (in) {
+    if (in && !on_device) {
       KVBANK_CUDA_TRY(
           cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, lane.stream),
           "copying the payload to the device");
@@ -420,7 +471,7 @@ class CudaMemory final : public PoolMemory {
                         in ? "scattering the payload's scales" : "gathering the payload's scales");
       }
     }
-    if (!in) {
+    if (!in && !on_device) {
       KVBANK_CUDA_TRY(
           cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, lane.stream),
           "copying the payload to the host");
@@ -526,8 +577,9 @@ class CudaMemory final : public PoolMemory {
   }
 
   // Sends m's host arrays (layers, layer_offset, block_table, scale_offset) to the lane's
-  // scratch, with room for the payload after them (*dev_payload), and returns the map over those
-  // copies. REQUIRES: m.num_layers > 0.
+  // scratch, with room for the payload after them (*dev_payload, unless dev_payload is null: the
+  // payload is in device memory already), and returns the map over those copies.
+  // REQUIRES: m.num_layers > 0.
   absl::StatusOr<kernels::PayloadMap> SendMap(Lane& lane, const kernels::PayloadMap& m,
                                               uint8_t** dev_payload) {
     const uint32_t bt = m.layers[0].block_tokens;
@@ -540,7 +592,7 @@ class CudaMemory final : public PoolMemory {
     const uint64_t at_offsets = plan.Host(offsets_bytes);
     const uint64_t at_table = plan.Host(table_bytes);
     const uint64_t at_scales = m.scale_offset ? plan.Host(offsets_bytes) : 0;
-    const uint64_t at_payload = plan.Device(m.total_bytes);
+    const uint64_t at_payload = dev_payload != nullptr ? plan.Device(m.total_bytes) : 0;
     absl::StatusOr<uint8_t*> s = Send(lane, plan, [&](uint8_t* args, uint8_t*) {
       Put(args, at_layers, m.layers, layers_bytes);
       Put(args, at_offsets, m.layer_offset, offsets_bytes);
@@ -554,7 +606,7 @@ class CudaMemory final : public PoolMemory {
     d.layer_offset = At<const uint64_t>(*s, at_offsets);
     d.block_table = At<const int32_t>(*s, at_table);
     d.scale_offset = m.scale_offset ? At<const uint64_t>(*s, at_scales) : nullptr;
-    *dev_payload = *s + at_payload;
+    if (dev_payload != nullptr) *dev_payload = *s + at_payload;
     return d;
   }
 

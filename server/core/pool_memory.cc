@@ -20,6 +20,21 @@
 
 namespace kvbank {
 
+absl::Status PoolMemory::WritePayloadFromDevice(const PayloadJob&, const uint8_t*) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "a payload in device memory needs a pool in device memory (--device cuda:N); this pool is "
+      "in ",
+      name(), " memory"));
+}
+
+absl::Status PoolMemory::ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload) {
+  return WritePayloadFromDevice(job, payload);
+}
+
+absl::StatusOr<int64_t> PoolMemory::FindNonFiniteOnDevice(const uint8_t*, DType, uint64_t) {
+  return WritePayloadFromDevice(PayloadJob{}, nullptr);
+}
+
 namespace {
 
 // Host staging buffers kept for reuse (the host-staged kind stages every transfer): a fresh

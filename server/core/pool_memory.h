@@ -102,6 +102,15 @@ class PoolMemory {
   virtual absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) = 0;
   // blocks -> payload (host, job.map.total_bytes).
   virtual absl::Status ReadPayload(const PayloadJob& job, uint8_t* payload) = 0;
+  // The same moves with the payload in device memory on this memory's device (a data plane's
+  // buffer, server/plane/cuda_ipc.h): the kernels read / write it in place, no host copy.
+  // FAILED_PRECONDITION naming the memory unless it is cuda:N.
+  virtual absl::Status WritePayloadFromDevice(const PayloadJob& job, const uint8_t* payload);
+  virtual absl::Status ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload);
+  // The index of the first NaN or Inf of `n` elements of `dtype` (fp32 / fp16 / bf16) at device
+  // memory `payload`, or -1 when all are finite. FAILED_PRECONDITION unless cuda:N.
+  virtual absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
+                                                        uint64_t n);
   // dst[i] <- src[i], whole blocks of `block_bytes`.
   virtual absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                                   uint64_t block_bytes) = 0;

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
+#include "server/plane/cuda_ipc.h"
 #include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
@@ -37,6 +38,9 @@ struct ServiceOptions {
   // The same-host shared-memory plane (--shm-socket); null: off (RegisterRegion and region
   // slices answer FAILED_PRECONDITION).
   std::shared_ptr<plane::ShmRegions> shm_regions;
+  // The same-host CUDA IPC plane (a cuda:N pool in a CUDA build); null: off
+  // (RegisterDeviceRegion and device slices answer FAILED_PRECONDITION).
+  std::shared_ptr<plane::CudaIpcRegions> cuda_ipc;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
@@ -69,7 +73,9 @@ using RawKvBankServiceCore = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
 using RawKvBankService = v1::KvBank::WithRawCallbackMethod_GetServerInfo<
     v1::KvBank::WithRawCallbackMethod_RegisterRegion<
-        v1::KvBank::WithRawCallbackMethod_UnregisterRegion<RawKvBankServiceCore>>>;
+        v1::KvBank::WithRawCallbackMethod_UnregisterRegion<
+            v1::KvBank::WithRawCallbackMethod_RegisterDeviceRegion<
+                v1::KvBank::WithRawCallbackMethod_UnregisterDeviceRegion<RawKvBankServiceCore>>>>>;
 }  // namespace internal
 
 // Thread-safe; reactions never block on anything but short metadata locks. On host memory a
@@ -114,6 +120,9 @@ class KvBankService final : public internal::RawKvBankService {
   // The shared-memory plane (regions.cc).
   Unary* RegisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* UnregisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // The CUDA IPC plane (regions.cc).
+  Unary* RegisterDeviceRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* UnregisterDeviceRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
 
   // Drain mode, the first step of a graceful stop (see drain.h): every call from now on fails
   // UNAVAILABLE naming the drain, and every Watch stream ends with that status. Calls already
@@ -159,6 +168,23 @@ class KvBankService final : public internal::RawKvBankService {
   // NOT_FOUND for a region that is not the tenant's (regions.cc).
   absl::Status AppendFromRegion(const std::string& tenant, const SequenceStore& model,
                                 const v1::RegionSlice& source, AppendTxn* txn) const;
+  // The CUDA IPC plane, or FAILED_PRECONDITION saying why it is off.
+  absl::StatusOr<plane::CudaIpcRegions*> CudaIpcPlane() const;
+  // The CUDA IPC plane's device region slice `slice` (named `field` in errors) for a transfer on
+  // `model`: INVALID_ARGUMENT for region_id 0, FAILED_PRECONDITION when the plane is off or the
+  // model's pool is not on its device, NOT_FOUND / INVALID_ARGUMENT as CudaIpcRegions::Resolve.
+  absl::StatusOr<plane::DeviceBytes> ResolveDeviceSlice(const std::string& tenant,
+                                                        const SequenceStore& model,
+                                                        const v1::RegionSlice& slice,
+                                                        absl::string_view field) const;
+  // Writes an append's whole payload device to device from the caller's device region
+  // (header.device_source) into `txn` (regions.cc).
+  absl::Status AppendFromDevice(const std::string& tenant, const SequenceStore& model,
+                                const v1::RegionSlice& source, AppendTxn* txn) const;
+  // A Fetch with a `device_dest` slice: as StartRegionFetch, device to device (regions.cc).
+  grpc::ServerWriteReactor<Raw>* StartDeviceFetch(Ctx* ctx, OpenFetch open,
+                                                  absl::StatusOr<plane::DeviceBytes> dest,
+                                                  std::optional<FetchWaitSpec> wait);
   class WatchReactor;
   template <typename Request, typename Response>
   class UnaryCall;

@@ -116,6 +116,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
       if (header->has_source()) return BeginFromRegion(*header, m);
+      if (header->has_device_source()) return BeginFromDevice(*header, m);
     } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
     }
@@ -131,6 +132,9 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
 
   absl::Status Begin(const v1::AppendHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
+    if (h.has_source() && h.has_device_source()) {
+      return absl::InvalidArgumentError("header.source and header.device_source: name one");
+    }
     auto model = FindModel(*service_->registry_, h.model());
     if (!model.ok()) return model.status();
     auto dtype = FromProto(h.dtype(), "header.dtype");
@@ -168,6 +172,19 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     auto model = FindModel(*service_->registry_, h.model());
     if (!model.ok()) return model.status();
     return service_->AppendFromRegion(tenant_, **model, h.source(), txn_.get());
+  }
+
+  // The whole payload device to device from the caller's device region (the CUDA IPC plane).
+  absl::Status BeginFromDevice(const v1::AppendHeader& h, const proto::AppendMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append from a device region (header.device_source) carries no data");
+    }
+    from_region_ = true;
+    auto model = FindModel(*service_->registry_, h.model());
+    if (!model.ok()) return model.status();
+    return service_->AppendFromDevice(tenant_, **model, h.device_source(), txn_.get());
   }
 
   void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -451,6 +468,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   // worker when the model's memory waits on a device).
   bool on_device = false;
   std::optional<v1::RegionSlice> dest;
+  std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
   std::optional<FetchWaitSpec> wait;
   std::string tenant;
   auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
@@ -458,6 +476,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     if (!caller.ok()) return caller.status();
     v1::FetchRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    if (req.has_dest() && req.has_device_dest()) {
+      return absl::InvalidArgumentError("dest and device_dest: name one");
+    }
     if (req.has_dest()) dest = req.dest();
     tenant = caller->tenant;
     if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
@@ -476,6 +497,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     spec.kv_head_begin = req.kv_head_begin();
     if (req.has_kv_head_end()) spec.kv_head_end = req.kv_head_end();
     on_device = (*model)->pool().memory().waits_on_device();
+    if (req.has_device_dest()) {
+      spec.device_dest = true;
+      device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
+    }
     if (req.wait_ms() > kMaxFetchWaitMs) {
       return absl::InvalidArgumentError(
           absl::StrCat("wait_ms ", req.wait_ms(), " exceeds ", kMaxFetchWaitMs));
@@ -492,6 +517,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   auto open = prepare();
   if (open.ok() && dest.has_value()) {
     return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::move(wait));
+  }
+  if (open.ok() && device_dest.has_value()) {
+    return StartDeviceFetch(ctx, *std::move(open), *std::move(device_dest), std::move(wait));
   }
   return FetchReactor::Start(this, ctx, std::move(open), on_device, std::move(wait));
 }
