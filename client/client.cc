@@ -939,6 +939,45 @@ absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& mod
   return ReadRegionHeader(*reader);
 }
 
+absl::StatusOr<Client::DeviceRegion> Client::RegisterDeviceRegion(
+    absl::Span<const uint8_t> ipc_handle, uint64_t offset, uint64_t size) {
+  v1::RegisterDeviceRegionRequest req;
+  req.set_handle(std::string(ipc_handle.begin(), ipc_handle.end()));
+  req.set_offset(offset);
+  req.set_size(size);
+  v1::RegisterDeviceRegionResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterDeviceRegion, req, &resp); !s.ok()) {
+    return s;
+  }
+  return DeviceRegion{resp.region_id(), resp.size(), resp.device()};
+}
+
+absl::Status Client::UnregisterDeviceRegion(uint64_t region_id) {
+  v1::UnregisterDeviceRegionRequest req;
+  req.set_region_id(region_id);
+  v1::UnregisterDeviceRegionResponse resp;
+  return impl_->Call(&v1::KvBank::Stub::UnregisterDeviceRegion, req, &resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendFromDevice(const std::string& model, uint64_t id,
+                                                              const AppendArgs& args,
+                                                              const RegionSlice& source) {
+  v1::AppendHeader header = MakeHeader(model, id, args, 0);
+  SetSlice(source, header.mutable_device_source());
+  return impl_->StreamAppend(header, {});
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchToDevice(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args,
+                                                          const RegionSlice& dest) {
+  v1::FetchRequest req = MakeFetchRequest(model, id, args);
+  SetSlice(dest, req.mutable_device_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  auto reader = impl_->stub->Fetch(&ctx, req);
+  return ReadRegionHeader(*reader);
+}
+
 absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
     const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
     const RegionSlice& dest) {

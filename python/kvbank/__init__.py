@@ -11,8 +11,9 @@ Errors raise kvbank.Error subclasses named after the gRPC code (kvbank.NotFoundE
 """
 
 from . import aio  # noqa: E402,F401  (kvbank.aio.AsyncClient)
-from ._client import (Blocks, Client, Event, FetchInfo, ModelInfo, PrefixRoot, SequenceInfo,
-                      chain_hash, layout_fingerprint, normalize_layout, numpy_dtype,
+from ._client import (Blocks, Client, DeviceRegion, Event, FetchInfo, ModelInfo, PrefixRoot,
+                      SequenceInfo, chain_hash, cuda_ipc_handle, layout_fingerprint,
+                      normalize_layout, numpy_dtype,
                       prefix_hashes, preset_layout, preset_names, root_hash)
 from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                       DeadlineExceededError, Error, FailedPreconditionError, InternalError,
@@ -24,10 +25,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",
-    "DeadlineExceededError", "Error", "Event", "FailedPreconditionError", "FetchInfo",
+    "DeadlineExceededError", "DeviceRegion", "Error", "Event", "FailedPreconditionError", "FetchInfo",
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
-    "chain_hash", "layout_fingerprint", "normalize_layout", "numpy_dtype", "prefix_hashes",
+    "chain_hash", "cuda_ipc_handle", "layout_fingerprint", "normalize_layout", "numpy_dtype", "prefix_hashes",
     "preset_layout", "preset_names", "root_hash",
 ]

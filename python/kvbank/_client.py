@@ -162,6 +162,28 @@ def _num_tokens_of(k: Any) -> int:
     return int(shape[2])
 
 
+@dataclass(frozen=True)
+class DeviceRegion:
+    """A CUDA buffer kvbankd opened through CUDA IPC (Client.register_device_region)."""
+    region_id: int
+    size: int
+    device: int  # the CUDA device kvbankd opened it on
+
+
+def cuda_ipc_handle(tensor: Any) -> Tuple[bytes, int, int]:
+    """The CUDA IPC handle of a contiguous CUDA torch tensor's allocation, the tensor's byte
+    offset in it and its size in bytes (what RegisterDeviceRegion takes), through torch's own
+    sharing of CUDA storage (the one torch.multiprocessing uses)."""
+    if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
+        raise InvalidArgumentError("a CUDA tensor is needed for CUDA IPC")
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError("the tensor is not contiguous")
+    shared = tensor.untyped_storage()._share_cuda_()
+    handle, storage_offset = shared[1], int(shared[3])
+    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+    return bytes(handle), offset, tensor.numel() * tensor.element_size()
+
+
 class Client:
     """A connection to kvbankd. Thread-safe: share one per process.
 
@@ -228,6 +250,43 @@ class Client:
         if not isinstance(base, _kvbank.Region):
             raise InvalidArgumentError("not an array from register_region")
         self._c.unregister_region(base)
+
+    # ---- CUDA IPC (same host, a kvbankd with a cuda:N pool) --------------------------------
+
+    def register_device_region(self, tensor: Any) -> "DeviceRegion":
+        """Registers a CUDA tensor's memory (contiguous) with kvbankd, which opens it through
+        CUDA IPC: append_from_device / fetch_to_device then move payloads device to device,
+        converting on the device. FailedPreconditionError when the server has no cuda:N pool."""
+        handle, offset, size = cuda_ipc_handle(tensor)
+        r = self._c.register_device_region(handle, offset, size)
+        return DeviceRegion(r["region_id"], r["size"], r["device"])
+
+    def unregister_device_region(self, region: "DeviceRegion") -> None:
+        self._c.unregister_device_region(region.region_id)
+
+    def append_from_device(self, model: str, seq_id: int, region: "DeviceRegion", *,
+                           num_tokens: int, offset: int = 0, length: Optional[int] = None,
+                           layer_begin: int = 0, layer_end: Optional[int] = None,
+                           dtype: Optional[str] = None,
+                           token_ids: Optional[Sequence[int]] = None, kv_head_begin: int = 0,
+                           kv_head_end: Optional[int] = None) -> SequenceInfo:
+        """append whose payload is bytes [offset, offset + length) of a device region."""
+        n = region.size - offset if length is None else length
+        return SequenceInfo(**self._c.append_from_device(
+            model, seq_id, region.region_id, offset, n, num_tokens, layer_begin, layer_end,
+            dtype, list(token_ids or []), kv_head_begin, kv_head_end))
+
+    def fetch_to_device(self, model: str, seq_id: int, region: "DeviceRegion", *,
+                        offset: int = 0, length: Optional[int] = None, token_begin: int = 0,
+                        token_end: Optional[int] = None, layer_begin: int = 0,
+                        layer_end: Optional[int] = None, dtype: Optional[str] = None,
+                        kv_head_begin: int = 0, kv_head_end: Optional[int] = None,
+                        wait_s: float = 0.0) -> FetchInfo:
+        """fetch_into bytes [offset, offset + length) of a device region."""
+        n = region.size - offset if length is None else length
+        return FetchInfo(**self._c.fetch_to_device(
+            model, seq_id, region.region_id, offset, n, token_begin, token_end, layer_begin,
+            layer_end, dtype, kv_head_begin, kv_head_end, wait_s))
 
     # ---- lifetime -------------------------------------------------------------------------
 

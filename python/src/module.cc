@@ -868,6 +868,64 @@ void BindClient(py::module_& m) {
           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
           py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
+          "register_device_region",
+          [](PyClient& self, const py::bytes& handle, uint64_t offset, uint64_t size) {
+            const std::string h = handle;
+            const auto r = self.Call([&] {
+              return self.c().RegisterDeviceRegion(
+                  absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(h.data()), h.size()),
+                  offset, size);
+            });
+            py::dict d;
+            d["region_id"] = r.region_id;
+            d["size"] = r.size;
+            d["device"] = r.device;
+            return d;
+          },
+          py::arg("handle"), py::arg("offset"), py::arg("size"))
+      .def("unregister_device_region",
+           [](PyClient& self, uint64_t region_id) {
+             self.Call([&] { return self.c().UnregisterDeviceRegion(region_id); });
+           })
+      .def(
+          "append_from_device",
+          [](PyClient& self, const std::string& model, uint64_t id, uint64_t region_id,
+             uint64_t offset, uint64_t length, uint64_t num_tokens, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             std::vector<uint32_t> token_ids, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const Client::AppendArgs a =
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
+                               kv_head_begin, kv_head_end);
+            const RegionSlice slice{region_id, offset, length};
+            return SequenceToDict(
+                self.Call([&] { return self.c().AppendFromDevice(model, id, a, slice); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("region_id"), py::arg("offset"),
+          py::arg("length"), py::arg("num_tokens"), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("token_ids") = std::vector<uint32_t>{}, py::arg("kv_head_begin") = 0,
+          py::arg("kv_head_end") = py::none())
+      .def(
+          "fetch_to_device",
+          [](PyClient& self, const std::string& model, uint64_t id, uint64_t region_id,
+             uint64_t offset, uint64_t length, uint64_t token_begin,
+             std::optional<uint64_t> token_end, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end, double wait_s) {
+            const Client::FetchArgs a = MakeFetchArgs(token_begin, token_end, layer_begin,
+                                                      layer_end, dtype, kv_head_begin,
+                                                      kv_head_end, wait_s);
+            const RegionSlice slice{region_id, offset, length};
+            return FetchToDict(
+                self.Call([&] { return self.c().FetchToDevice(model, id, a, slice); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("region_id"), py::arg("offset"),
+          py::arg("length"), py::arg("token_begin") = 0, py::arg("token_end") = py::none(),
+          py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("kv_head_begin") = 0,
+          py::arg("kv_head_end") = py::none(), py::arg("wait_s") = 0.0)
+      .def(
           "fetch_blocks_into",
           [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
              const py::object& out, uint32_t layer_begin, std::optional<uint32_t> layer_end,

@@ -105,6 +105,23 @@ TEST_F(CudaIpcRefusalTest, AppendFromADeviceRegionIsRefusedAndChangesNothing) {
   ExpectUnchanged();
 }
 
+// The C++ SDK's calls reach the plane (and its refusals) without CUDA in the client.
+TEST_F(CudaIpcRefusalTest, TheSdkCallsReachThePlane) {
+  const std::vector<uint8_t> handle(64, 1);
+  auto r = client_->RegisterDeviceRegion(handle, 0, 4096);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "CUDA IPC plane")) << r.status();
+  Client::AppendArgs args;
+  args.num_tokens = 3;
+  args.dtype = DType::kFp16;
+  auto a = client_->AppendFromDevice("m", seq_, args, {7, 0, 3 * per_token_});
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kFailedPrecondition) << a.status();
+  ExpectUnchanged();
+  auto f = client_->FetchToDevice("m", seq_, {}, {7, 0, 1 << 20});
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition) << f.status();
+  EXPECT_EQ(client_->UnregisterDeviceRegion(7).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(CudaIpcRefusalTest, FetchIntoADeviceRegionIsRefused) {
   Client::AppendArgs args;
   args.num_tokens = 2;

@@ -86,3 +86,20 @@ def test_small_payloads_and_a_plane_off_use_grpc(shm_server, server):
         assert c.data_plane == "grpc"
         with pytest.raises(kvbank.FailedPreconditionError, match="shared-memory"):
             c.register_region(4096)
+
+
+def test_cuda_ipc_calls_reach_the_server_without_a_gpu(server):
+    """The CUDA IPC plane's SDK calls on a server with a host pool (CI has no GPU): the server's
+    refusal comes back typed; a tensor that is not on a GPU is refused in the client."""
+    with kvbank.Client(server.target) as c:
+        with pytest.raises(kvbank.FailedPreconditionError, match="CUDA IPC plane"):
+            c._c.register_device_region(b"\x01" * 64, 0, 4096)
+        region = kvbank.DeviceRegion(region_id=7, size=1 << 20, device=0)
+        c.ensure_model(layout("ipc-py"))
+        seq = c.create_sequence("ipc-py")
+        with pytest.raises(kvbank.FailedPreconditionError, match="CUDA IPC plane"):
+            c.append_from_device("ipc-py", seq.id, region, num_tokens=2, dtype="fp16")
+        with pytest.raises(kvbank.FailedPreconditionError, match="CUDA IPC plane"):
+            c.fetch_to_device("ipc-py", seq.id, region)
+        with pytest.raises(kvbank.InvalidArgumentError, match="CUDA tensor"):
+            kvbank.cuda_ipc_handle(np.zeros(4))

@@ -291,6 +291,25 @@ class Client {
   // payload.
   absl::StatusOr<FetchResult> FetchToRegion(const std::string& model, uint64_t id,
                                             const FetchArgs& args, const RegionSlice& dest);
+  // Same-host CUDA IPC plane (a kvbankd with a cuda:N pool). `ipc_handle`: the 64-byte
+  // cudaIpcMemHandle_t of a cudaMalloc allocation (cudaIpcGetMemHandle in C++; in Python,
+  // kvbank.cuda_ipc_handle(tensor)), `offset` / `size`: the buffer in it. The SDK itself needs no
+  // CUDA. The region lives while transfers name it (kvbankd's --cuda-ipc-lease-ms).
+  // FAILED_PRECONDITION when the server has no cuda:N pool or no CUDA.
+  struct DeviceRegion {
+    uint64_t region_id = 0;
+    uint64_t size = 0;
+    int device = 0;  // the CUDA device kvbankd opened it on
+  };
+  absl::StatusOr<DeviceRegion> RegisterDeviceRegion(absl::Span<const uint8_t> ipc_handle,
+                                                    uint64_t offset, uint64_t size);
+  absl::Status UnregisterDeviceRegion(uint64_t region_id);
+  // Append whose payload is `source` in a device region (fp32 / fp16 / bf16: converted on the
+  // device); Fetch written into `dest` in a device region. As AppendFromRegion / FetchToRegion.
+  absl::StatusOr<SequenceInfo> AppendFromDevice(const std::string& model, uint64_t id,
+                                                const AppendArgs& args, const RegionSlice& source);
+  absl::StatusOr<FetchResult> FetchToDevice(const std::string& model, uint64_t id,
+                                            const FetchArgs& args, const RegionSlice& dest);
   // FetchBlocks written into `dest` (args' layer, dtype and head fields apply), as FetchToRegion.
   absl::StatusOr<FetchResult> FetchBlocksToRegion(const std::string& model,
                                                   const std::vector<BlockHash>& hashes,
