@@ -39,6 +39,7 @@
 #include "kernels/attention_cuda.h"
 #include "kernels/block_copy.h"
 #include "kernels/block_copy_cuda.h"
+#include "kernels/non_finite_cuda.h"
 #include "kernels/payload_codec.h"
 #include "kernels/payload_codec_cuda.h"
 #include "kvbank/layout.h"
@@ -255,6 +256,16 @@ class CudaMemory final : public PoolMemory {
     return MovePayload(job, kernels::CopyDirection::kPoolToPayload, payload);
   }
 
+  absl::Status WriteDevicePayload(const PayloadJob& job, const uint8_t* payload,
+                                  int64_t* non_finite) override {
+    return MoveDevicePayload(job, kernels::CopyDirection::kPayloadToPool,
+                             const_cast<uint8_t*>(payload), non_finite);
+  }
+
+  absl::Status ReadDevicePayload(const PayloadJob& job, uint8_t* payload) override {
+    return MoveDevicePayload(job, kernels::CopyDirection::kPoolToPayload, payload, nullptr);
+  }
+
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                           uint64_t block_bytes) override {
     if (src.size() != dst.size()) {
@@ -428,6 +439,58 @@ class CudaMemory final : public PoolMemory {
     return Finish(lane, in ? "writing a payload" : "reading a payload");
   }
 
+  // MovePayload for a payload in device memory of this pool's device (a data plane received it
+  // there, or sends it from there): the same kernels, without the host copies. A converted
+  // payload going in is scanned for NaN / Inf first (one sync: the answer decides whether the
+  // encode runs).
+  absl::Status MoveDevicePayload(const PayloadJob& job, kernels::CopyDirection dir,
+                                 uint8_t* payload, int64_t* non_finite) {
+    if (absl::Status s = CheckJob(job); !s.ok()) return s;
+    const kernels::PayloadMap& m = job.map;
+    const bool in = dir == kernels::CopyDirection::kPayloadToPool;
+    if (in && job.convert) *non_finite = -1;
+    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    LaneHold hold(this);
+    Lane& lane = hold.lane();
+    unsigned long long* dev_first = nullptr;
+    absl::StatusOr<kernels::PayloadMap> d =
+        SendMap(lane, m, nullptr, in && job.convert ? &dev_first : nullptr);
+    if (!d.ok()) return d.status();
+    if (in && job.convert) {
+      KVBANK_CUDA_TRY(kernels::FindNonFiniteCuda(payload, *job.convert,
+                                                 m.total_bytes / DTypeBytes(*job.convert),
+                                                 dev_first, lane.stream),
+                      "scanning the payload for NaN / Inf");
+      unsigned long long first = 0;
+      KVBANK_CUDA_TRY(cudaMemcpyAsync(&first, dev_first, sizeof(first), cudaMemcpyDeviceToHost,
+                                      lane.stream),
+                      "copying the NaN / Inf scan's answer to the host");
+      if (absl::Status s = Finish(lane, "scanning the payload for NaN / Inf"); !s.ok()) return s;
+      if (first != ~0ull) {
+        *non_finite = static_cast<int64_t>(first);
+        return absl::OkStatus();
+      }
+    }
+    if (job.convert) {
+      KVBANK_CUDA_TRY(
+          in ? kernels::EncodePayloadCuda(*d, *job.convert, payload, lane.stream)
+             : kernels::DecodePayloadCuda(*d, *job.convert, payload, lane.stream),
+          absl::StrCat(in ? "encoding a " : "decoding a ", DTypeName(*job.convert),
+                       " device payload"));
+    } else {
+      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
+                      in ? "scattering a device payload" : "gathering a device payload");
+      if (d->scale_offset != nullptr) {
+        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
+                        in ? "scattering a device payload's scales"
+                           : "gathering a device payload's scales");
+      }
+    }
+    return Finish(lane, in ? "writing a device payload" : "reading a device payload");
+  }
+
   absl::Status CheckJob(const PayloadJob& job) const {
     if (job.map.pool != base()) {
       return absl::InvalidArgumentError(absl::StrCat(name(), ": payload map over another pool"));
@@ -526,10 +589,12 @@ class CudaMemory final : public PoolMemory {
   }
 
   // Sends m's host arrays (layers, layer_offset, block_table, scale_offset) to the lane's
-  // scratch, with room for the payload after them (*dev_payload), and returns the map over those
-  // copies. REQUIRES: m.num_layers > 0.
+  // scratch, with room for the payload after them (*dev_payload; none when dev_payload is null:
+  // the payload is on the device already) and for a scan's answer (*dev_flag, when not null),
+  // and returns the map over those copies. REQUIRES: m.num_layers > 0.
   absl::StatusOr<kernels::PayloadMap> SendMap(Lane& lane, const kernels::PayloadMap& m,
-                                              uint8_t** dev_payload) {
+                                              uint8_t** dev_payload,
+                                              unsigned long long** dev_flag = nullptr) {
     const uint32_t bt = m.layers[0].block_tokens;
     const uint64_t table_len = (m.token_begin + m.num_tokens + bt - 1) / bt;
     const uint64_t layers_bytes = uint64_t{m.num_layers} * sizeof(LayerView);
@@ -540,7 +605,8 @@ class CudaMemory final : public PoolMemory {
     const uint64_t at_offsets = plan.Host(offsets_bytes);
     const uint64_t at_table = plan.Host(table_bytes);
     const uint64_t at_scales = m.scale_offset ? plan.Host(offsets_bytes) : 0;
-    const uint64_t at_payload = plan.Device(m.total_bytes);
+    const uint64_t at_payload = dev_payload != nullptr ? plan.Device(m.total_bytes) : 0;
+    const uint64_t at_flag = dev_flag != nullptr ? plan.Device(sizeof(unsigned long long)) : 0;
     absl::StatusOr<uint8_t*> s = Send(lane, plan, [&](uint8_t* args, uint8_t*) {
       Put(args, at_layers, m.layers, layers_bytes);
       Put(args, at_offsets, m.layer_offset, offsets_bytes);
@@ -554,7 +620,8 @@ class CudaMemory final : public PoolMemory {
     d.layer_offset = At<const uint64_t>(*s, at_offsets);
     d.block_table = At<const int32_t>(*s, at_table);
     d.scale_offset = m.scale_offset ? At<const uint64_t>(*s, at_scales) : nullptr;
-    *dev_payload = *s + at_payload;
+    if (dev_payload != nullptr) *dev_payload = *s + at_payload;
+    if (dev_flag != nullptr) *dev_flag = At<unsigned long long>(*s, at_flag);
     return d;
   }
 

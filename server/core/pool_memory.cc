@@ -16,9 +16,20 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/payload_codec.h"
+#include "kernels/quant.h"
 #include "server/core/cuda_memory.h"
 
 namespace kvbank {
+
+absl::Status PoolMemory::WriteDevicePayload(const PayloadJob&, const uint8_t*, int64_t*) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(name(), " memory takes no payload from a device (the pool is not on one)"));
+}
+
+absl::Status PoolMemory::ReadDevicePayload(const PayloadJob&, uint8_t*) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(name(), " memory gives no payload to a device (the pool is not on one)"));
+}
 
 namespace {
 
@@ -132,6 +143,22 @@ class HostMemory final : public PoolMemory {
                             job.map.total_bytes);
     }
     return absl::OkStatus();
+  }
+
+  // The host is host-staged memory's device: a device payload is host memory.
+  absl::Status WriteDevicePayload(const PayloadJob& job, const uint8_t* payload,
+                                  int64_t* non_finite) override {
+    if (kind() != MemoryKind::kHostStaged) return PoolMemory::WriteDevicePayload(job, payload, non_finite);
+    if (job.convert.has_value()) {
+      const uint32_t width = DTypeBytes(*job.convert);
+      *non_finite = kernels::FindNonFinite(payload, *job.convert, job.map.total_bytes / width);
+      if (*non_finite >= 0) return absl::OkStatus();
+    }
+    return WritePayload(job, payload);
+  }
+  absl::Status ReadDevicePayload(const PayloadJob& job, uint8_t* payload) override {
+    if (kind() != MemoryKind::kHostStaged) return PoolMemory::ReadDevicePayload(job, payload);
+    return ReadPayload(job, payload);
   }
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,

@@ -191,6 +191,13 @@ class AppendTxn {
   // of the block to rescale and the pool or the tenant's quota has no block for it. The
   // transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
+  // The whole payload from memory on the pool's device, for a data plane that received it there
+  // (NCCL): PayloadWriter::WriteFromDevice, with Write's errors and what to do after one.
+  // REQUIRES: nothing was written yet.
+  absl::Status WriteFromDevice(const uint8_t* device_payload) {
+    if (done_) return absl::FailedPreconditionError("append already finished");
+    return writer_->WriteFromDevice(device_payload);
+  }
   // Publishes the append. INVALID_ARGUMENT when fewer than payload_bytes() arrived, or a
   // storage-format payload holds a bad scale or code; ABORTED when the sequence was freed
   // meanwhile; INTERNAL when the device failed. The transaction is finished either way.
@@ -245,6 +252,9 @@ class FetchReader {
   // once). INTERNAL when the device fails; never fails on host memory.
   // REQUIRES: offset + out.size() <= payload_bytes().
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) { return reader_->Read(offset, out); }
+  // The whole payload into memory on the pool's device, for a data plane that sends it from
+  // there (NCCL): PayloadReader::ReadToDevice. `device_out` holds payload_bytes().
+  absl::Status ReadToDevice(uint8_t* device_out) { return reader_->ReadToDevice(device_out); }
 
  private:
   friend class SequenceStore;

@@ -49,6 +49,33 @@ absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
   return absl::OkStatus();
 }
 
+absl::Status PayloadWriter::WriteFromDevice(const uint8_t* payload) {
+  if (written_ != 0) {
+    return absl::FailedPreconditionError(
+        "a payload from a device goes whole: this append was written to already");
+  }
+  if (spec_.mode == TransferMode::kStorage) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a storage-format (", DTypeName(spec_.dtype),
+        ") payload cannot come from a device: its scales and codes are checked on the host; "
+        "send fp32 / fp16 / bf16"));
+  }
+  if (spec_.payload.total_bytes == 0) return absl::OkStatus();
+  if (absl::Status s = WriteDeviceAt(payload); !s.ok()) return s;
+  written_ = spec_.payload.total_bytes;
+  return absl::OkStatus();
+}
+
+absl::Status PayloadWriter::WriteDeviceAt(const uint8_t*) {
+  return absl::FailedPreconditionError(
+      "this pool's memory takes no payload from a device (it is not on one)");
+}
+
+absl::Status PayloadReader::ReadToDevice(uint8_t*) {
+  return absl::FailedPreconditionError(
+      "this pool's memory gives no payload to a device (it is not on one)");
+}
+
 absl::Status PayloadWriter::Privatize(uint64_t index) {
   if (!make_private_) {
     return absl::InternalError("a rescale needs a private copy of a block and none can be made");
@@ -282,6 +309,31 @@ class StagedWriter final : public PayloadWriter {
   absl::Status Finish() override { return absl::OkStatus(); }  // every piece moved in Write
 
  private:
+  // Each piece straight from the device payload; a converted piece is scanned for NaN / Inf
+  // first (PoolMemory::WriteDevicePayload), as Write checks staged bytes.
+  absl::Status WriteDeviceAt(const uint8_t* payload) override {
+    for (const StagedPiece& piece : pieces_) {
+      if (rescalable_) {
+        if (absl::Status p = Privatize(spec_.token_begin / blocks_.block_tokens); !p.ok()) return p;
+        rescalable_ = false;
+      }
+      if (piece.end == piece.begin) continue;
+      int64_t bad = -1;
+      if (absl::Status s = memory_->WriteDevicePayload(piece.job, payload + piece.begin, &bad);
+          !s.ok()) {
+        return s;
+      }
+      if (bad >= 0) {
+        const uint32_t width = DTypeBytes(spec_.dtype);
+        const uint64_t byte = piece.begin + static_cast<uint64_t>(bad) * width;
+        const PayloadRow row = LocatePayloadRow(blocks_, spec_.payload, byte);
+        return NonFiniteError(row, (byte - row.begin) / width);
+      }
+    }
+    piece_ = pieces_.size();
+    return absl::OkStatus();
+  }
+
   absl::Status WriteAt(absl::Span<const uint8_t> data) override {
     if (staging_ == nullptr) {
       auto staged = memory_->Stage(LargestPiece(pieces_));
@@ -359,6 +411,16 @@ class StagedReader final : public PayloadReader {
     if (largest == 0) return absl::OkStatus();
     if (absl::Status s = memory_->ReadPayload(pieces_[0].job, staged_->data()); !s.ok()) return s;
     loaded_ = 0;
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadToDevice(uint8_t* out) override {
+    for (const StagedPiece& piece : pieces_) {
+      if (piece.end == piece.begin) continue;
+      if (absl::Status s = memory_->ReadDevicePayload(piece.job, out + piece.begin); !s.ok()) {
+        return s;
+      }
+    }
     return absl::OkStatus();
   }
 

@@ -86,12 +86,20 @@ class PayloadWriter {
   // (a storage-format payload's scales and codes). INVALID_ARGUMENT naming the first bad value.
   // REQUIRES: written() == spec().payload.total_bytes.
   virtual absl::Status Finish() = 0;
+  // The whole payload at once from memory on the pool's device (PoolMemory::WriteDevicePayload:
+  // a device pointer on cuda:N, host memory on host-staged), for a data plane that received it
+  // there (NCCL): no host copy. Errors as Write's; FAILED_PRECONDITION on memory without a
+  // device path (host) and for a storage-format payload (whose scales and codes are checked on
+  // the host). REQUIRES: written() == 0; payload holds spec().payload.total_bytes bytes.
+  absl::Status WriteFromDevice(const uint8_t* payload);
 
  protected:
   // `blocks`: the pool's layout (spec.heads, when set, stands in for it).
   PayloadWriter(const BlockLayout& blocks, TransferSpec spec, MakePrivate make_private);
   // `data` are payload bytes [written(), written() + data.size()), within the payload.
   virtual absl::Status WriteAt(absl::Span<const uint8_t> data) = 0;
+  // WriteFromDevice's move (written_ is then set by the caller). Default: FAILED_PRECONDITION.
+  virtual absl::Status WriteDeviceAt(const uint8_t* payload);
   // make_private_ for logical block `index`, the answer written into the table.
   absl::Status Privatize(uint64_t index);
 
@@ -113,6 +121,10 @@ class PayloadReader {
   // Payload bytes [offset, offset + out.size()) into `out`. OUT_OF_RANGE past the payload;
   // INTERNAL when the device fails.
   virtual absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) = 0;
+  // The whole payload into memory on the pool's device (PoolMemory::ReadDevicePayload), for a
+  // data plane that sends it from there (NCCL). FAILED_PRECONDITION on memory without a device
+  // path (host); INTERNAL when the device fails. `out` holds spec().payload.total_bytes bytes.
+  virtual absl::Status ReadToDevice(uint8_t* out);
 
  protected:
   // `blocks`: the pool's layout (spec.heads, when set, stands in for it).
