@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
+#include "server/plane/nccl_plane.h"
 #include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
@@ -37,6 +38,10 @@ struct ServiceOptions {
   // The same-host shared-memory plane (--shm-socket); null: off (RegisterRegion and region
   // slices answer FAILED_PRECONDITION).
   std::shared_ptr<plane::ShmRegions> shm_regions;
+  // The NCCL plane (a cuda:N pool, built with NCCL); null: off, and nccl_off says why (the
+  // FAILED_PRECONDITION that NcclConnect and NCCL transfers answer).
+  std::shared_ptr<plane::NcclPlane> nccl;
+  std::string nccl_off;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
@@ -67,8 +72,10 @@ using RawKvBankServiceCore = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                     v1::KvBank::WithRawCallbackMethod_DropModel<
                                                         v1::KvBank::
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
-using RawKvBankService = v1::KvBank::WithRawCallbackMethod_RegisterRegion<
+using RawKvBankServicePlanes = v1::KvBank::WithRawCallbackMethod_RegisterRegion<
     v1::KvBank::WithRawCallbackMethod_UnregisterRegion<RawKvBankServiceCore>>;
+using RawKvBankService = v1::KvBank::WithRawCallbackMethod_NcclConnect<
+    v1::KvBank::WithRawCallbackMethod_NcclDisconnect<RawKvBankServicePlanes>>;
 }  // namespace internal
 
 // Thread-safe; reactions never block on anything but short metadata locks. On host memory a
@@ -112,6 +119,9 @@ class KvBankService final : public internal::RawKvBankService {
   // The shared-memory plane (regions.cc).
   Unary* RegisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* UnregisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // The NCCL plane (nccl.cc).
+  Unary* NcclConnect(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* NcclDisconnect(Ctx* ctx, const Raw* req, Raw* resp) override;
 
   // Drain mode, the first step of a graceful stop (see drain.h): every call from now on fails
   // UNAVAILABLE naming the drain, and every Watch stream ends with that status. Calls already
@@ -157,6 +167,22 @@ class KvBankService final : public internal::RawKvBankService {
   // NOT_FOUND for a region that is not the tenant's (regions.cc).
   absl::Status AppendFromRegion(const std::string& tenant, const SequenceStore& model,
                                 const v1::RegionSlice& source, AppendTxn* txn) const;
+  // The NCCL plane, or FAILED_PRECONDITION saying why it is off (nccl.cc).
+  absl::StatusOr<plane::NcclPlane*> Nccl() const;
+  // NcclConnect's and NcclDisconnect's handlers (nccl.cc).
+  absl::Status ConnectNccl(const Caller& caller, const v1::NcclConnectRequest& req,
+                           v1::NcclConnectResponse* resp) const;
+  absl::Status DisconnectNccl(const Caller& caller, const v1::NcclDisconnectRequest& req) const;
+  // Receives an append's whole payload over NCCL (header.nccl) into `txn`: checks the transfer,
+  // calls `ready` (which tells the client to issue its ncclSend), then blocks until the receive
+  // and the device write are done. Runs on a device worker (nccl.cc).
+  absl::Status AppendFromNccl(const std::string& tenant, const v1::NcclTransfer& nccl,
+                              AppendTxn* txn, const std::function<void()>& ready) const;
+  // A Fetch with `nccl`: `open` makes the reader on a worker, whose payload then goes to the
+  // client's rank with ncclSend; the stream answers the header only (nccl.cc).
+  class NcclFetchReactor;
+  grpc::ServerWriteReactor<Raw>* StartNcclFetch(Ctx* ctx, OpenFetch open, const std::string& tenant,
+                                                const v1::NcclTransfer& nccl);
   class WatchReactor;
   template <typename Request, typename Response>
   class UnaryCall;

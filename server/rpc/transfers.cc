@@ -56,8 +56,10 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
         if (txn_ == nullptr && message_decoded_.header.has_value()) {
           auto model = FindModel(*service_->registry_, message_decoded_.header->model());
           on_device_ = model.ok() && (*model)->pool().memory().waits_on_device();
-          // A payload from a shared-memory region is copied whole: never in a reaction.
-          on_device_ = on_device_ || message_decoded_.header->has_source();
+          // A payload from a shared-memory region is copied whole, one over NCCL waits on the
+          // peer: never in a reaction.
+          on_device_ = on_device_ || message_decoded_.header->has_source() ||
+                       message_decoded_.header->has_nccl();
         }
       }
       if (!on_device_) return Step(ok);
@@ -114,10 +116,17 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       if (!header.has_value()) {
         return absl::InvalidArgumentError("the first append message must carry header");
       }
+      if (header->has_source() && header->has_nccl()) {
+        return absl::InvalidArgumentError("header.source and header.nccl exclude each other");
+      }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
       if (header->has_source()) return BeginFromRegion(*header, m);
+      if (header->has_nccl()) return BeginFromNccl(*header, m);
     } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
+    }
+    if (from_nccl_ && !m.data.empty()) {
+      return absl::InvalidArgumentError("an append over NCCL (header.nccl) carries no data messages");
     }
     if (from_region_ && !m.data.empty()) {
       return absl::InvalidArgumentError(
@@ -170,6 +179,24 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     return service_->AppendFromRegion(tenant_, **model, h.source(), txn_.get());
   }
 
+  // The whole payload over NCCL (nccl.cc); the stream then only half-closes. The receive waits
+  // on the client's GPU, not on its stream: the idle timeout does not run meanwhile.
+  absl::Status BeginFromNccl(const v1::AppendHeader& h, const proto::AppendMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append over NCCL (header.nccl) carries no data; the payload comes by ncclSend");
+    }
+    from_nccl_ = true;
+    stream_->SetWaiting(false);
+    absl::Status s = service_->AppendFromNccl(tenant_, h.nccl(), txn_.get(), [this] {
+      ctx_->AddInitialMetadata("kvbank-nccl", "ready");
+      StartSendInitialMetadata();
+    });
+    stream_->SetWaiting(true);
+    return s;
+  }
+
   void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     txn_.reset();  // undoes the append
     End(ToGrpcStatus(s));
@@ -194,6 +221,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   // worker.
   bool on_device_ ABSL_GUARDED_BY(mu_) = false;
   bool from_region_ ABSL_GUARDED_BY(mu_) = false;  // header.source: no data may follow
+  bool from_nccl_ ABSL_GUARDED_BY(mu_) = false;    // header.nccl: no data may follow
   std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);
@@ -451,6 +479,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   // worker when the model's memory waits on a device).
   bool on_device = false;
   std::optional<v1::RegionSlice> dest;
+  std::optional<v1::NcclTransfer> nccl;
   std::optional<FetchWaitSpec> wait;
   std::string tenant;
   auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
@@ -459,6 +488,13 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     v1::FetchRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
     if (req.has_dest()) dest = req.dest();
+    if (req.has_nccl()) nccl = req.nccl();
+    if (dest.has_value() && nccl.has_value()) {
+      return absl::InvalidArgumentError("dest and nccl exclude each other");
+    }
+    if (nccl.has_value() && req.wait_ms() > 0) {
+      return absl::InvalidArgumentError("wait_ms is not supported with nccl");
+    }
     tenant = caller->tenant;
     if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
     auto model = FindModel(*registry_, req.model());
@@ -493,6 +529,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   if (open.ok() && dest.has_value()) {
     return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::move(wait));
   }
+  if (open.ok() && nccl.has_value()) return StartNcclFetch(ctx, *std::move(open), tenant, *nccl);
   return FetchReactor::Start(this, ctx, std::move(open), on_device, std::move(wait));
 }
 
