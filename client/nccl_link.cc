@@ -102,6 +102,15 @@ class NcclLinkImpl final : public NcclLink {
 
   absl::Status Open() {
     absl::MutexLock lock(&mu_);
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      n = 0;
+    }
+    if (device_ < 0 || device_ >= n) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no CUDA device ", device_, " for NCCL: this machine has ", n));
+    }
     DeviceGuard guard(device_);
     if (guard.status() != cudaSuccess) {
       return absl::InternalError(absl::StrCat("cuda:", device_, ": ", CudaText(guard.status())));
