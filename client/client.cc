@@ -929,8 +929,8 @@ absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& mod
 absl::Status Client::NcclConnect(int device) {
   NcclDisconnect();
   auto link = internal::NcclLink::Connect(
-      impl_->stub.get(), [impl = impl_.get()](grpc::ClientContext* ctx,
-                                              bool stream) { impl->Deadline(ctx, stream); },
+      impl_->stub.get(),
+      [impl = impl_.get()](grpc::ClientContext* ctx, bool stream) { impl->Deadline(ctx, stream); },
       device, impl_->options.call_deadline);
   if (!link.ok()) return link.status();
   absl::MutexLock lock(&impl_->nccl_mu);

@@ -163,11 +163,9 @@ class NcclLinkImpl final : public NcclLink {
     const bool ready = ServerReady(ctx, nullptr);
     if (ready) {
       DeviceGuard guard(device_);
-      sent = Issue(
-          [&] {
-            return ncclSend(device_ptr, bytes, ncclUint8, kServerRank, comm_, stream_);
-          },
-          "ncclSend");
+      sent =
+          Issue([&] { return ncclSend(device_ptr, bytes, ncclUint8, kServerRank, comm_, stream_); },
+                "ncclSend");
       if (!sent.ok()) ctx.TryCancel();
     }
     writer->WritesDone();
@@ -195,15 +193,15 @@ class NcclLinkImpl final : public NcclLink {
     absl::Status received = absl::OkStatus();
     const bool ready = ServerReady(ctx, &bytes);
     if (ready && bytes > capacity) {
-      received = absl::InternalError(absl::StrCat("kvbankd is sending ", bytes,
-                                                  " bytes into a buffer of ", capacity));
+      received = absl::InternalError(
+          absl::StrCat("kvbankd is sending ", bytes, " bytes into a buffer of ", capacity));
       ctx.TryCancel();
       Break(received).IgnoreError();
     } else if (ready) {
       DeviceGuard guard(device_);
-      received = Issue(
-          [&] { return ncclRecv(device_ptr, bytes, ncclUint8, kServerRank, comm_, stream_); },
-          "ncclRecv");
+      received =
+          Issue([&] { return ncclRecv(device_ptr, bytes, ncclUint8, kServerRank, comm_, stream_); },
+                "ncclRecv");
       if (!received.ok()) ctx.TryCancel();
     }
     v1::FetchResponse resp;

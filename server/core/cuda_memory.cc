@@ -464,9 +464,9 @@ class CudaMemory final : public PoolMemory {
                                                  dev_first, lane.stream),
                       "scanning the payload for NaN / Inf");
       unsigned long long first = 0;
-      KVBANK_CUDA_TRY(cudaMemcpyAsync(&first, dev_first, sizeof(first), cudaMemcpyDeviceToHost,
-                                      lane.stream),
-                      "copying the NaN / Inf scan's answer to the host");
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(&first, dev_first, sizeof(first), cudaMemcpyDeviceToHost, lane.stream),
+          "copying the NaN / Inf scan's answer to the host");
       if (absl::Status s = Finish(lane, "scanning the payload for NaN / Inf"); !s.ok()) return s;
       if (first != ~0ull) {
         *non_finite = static_cast<int64_t>(first);
@@ -474,18 +474,17 @@ class CudaMemory final : public PoolMemory {
       }
     }
     if (job.convert) {
-      KVBANK_CUDA_TRY(
-          in ? kernels::EncodePayloadCuda(*d, *job.convert, payload, lane.stream)
-             : kernels::DecodePayloadCuda(*d, *job.convert, payload, lane.stream),
-          absl::StrCat(in ? "encoding a " : "decoding a ", DTypeName(*job.convert),
-                       " device payload"));
+      KVBANK_CUDA_TRY(in ? kernels::EncodePayloadCuda(*d, *job.convert, payload, lane.stream)
+                         : kernels::DecodePayloadCuda(*d, *job.convert, payload, lane.stream),
+                      absl::StrCat(in ? "encoding a " : "decoding a ", DTypeName(*job.convert),
+                                   " device payload"));
     } else {
       KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
                       in ? "scattering a device payload" : "gathering a device payload");
       if (d->scale_offset != nullptr) {
-        KVBANK_CUDA_TRY(kernels::ScaleCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
-                        in ? "scattering a device payload's scales"
-                           : "gathering a device payload's scales");
+        KVBANK_CUDA_TRY(
+            kernels::ScaleCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
+            in ? "scattering a device payload's scales" : "gathering a device payload's scales");
       }
     }
     return Finish(lane, in ? "writing a device payload" : "reading a device payload");

@@ -148,7 +148,8 @@ class HostMemory final : public PoolMemory {
   // The host is host-staged memory's device: a device payload is host memory.
   absl::Status WriteDevicePayload(const PayloadJob& job, const uint8_t* payload,
                                   int64_t* non_finite) override {
-    if (kind() != MemoryKind::kHostStaged) return PoolMemory::WriteDevicePayload(job, payload, non_finite);
+    if (kind() != MemoryKind::kHostStaged)
+      return PoolMemory::WriteDevicePayload(job, payload, non_finite);
     if (job.convert.has_value()) {
       const uint32_t width = DTypeBytes(*job.convert);
       *non_finite = kernels::FindNonFinite(payload, *job.convert, job.map.total_bytes / width);

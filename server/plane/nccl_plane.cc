@@ -13,6 +13,8 @@
 //
 // Lock order: NcclPlaneImpl::mu_, then Comm::mu_. A communicator's NCCL handle and stream belong
 // to its thread alone.
+#include "server/plane/nccl_plane.h"
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -30,7 +32,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "server/plane/nccl_plane.h"
 
 namespace kvbank::plane {
 namespace {
@@ -137,9 +138,8 @@ class Comm {
     }
     absl::MutexLock lock(&mu_);
     if (failed_.ok()) {
-      failed_ = absl::FailedPreconditionError(
-          absl::StrCat("NCCL communicator ", id_, " was aborted (", why.message(),
-                       "): connect again"));
+      failed_ = absl::FailedPreconditionError(absl::StrCat(
+          "NCCL communicator ", id_, " was aborted (", why.message(), "): connect again"));
     }
     return why;
   }
@@ -191,8 +191,9 @@ class Comm {
     absl::Status init = Init(uid, init_timeout);
     if (!init.ok()) {
       absl::MutexLock lock(&mu_);
-      if (failed_.ok()) failed_ = absl::FailedPreconditionError(absl::StrCat(
-                            "NCCL communicator ", id_, " did not form: ", init.message()));
+      if (failed_.ok())
+        failed_ = absl::FailedPreconditionError(
+            absl::StrCat("NCCL communicator ", id_, " did not form: ", init.message()));
     }
     for (;;) {
       std::function<void()> job;
@@ -275,9 +276,8 @@ class NcclPlaneImpl final : public NcclPlane {
   absl::StatusOr<uint64_t> Connect(const std::string& tenant, absl::string_view unique_id,
                                    int nranks, int rank) override {
     if (unique_id.size() != kNcclUniqueIdBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("unique_id has ", unique_id.size(),
-                                                     " bytes; an ncclUniqueId has ",
-                                                     kNcclUniqueIdBytes));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unique_id has ", unique_id.size(), " bytes; an ncclUniqueId has ", kNcclUniqueIdBytes));
     }
     if (nranks < 1 || static_cast<uint32_t>(nranks) > options_.max_ranks) {
       return absl::InvalidArgumentError(
@@ -294,7 +294,8 @@ class NcclPlaneImpl final : public NcclPlane {
       absl::MutexLock lock(&mu_);
       if (comms_.size() >= options_.max_comms) {
         return absl::ResourceExhaustedError(
-            absl::StrCat("kvbankd holds ", comms_.size(), " NCCL communicators, its limit "
+            absl::StrCat("kvbankd holds ", comms_.size(),
+                         " NCCL communicators, its limit "
                          "(--nccl-max-comms); disconnect one first"));
       }
       comm = std::make_shared<Comm>(next_id_++, tenant, nranks, rank, options_.device);
@@ -337,9 +338,9 @@ class NcclPlaneImpl final : public NcclPlane {
       cudaError_t e = cudaMallocAsync(&buf, bytes, c.stream());
       if (e != cudaSuccess) {
         cudaGetLastError();
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "cuda:", options_.device, ": no device memory for a ", bytes,
-            "-byte NCCL receive: ", CudaText(e)));
+        return absl::ResourceExhaustedError(absl::StrCat("cuda:", options_.device,
+                                                         ": no device memory for a ", bytes,
+                                                         "-byte NCCL receive: ", CudaText(e)));
       }
       absl::Status s = c.Group(
           [&]() -> ncclResult_t {
@@ -371,9 +372,9 @@ class NcclPlaneImpl final : public NcclPlane {
       cudaError_t e = cudaMallocAsync(&buf, bytes, c.stream());
       if (e != cudaSuccess) {
         cudaGetLastError();
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "cuda:", options_.device, ": no device memory for a ", bytes,
-            "-byte NCCL send: ", CudaText(e)));
+        return absl::ResourceExhaustedError(absl::StrCat("cuda:", options_.device,
+                                                         ": no device memory for a ", bytes,
+                                                         "-byte NCCL send: ", CudaText(e)));
       }
       // The pool writes the buffer on its own streams: its allocation must be complete first.
       absl::Status s = c.Sync("allocating the send buffer");
@@ -419,8 +420,8 @@ class NcclPlaneImpl final : public NcclPlane {
     }
     if (peer < 0 || peer >= c.nranks() || (peer == c.rank() && c.nranks() > 1)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("peer rank ", peer, " is not another rank of communicator ", c.id(),
-                       " (", c.nranks(), " ranks; kvbankd is rank ", c.rank(), ")"));
+          absl::StrCat("peer rank ", peer, " is not another rank of communicator ", c.id(), " (",
+                       c.nranks(), " ranks; kvbankd is rank ", c.rank(), ")"));
     }
     return c.Usable();
   }
@@ -468,8 +469,8 @@ absl::StatusOr<std::unique_ptr<NcclPlane>> NcclPlane::Create(NcclOptions options
     n = 0;
   }
   if (options.device < 0 || options.device >= n) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the NCCL plane needs CUDA device ", options.device, ": this machine has ", n));
+    return absl::FailedPreconditionError(absl::StrCat("the NCCL plane needs CUDA device ",
+                                                      options.device, ": this machine has ", n));
   }
   if (options.max_comms == 0) {
     return absl::InvalidArgumentError("the NCCL plane's max_comms is 0");

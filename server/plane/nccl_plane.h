@@ -42,8 +42,8 @@ namespace kvbank::plane {
 inline constexpr size_t kNcclUniqueIdBytes = 128;
 
 struct NcclOptions {
-  int device = 0;            // the CUDA device of the pools this plane serves (cuda:N)
-  uint32_t max_comms = 16;   // communicators at once, each with a thread and NCCL's buffers
+  int device = 0;             // the CUDA device of the pools this plane serves (cuda:N)
+  uint32_t max_comms = 16;    // communicators at once, each with a thread and NCCL's buffers
   uint32_t max_ranks = 4096;  // of one communicator
   absl::Duration init_timeout = absl::Seconds(60);      // every rank must join within this
   absl::Duration transfer_timeout = absl::Seconds(60);  // one send / receive must complete

@@ -9,6 +9,10 @@
 // matching one (a refused call would leave it waiting forever), so kvbankd sends initial metadata
 // kKvbankNccl = "ready" once the call is checked and its own operation is next; the client issues
 // its operation then, and learns the outcome from the call's status.
+//
+// NOTE: a transfer holds a device worker (ServiceOptions::device_workers) while NCCL moves its
+// payload, up to --nccl-transfer-timeout-ms when the peer never takes part: many transfers at
+// once delay the gRPC transfers of cuda pools, which share those workers.
 #include <atomic>
 #include <string>
 
@@ -26,8 +30,8 @@ constexpr char kKvbankNcclBytes[] = "kvbank-nccl-bytes";
 absl::StatusOr<int> PeerOf(const v1::NcclTransfer& t, const char* field) {
   if (t.comm_id() == 0) return absl::InvalidArgumentError(absl::StrCat(field, ".comm_id is 0"));
   if (t.peer_rank() > static_cast<uint32_t>(INT32_MAX)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".peer_rank ", t.peer_rank(),
-                                                   " is out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".peer_rank ", t.peer_rank(), " is out of range"));
   }
   return static_cast<int>(t.peer_rank());
 }
@@ -36,8 +40,8 @@ absl::StatusOr<int> PeerOf(const v1::NcclTransfer& t, const char* field) {
 
 absl::StatusOr<plane::NcclPlane*> KvBankService::Nccl() const {
   if (options_.nccl == nullptr) {
-    return absl::FailedPreconditionError(
-        options_.nccl_off.empty() ? "kvbankd serves no NCCL plane" : options_.nccl_off);
+    return absl::FailedPreconditionError(options_.nccl_off.empty() ? "kvbankd serves no NCCL plane"
+                                                                   : options_.nccl_off);
   }
   return options_.nccl.get();
 }
@@ -79,10 +83,9 @@ absl::Status KvBankService::AppendFromNccl(const std::string& tenant, const v1::
   }
   if (absl::Status s = (*nccl)->Check(tenant, t.comm_id(), *peer, bytes); !s.ok()) return s;
   ready();
-  return (*nccl)->Receive(tenant, t.comm_id(), *peer, bytes,
-                          [txn](const uint8_t* device, uint64_t) {
-                            return txn->WriteFromDevice(device);
-                          });
+  return (*nccl)->Receive(
+      tenant, t.comm_id(), *peer, bytes,
+      [txn](const uint8_t* device, uint64_t) { return txn->WriteFromDevice(device); });
 }
 
 // Server stream of one message: the FetchResponse header, once the payload went out over NCCL.
@@ -129,9 +132,9 @@ class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<gr
     ctx_->AddInitialMetadata(kKvbankNcclBytes, std::to_string(n));
     StartSendInitialMetadata();
     FetchReader* r = reader->get();
-    if (absl::Status s = (*nccl)->Send(
-            tenant, t.comm_id(), *peer, n,
-            [r](uint8_t* device, uint64_t) { return r->ReadToDevice(device); });
+    if (absl::Status s =
+            (*nccl)->Send(tenant, t.comm_id(), *peer, n,
+                          [r](uint8_t* device, uint64_t) { return r->ReadToDevice(device); });
         !s.ok()) {
       return s;
     }

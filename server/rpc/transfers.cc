@@ -126,7 +126,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       return absl::InvalidArgumentError("header may appear only in the first append message");
     }
     if (from_nccl_ && !m.data.empty()) {
-      return absl::InvalidArgumentError("an append over NCCL (header.nccl) carries no data messages");
+      return absl::InvalidArgumentError(
+          "an append over NCCL (header.nccl) carries no data messages");
     }
     if (from_region_ && !m.data.empty()) {
       return absl::InvalidArgumentError(

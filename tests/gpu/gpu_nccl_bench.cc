@@ -16,21 +16,21 @@
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                                     \
-  do {                                                                                       \
-    const cudaError_t e_ = (expr);                                                           \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_));                       \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+#define CHECK_CUDA(expr)                                               \
+  do {                                                                 \
+    const cudaError_t e_ = (expr);                                     \
+    if (e_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
-#define CHECK_NCCL(expr)                                                                     \
-  do {                                                                                       \
-    const ncclResult_t r_ = (expr);                                                          \
-    if (r_ != ncclSuccess) {                                                                 \
-      std::fprintf(stderr, "%s: %s\n", #expr, ncclGetErrorString(r_));                       \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+#define CHECK_NCCL(expr)                                               \
+  do {                                                                 \
+    const ncclResult_t r_ = (expr);                                    \
+    if (r_ != ncclSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, ncclGetErrorString(r_)); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
 
 double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {

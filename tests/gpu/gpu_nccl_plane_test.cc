@@ -107,8 +107,8 @@ class NcclPlaneTest : public ::testing::Test {
     cuda.cuda_device = 0;
     PoolOptions po;
     po.staging_bytes = 64 << 10;  // several pieces per payload
-    auto pool = BlockPool::Create(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes,
-                                  cuda, po);
+    auto pool =
+        BlockPool::Create(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes, cuda, po);
     ASSERT_TRUE(pool.ok()) << pool.status();
     store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
   }
@@ -312,8 +312,8 @@ TEST_F(NcclPlaneTest, AJoinWhoseOtherRankNeverComesTimesOut) {
   auto comm = plane_->Connect("t", UniqueId(), 2, 1);
   ASSERT_TRUE(comm.ok()) << comm.status();
   const absl::Time start = absl::Now();
-  const absl::Status s = plane_->Receive(
-      "t", *comm, 0, 64, [](const uint8_t*, uint64_t) { return absl::OkStatus(); });
+  const absl::Status s =
+      plane_->Receive("t", *comm, 0, 64, [](const uint8_t*, uint64_t) { return absl::OkStatus(); });
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("did not form"), absl::string_view::npos) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
@@ -360,9 +360,9 @@ TEST_F(NcclPlaneTest, TwoRanksOnTwoGpus) {
       sent = ncclUnhandledCudaError;
     }
   });
-  KVBANK_ASSERT_OK(plane_->Receive(
-      "t", *comm, 0, bytes,
-      [&](const uint8_t* device, uint64_t) { return (*txn)->WriteFromDevice(device); }));
+  KVBANK_ASSERT_OK(plane_->Receive("t", *comm, 0, bytes, [&](const uint8_t* device, uint64_t) {
+    return (*txn)->WriteFromDevice(device);
+  }));
   sender.join();
   ASSERT_EQ(sent, ncclSuccess);
   ASSERT_TRUE((*txn)->Commit().ok());
@@ -381,9 +381,9 @@ TEST_F(NcclPlaneTest, TwoRanksOnTwoGpus) {
       received = ncclUnhandledCudaError;
     }
   });
-  KVBANK_ASSERT_OK(plane_->Send(
-      "t", *comm, 0, bytes,
-      [&](uint8_t* device, uint64_t) { return (*reader)->ReadToDevice(device); }));
+  KVBANK_ASSERT_OK(plane_->Send("t", *comm, 0, bytes, [&](uint8_t* device, uint64_t) {
+    return (*reader)->ReadToDevice(device);
+  }));
   receiver.join();
   ASSERT_EQ(received, ncclSuccess);
   std::vector<uint8_t> back(bytes);

@@ -83,8 +83,8 @@ v1::NcclTransfer Transfer(uint64_t comm = 7, uint32_t peer = 0) {
 // What a server without the plane answers: FAILED_PRECONDITION saying which of NCCL (build) or
 // a CUDA pool is missing.
 void ExpectPlaneOff(const grpc::Status& s, const char* what) {
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << what << ": "
-                                                                     << s.error_message();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << what << ": " << s.error_message();
   const std::string& m = s.error_message();
   EXPECT_TRUE(absl::StrContains(m, "built without NCCL") ||
               absl::StrContains(m, "the NCCL plane needs a CUDA pool"))

@@ -55,9 +55,7 @@ class DevicePayloadTest : public ::testing::Test {
     ASSERT_TRUE(pool.ok()) << pool.status();
     store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
   }
-  bool OnDevicePath() const {
-    return store_->pool().memory().kind() != MemoryKind::kHost;
-  }
+  bool OnDevicePath() const { return store_->pool().memory().kind() != MemoryKind::kHost; }
   uint64_t NewSeq() {
     auto s = store_->Create(absl::ZeroDuration());
     EXPECT_TRUE(s.ok()) << s.status();
