@@ -163,8 +163,10 @@ class NcclLinkImpl final : public NcclLink {
     const bool ready = ServerReady(ctx, nullptr);
     if (ready) {
       DeviceGuard guard(device_);
+      ncclComm_t comm = comm_;
+      cudaStream_t stream = stream_;
       sent =
-          Issue([&] { return ncclSend(device_ptr, bytes, ncclUint8, kServerRank, comm_, stream_); },
+          Issue([&] { return ncclSend(device_ptr, bytes, ncclUint8, kServerRank, comm, stream); },
                 "ncclSend");
       if (!sent.ok()) ctx.TryCancel();
     }
@@ -199,8 +201,10 @@ class NcclLinkImpl final : public NcclLink {
       Break(received).IgnoreError();
     } else if (ready) {
       DeviceGuard guard(device_);
+      ncclComm_t comm = comm_;
+      cudaStream_t stream = stream_;
       received =
-          Issue([&] { return ncclRecv(device_ptr, bytes, ncclUint8, kServerRank, comm_, stream_); },
+          Issue([&] { return ncclRecv(device_ptr, bytes, ncclUint8, kServerRank, comm, stream); },
                 "ncclRecv");
       if (!received.ok()) ctx.TryCancel();
     }

@@ -57,7 +57,10 @@ class Comm {
 
   // Starts the thread, whose first job joins the communicator.
   void Start(ncclUniqueId uid, absl::Duration init_timeout) {
-    last_used_ = absl::Now();
+    {
+      absl::MutexLock lock(&mu_);
+      last_used_ = absl::Now();
+    }
     thread_ = std::thread([this, uid, init_timeout] { Loop(uid, init_timeout); });
   }
 
