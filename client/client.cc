@@ -284,6 +284,13 @@ absl::StatusOr<Client::ModelInfo> Client::GetModel(const std::string& model) {
   return absl::NotFoundError(absl::StrCat("model '", model, "' not found"));
 }
 
+absl::StatusOr<Client::ServerInfo> Client::GetServerInfo() {
+  v1::GetServerInfoRequest req;
+  v1::GetServerInfoResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::GetServerInfo, req, &resp); !s.ok()) return s;
+  return ServerInfo{resp.version(), resp.shm_socket()};
+}
+
 absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::string& model) {
   v1::GetStatsRequest req;
   req.set_model(model);
@@ -890,27 +897,19 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string&
   return impl_->StreamAppend(header, {});
 }
 
-absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
-                                                          const FetchArgs& args,
-                                                          const RegionSlice& dest) {
-  v1::FetchRequest req = MakeFetchRequest(model, id, args);
-  v1::RegionSlice* d = req.mutable_dest();
-  d->set_region_id(dest.region_id);
-  d->set_offset(dest.offset);
-  d->set_length(dest.length);
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  // One message: the header; the payload is in the region.
-  auto reader = impl_->stub->Fetch(&ctx, req);
+namespace {
+// The one message of a fetch into a region: its header (the payload is in the region).
+template <typename Reader>
+absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
   v1::FetchResponse resp;
   bool got = false;
-  while (reader->Read(&resp)) got = true;
-  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  while (reader.Read(&resp)) got = true;
+  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
   if (!got || !resp.has_header() || !resp.data().empty()) {
     return absl::InternalError("a fetch into a region answered with no header, or with data");
   }
   const v1::FetchHeader& h = resp.header();
-  FetchResult r;
+  Client::FetchResult r;
   r.token_begin = h.token_begin();
   r.num_tokens = h.num_tokens();
   r.layer_begin = h.layer_begin();
@@ -924,6 +923,42 @@ absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& mod
   r.dtype = *dtype;
   r.payload_bytes = h.payload_bytes();
   return r;
+}
+
+void SetSlice(const RegionSlice& slice, v1::RegionSlice* out) {
+  out->set_region_id(slice.region_id);
+  out->set_offset(slice.offset);
+  out->set_length(slice.length);
+}
+}  // namespace
+
+absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args,
+                                                          const RegionSlice& dest) {
+  v1::FetchRequest req = MakeFetchRequest(model, id, args);
+  SetSlice(dest, req.mutable_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  auto reader = impl_->stub->Fetch(&ctx, req);
+  return ReadRegionHeader(*reader);
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
+    const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
+    const RegionSlice& dest) {
+  v1::FetchBlocksRequest req;
+  req.set_model(model);
+  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  req.set_kv_head_begin(args.kv_head_begin);
+  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  SetSlice(dest, req.mutable_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  auto reader = impl_->stub->FetchBlocks(&ctx, req);
+  return ReadRegionHeader(*reader);
 }
 
 absl::Status Client::NcclConnect(int device) {

@@ -213,7 +213,26 @@ dim3 RowGrid(const PayloadMap& m, uint64_t tokens_per_block) {
   return dim3(static_cast<unsigned>(x), y);
 }
 
+// Sets *found when any of the n elements is NaN or Inf. Every writer stores the same value, so
+// the race between them is benign and no atomic is needed.
+__global__ void NonFiniteKernel(const uint8_t* payload, DType dtype, uint64_t n, uint32_t* found) {
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if (IsNonFinite(payload, dtype, i)) *found = 1;
+  }
+}
+
 }  // namespace
+
+cudaError_t FindNonFiniteCuda(const uint8_t* payload, DType dtype, uint64_t n, uint32_t* found,
+                              cudaStream_t stream) {
+  if (!IsElementDType(dtype)) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  uint64_t blocks = (n + kThreads - 1) / kThreads;
+  blocks = blocks > kMaxGridX * 4 ? kMaxGridX * 4 : blocks;
+  NonFiniteKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(payload, dtype, n, found);
+  return cudaGetLastError();
+}
 
 cudaError_t EncodePayloadCuda(const PayloadMap& map, DType wire, const uint8_t* payload,
                               cudaStream_t stream) {

@@ -17,6 +17,10 @@ cudaError_t EncodePayloadCuda(const PayloadMap& map, DType wire, const uint8_t* 
                               cudaStream_t stream);
 cudaError_t DecodePayloadCuda(const PayloadMap& map, DType wire, uint8_t* payload,
                               cudaStream_t stream);
+// Sets *found (device memory; the caller zeroes it first) to 1 when any of the n elements of
+// `dtype` (fp32 / fp16 / bf16) at `payload` ([n], device memory) is NaN or Inf; else leaves it.
+cudaError_t FindNonFiniteCuda(const uint8_t* payload, DType dtype, uint64_t n, uint32_t* found,
+                              cudaStream_t stream);
 
 }  // namespace kvbank::kernels
 

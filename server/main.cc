@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -99,6 +100,11 @@ ABSL_FLAG(std::string, shm_max_region_bytes, "64GiB",
           "largest shared-memory region a client may register");
 ABSL_FLAG(uint32_t, shm_max_regions, 256,
           "most shared-memory regions (each one socket connection) registered or pending at once");
+ABSL_FLAG(
+    uint32_t, cuda_ipc_lease_ms, 60000,
+    "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "
+    "closed (cudaIpcCloseMemHandle); the client registers again");
+ABSL_FLAG(uint32_t, cuda_ipc_max_regions, 256, "most CUDA IPC device regions registered at once");
 ABSL_FLAG(uint32_t, nccl_max_comms, 16,
           "NCCL plane (pools on cuda:N, built with NCCL): most communicators at once");
 ABSL_FLAG(std::string, nccl_max_transfer_bytes, "4GiB",
@@ -326,6 +332,16 @@ int Main(int argc, char** argv) {
     std::cerr << "kvbankd: shared-memory plane on " << path << " (regions up to " << *max_region
               << " bytes, at most " << shm.max_regions << ")" << std::endl;
   }
+  if (on_gpu) {
+    plane::CudaIpcOptions ipc;
+    ipc.device = device->cuda_device;
+    ipc.lease = absl::Milliseconds(std::max<uint32_t>(absl::GetFlag(FLAGS_cuda_ipc_lease_ms), 1));
+    ipc.max_regions = absl::GetFlag(FLAGS_cuda_ipc_max_regions);
+    options.cuda_ipc = std::make_shared<plane::CudaIpcRegions>(ipc);
+    std::cerr << "kvbankd: CUDA IPC plane on " << device->Name() << " (lease "
+              << absl::GetFlag(FLAGS_cuda_ipc_lease_ms) << " ms)" << std::endl;
+  }
+  const std::shared_ptr<plane::CudaIpcRegions> cuda_ipc = options.cuda_ipc;
   if (!plane::NcclBuiltIn()) {
     options.nccl_off = "kvbankd was built without NCCL (it needs CUDA and libnccl at build time)";
   } else if (!on_gpu) {
@@ -402,6 +418,12 @@ int Main(int argc, char** argv) {
         std::cerr << "kvbankd: " << n << " lease(s) expired; their sequences were freed\n";
       }
       registry->ExpireCache(absl::Now());
+      if (cuda_ipc != nullptr) {
+        if (size_t n = cuda_ipc->Sweep(absl::Now()); n > 0) {
+          std::cerr << "kvbankd: " << n
+                    << " CUDA IPC device region(s) unused for the lease; closed\n";
+        }
+      }
       // The heap is kept large on purpose (see mallopt above), so a burst (many large messages
       // at once, refused or not) would keep its memory for good: give it back once nothing is
       // in flight, at most once a second.

@@ -175,17 +175,59 @@ class Client:
 
     def __init__(self, target: str, token: Optional[str] = None, *, deadline_s: float = 30.0,
                  stream_deadline_s: float = 600.0, chunk_bytes: int = 1 << 20,
-                 tls: Optional[Mapping[str, str]] = None, max_workers: int = 4):
+                 tls: Optional[Mapping[str, str]] = None, max_workers: int = 4,
+                 shm: Union[bool, str] = True, shm_min_bytes: int = 1 << 20,
+                 shm_staging_bytes: int = 1 << 30):
         """target: "host:port", "dns:///name:port" or "unix:/path". token: bearer token.
         deadline_s: unary calls; stream_deadline_s: appends, fetches. chunk_bytes: payload bytes
         per append message. tls: root_ca_path / root_ca_pem, cert_chain_*, private_key_*,
-        server_name_override (unset: plaintext). max_workers: threads of the *_async calls."""
+        server_name_override (unset: plaintext). max_workers: threads of the *_async calls.
+
+        shm: the same-host shared-memory plane. True: used when the server names a --shm-socket
+        that exists on this host (GetServerInfo); False: gRPC only; a path: that socket. Payloads
+        in a region from register_region move without a copy on this side; others of at least
+        shm_min_bytes go through staging regions (one memcpy here; shm_staging_bytes in all).
+        append, fetch_into and fetch_blocks_into use it; data_plane and plane_stats() say how
+        the bytes moved."""
+        shm_arg = "auto" if shm is True else ("" if shm is False else str(shm))
         self._c = _kvbank.Client(target, token or "", deadline_s, stream_deadline_s, chunk_bytes,
-                                 dict(tls) if tls is not None else None)
+                                 dict(tls) if tls is not None else None, shm_arg, shm_min_bytes,
+                                 shm_staging_bytes)
         self.target = target
         self._max_workers = max_workers
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pool_lock = threading.Lock()
+
+    # ---- data planes ----------------------------------------------------------------------
+
+    @property
+    def data_plane(self) -> str:
+        """"shm" when payloads can move through shared memory with the server, else "grpc"."""
+        return self._c.data_plane
+
+    def plane_stats(self) -> Dict[str, Dict[str, int]]:
+        """Calls and payload bytes per plane so far: "shm" (in a registered region, no copy
+        here), "shm_staged" (through a staging region) and "grpc"."""
+        return self._c.plane_stats()
+
+    def register_region(self, nbytes: int) -> np.ndarray:
+        """A shared-memory region of nbytes registered with the server, as a writable uint8
+        numpy array: payloads that lie in it (views, tensors made over it with
+        torch.frombuffer) move without a copy on this side. It stays registered while the array
+        (or a view of it) lives, or until unregister_region. FailedPreconditionError when the
+        shared-memory plane is off."""
+        region = self._c.register_region(nbytes)
+        return np.frombuffer(region, dtype=np.uint8)
+
+    def unregister_region(self, array: np.ndarray) -> None:
+        """Stops routing buffers in this region (from register_region) through it; the region
+        goes with the last array viewing it."""
+        base = array
+        while isinstance(base, (np.ndarray, memoryview)):
+            base = base.base if isinstance(base, np.ndarray) else base.obj
+        if not isinstance(base, _kvbank.Region):
+            raise InvalidArgumentError("not an array from register_region")
+        self._c.unregister_region(base)
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -400,6 +442,16 @@ class Client:
         meta, data = self._c.fetch_blocks(model, [bytes(h) for h in hashes], layer_begin,
                                           layer_end, dtype, kv_head_begin, kv_head_end)
         return Blocks(FetchInfo(**meta), data.view(numpy_dtype(meta["dtype"])))
+
+    def fetch_blocks_into(self, model: str, hashes: Sequence[bytes], out: Any, *,
+                          layer_begin: int = 0, layer_end: Optional[int] = None,
+                          dtype: Optional[str] = None, kv_head_begin: int = 0,
+                          kv_head_end: Optional[int] = None) -> FetchInfo:
+        """fetch_blocks written into `out` (as fetch_into): info.payload_bytes says how much of
+        it the cached run filled."""
+        return FetchInfo(**self._c.fetch_blocks_into(model, [bytes(h) for h in hashes],
+                                                     _buffer(out, True), layer_begin, layer_end,
+                                                     dtype, kv_head_begin, kv_head_end))
 
     def pin(self, model: str, *, tokens: Sequence[int] = (), hashes: Sequence[bytes] = (),
             cache_salt: str = "", extra_keys: ExtraKeys = (), pin: bool = True) -> int:

@@ -34,6 +34,8 @@ kv_connector_extra_config:
   kvbank_lease_s     lease of the sequences a producer keeps (default: the server's)
   kvbank_deadline_s  deadline of unary calls (default 30)
   kvbank_fetch_threads  threads fetching layers (default 4)
+  kvbank_shm         use kvbankd's same-host shared-memory plane when it serves one (default
+                     true; the connector logs the plane it uses)
 
 Supported: decoder attention layers on vLLM's CPU attention backend (the paged layout is
 discovered by running the backend's own cache-write op on a probe block, so its packed AMX layout
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvbank.vllm")
 
 _KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 # ---- the layout of kvbank's model, from vLLM's config ------------------------------------------
@@ -284,13 +287,17 @@ class KvbankConnector(KVConnectorBase_V1):
         self._keep_finished = self._store and not self._load  # kv_producer
         lease = extra.get("kvbank_lease_s")
         self._lease_s = float(lease) if lease is not None else None
+        shm = extra.get("kvbank_shm", True)
+        if isinstance(shm, str):
+            shm = shm.lower() not in ("0", "false", "no", "off")
         self._client = kvbank.Client(target, extra.get("kvbank_token") or None,
-                                     deadline_s=float(extra.get("kvbank_deadline_s", 30.0)))
+                                     deadline_s=float(extra.get("kvbank_deadline_s", 30.0)),
+                                     shm=bool(shm))
         info = self._client.ensure_model(self._layout,
                                          pool_bytes=int(extra.get("kvbank_pool_bytes", 0)))
         logger.info("KvbankConnector (%s, %s): kvbank model %r at %s, %d-token blocks, "
-                    "%d blocks", role.name, tc.kv_role, self._model, target, self._bs,
-                    info.num_blocks)
+                    "%d blocks, data plane %s", role.name, tc.kv_role, self._model, target,
+                    self._bs, info.num_blocks, self._client.data_plane)
 
         # Scheduler side.
         self._roots: Dict[str, Tuple[bytes, str]] = {}  # cache salt -> (root, algorithm)
@@ -512,13 +519,20 @@ class KvbankConnector(KVConnectorBase_V1):
                     len(kv_caches), isa, "plain" if self._paged.identity else "packed")
 
     def _fetch_layer(self, layer: int, loads: Sequence[LoadSpec]) -> List[Any]:
+        """Per load: its layer's payload (the leading cached run of its blocks) as a uint8
+        tensor, or the error. The payload lands in a buffer of this thread's (a shared-memory
+        region's staging copy on the same host, else gRPC's)."""
         out = []
+        token_bytes = 2 * (self._heads[1] - self._heads[0]) * self._layout["head_dim"] * \
+            _DTYPE_BYTES[self._layout["dtype"]]
         for spec in loads:
+            buf = torch.empty(len(spec.hashes) * self._bs * token_bytes, dtype=torch.uint8)
             try:
-                out.append(self._client.fetch_blocks(self._model, spec.hashes, layer_begin=layer,
-                                                     layer_end=layer + 1,
-                                                     kv_head_begin=self._heads[0],
-                                                     kv_head_end=self._heads[1]))
+                info = self._client.fetch_blocks_into(self._model, spec.hashes, buf,
+                                                      layer_begin=layer, layer_end=layer + 1,
+                                                      kv_head_begin=self._heads[0],
+                                                      kv_head_end=self._heads[1])
+                out.append((info.num_tokens, buf[:info.payload_bytes]))
             except kvbank.Error as e:  # NOT_FOUND: evicted since the look-up
                 out.append(e)
         return out
@@ -544,16 +558,16 @@ class KvbankConnector(KVConnectorBase_V1):
         kv = self._kv_caches[layer_name]
         for spec, got in zip(self._load_specs, results):
             n = 0
-            if isinstance(got, kvbank.Blocks):
+            if isinstance(got, tuple):
                 # The leading run of the hashes that is still cached: n <= len(spec.hashes).
-                n = got.info.num_tokens // self._bs
+                n = got[0] // self._bs
                 if n:
                     self._paged.scatter(kv, torch.tensor(spec.block_ids[:n], dtype=torch.int64),
-                                        torch.from_numpy(got.data).view(kv.dtype))
+                                        got[1].view(kv.dtype))
             if n < len(spec.block_ids):
                 logger.warning("KvbankConnector: request %s: %d of %d blocks of layer %s "
                                "loaded (%s)", spec.req_id, n, len(spec.block_ids), layer_name,
-                               got if not isinstance(got, kvbank.Blocks) else "evicted")
+                               got if not isinstance(got, tuple) else "evicted")
                 self._failed_block_ids.update(spec.block_ids[n:])
 
     def _drain_loads(self) -> None:

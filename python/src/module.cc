@@ -11,7 +11,10 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -22,6 +25,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvbank/client.h"
@@ -368,8 +374,13 @@ Client::MatchQuery MakeQuery(std::vector<uint32_t> tokens, const std::vector<py:
 // run concurrently (each releases the GIL for its RPC).
 class PyClient {
  public:
+  // shm: "auto" (the server's shared-memory socket when GetServerInfo names one this host
+  // has), "" (off) or a socket path. Payloads of at least shm_min_bytes not already in a
+  // registered region go through staging regions of at most shm_staging_bytes in all.
   PyClient(const std::string& target, const std::string& token, double deadline_s,
-           double stream_deadline_s, uint64_t chunk_bytes, std::optional<py::dict> tls) {
+           double stream_deadline_s, uint64_t chunk_bytes, std::optional<py::dict> tls,
+           const std::string& shm, uint64_t shm_min_bytes, uint64_t shm_staging_bytes)
+      : shm_min_bytes_(shm_min_bytes), shm_staging_bytes_(shm_staging_bytes) {
     ClientOptions o;
     if (!(deadline_s > 0) || !(stream_deadline_s > 0))
       RaiseInvalid("deadlines must be > 0 seconds");
@@ -405,9 +416,127 @@ class PyClient {
     absl::StatusOr<std::unique_ptr<Client>> c;
     {
       py::gil_scoped_release release;
-      c = Client::Connect(target, std::move(o));
+      c = Client::Connect(target, o);
+      std::string socket = shm == "auto" ? "" : shm;
+      if (c.ok() && shm == "auto") {
+        // A socket path that exists here is this host's (a remote server's path would not be
+        // ours); should it be another kvbankd's, registering fails and the plane is dropped.
+        auto info = (*c)->GetServerInfo();
+        if (info.ok() && !info->shm_socket.empty() &&
+            access(info->shm_socket.c_str(), R_OK | W_OK) == 0) {
+          socket = info->shm_socket;
+        }
+      }
+      if (c.ok() && !socket.empty()) {
+        o.shm_socket = socket;
+        c = Client::Connect(target, o);
+        shm_socket_ = socket;
+      }
     }
     client_ = Unwrap(std::move(c));
+    shm_on_.store(!shm_socket_.empty());
+  }
+
+  // ---- data planes ---------------------------------------------------------------------------
+  // Each payload moves on the shared-memory plane when it can (its bytes lie in a region this
+  // client registered, or a staging region takes them: one memcpy on this side), else on gRPC.
+  // A plane that fails to register is dropped for good. Called with the GIL released.
+
+  struct PlaneCount {
+    std::atomic<uint64_t> calls{0}, bytes{0};
+  };
+  enum Plane { kShm = 0, kShmStaged = 1, kGrpc = 2 };
+
+  absl::StatusOr<Client::SequenceInfo> Append(const std::string& model, uint64_t id,
+                                              const Client::AppendArgs& a,
+                                              absl::Span<const uint8_t> bytes) {
+    if (auto slice = InRegion(bytes.data(), bytes.size())) {
+      return Counted(kShm, bytes.size(), c().AppendFromRegion(model, id, a, *slice));
+    }
+    if (std::unique_ptr<ShmRegion> st = TakeStaging(bytes.size())) {
+      std::memcpy(st->data(), bytes.data(), bytes.size());
+      auto r = c().AppendFromRegion(model, id, a, st->Slice(0, bytes.size()));
+      GiveBack(std::move(st));
+      return Counted(kShmStaged, bytes.size(), std::move(r));
+    }
+    return Counted(kGrpc, bytes.size(), c().Append(model, id, a, bytes));
+  }
+
+  // fetch(hashes == nullptr) or fetch_blocks into `out`.
+  absl::StatusOr<Client::FetchResult> FetchInto(const std::string& model, uint64_t id,
+                                                const std::vector<BlockHash>* hashes,
+                                                const Client::FetchArgs& a,
+                                                absl::Span<uint8_t> out) {
+    auto into_region = [&](const RegionSlice& slice) {
+      return hashes != nullptr ? c().FetchBlocksToRegion(model, *hashes, a, slice)
+                               : c().FetchToRegion(model, id, a, slice);
+    };
+    // A payload larger than `out` is refused by the region path as INVALID_ARGUMENT naming
+    // dest.length; the gRPC path then answers what it always does (OUT_OF_RANGE).
+    auto too_small = [](const absl::Status& s) {
+      return s.code() == absl::StatusCode::kInvalidArgument &&
+             absl::StrContains(s.message(), "dest.length");
+    };
+    if (auto slice = InRegion(out.data(), out.size())) {
+      auto r = into_region(*slice);
+      if (!too_small(r.status())) return Counted(kShm, r.ok() ? r->payload_bytes : 0, r);
+    } else if (std::unique_ptr<ShmRegion> st = TakeStaging(out.size())) {
+      auto r = into_region(st->Slice(0, out.size()));
+      if (r.ok()) std::memcpy(out.data(), st->data(), r->payload_bytes);
+      GiveBack(std::move(st));
+      if (!too_small(r.status())) return Counted(kShmStaged, r.ok() ? r->payload_bytes : 0, r);
+    }
+    absl::StatusOr<Client::FetchResult> r;
+    if (hashes == nullptr) {
+      r = c().FetchInto(model, id, a, out);
+    } else {
+      r = c().FetchBlocks(model, *hashes, a);
+      if (r.ok()) {
+        if (r->payload.size() > out.size()) {
+          r = absl::OutOfRangeError(absl::StrCat("the payload has ", r->payload.size(),
+                                                 " bytes; the buffer holds ", out.size()));
+        } else {
+          std::memcpy(out.data(), r->payload.data(), r->payload.size());
+          r->payload_bytes = r->payload.size();
+          r->payload.clear();
+        }
+      }
+    }
+    return Counted(kGrpc, r.ok() ? r->payload_bytes : 0, std::move(r));
+  }
+
+  // A region of `size` bytes this client registers; buffers inside it move without a copy.
+  std::shared_ptr<ShmRegion> RegisterRegion(uint64_t size) {
+    if (!shm_on_.load()) {
+      Check(absl::FailedPreconditionError(
+          "no shared-memory plane: the server names no --shm-socket this host has"));
+    }
+    std::unique_ptr<ShmRegion> r = Unwrap([&] {
+      py::gil_scoped_release release;
+      return c().RegisterRegion(size);
+    }());
+    std::shared_ptr<ShmRegion> shared = std::move(r);
+    absl::MutexLock lock(&regions_mu_);
+    regions_.push_back(shared);
+    return shared;
+  }
+  void UnregisterRegion(const std::shared_ptr<ShmRegion>& r) {
+    absl::MutexLock lock(&regions_mu_);
+    regions_.erase(std::remove(regions_.begin(), regions_.end(), r), regions_.end());
+  }
+
+  std::string data_plane() const { return shm_on_.load() ? "shm" : "grpc"; }
+  const std::string& shm_socket() const { return shm_socket_; }
+  py::dict PlaneStats() const {
+    py::dict d;
+    const char* names[] = {"shm", "shm_staged", "grpc"};
+    for (int p = 0; p < 3; ++p) {
+      py::dict e;
+      e["calls"] = counts_[p].calls.load();
+      e["bytes"] = counts_[p].bytes.load();
+      d[names[p]] = e;
+    }
+    return d;
   }
 
   // Runs `f` (one SDK call) with the GIL released; raises its error.
@@ -428,16 +557,93 @@ class PyClient {
   Client& c() { return *client_; }
 
  private:
+  template <typename R>
+  R Counted(Plane p, uint64_t bytes, R r) {
+    if (r.ok()) {
+      counts_[p].calls.fetch_add(1, std::memory_order_relaxed);
+      counts_[p].bytes.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    return r;
+  }
+  std::optional<RegionSlice> InRegion(const uint8_t* p, uint64_t n) {
+    if (n == 0) return std::nullopt;
+    absl::MutexLock lock(&regions_mu_);
+    for (const auto& r : regions_) {
+      if (p >= r->data() && p + n <= r->data() + r->size()) {
+        return r->Slice(static_cast<uint64_t>(p - r->data()), n);
+      }
+    }
+    return std::nullopt;
+  }
+  // A staging region of at least `n` bytes, or null (small payload, plane off, or the staging
+  // budget spent).
+  std::unique_ptr<ShmRegion> TakeStaging(uint64_t n) {
+    if (n < shm_min_bytes_ || !shm_on_.load()) return nullptr;
+    {
+      absl::MutexLock lock(&staging_mu_);
+      for (auto it = free_staging_.begin(); it != free_staging_.end(); ++it) {
+        if ((*it)->size() >= n) {
+          std::unique_ptr<ShmRegion> r = std::move(*it);
+          free_staging_.erase(it);
+          return r;
+        }
+      }
+      const uint64_t size =
+          std::max<uint64_t>((n + (1 << 20) - 1) & ~uint64_t{(1 << 20) - 1}, uint64_t{8} << 20);
+      if (staging_bytes_ + size > shm_staging_bytes_) return nullptr;
+      staging_bytes_ += size;
+      n = size;
+    }
+    auto r = c().RegisterRegion(n);
+    if (!r.ok()) {
+      // The socket is not this server's, or the plane went away: gRPC from now on.
+      shm_on_.store(false);
+      absl::MutexLock lock(&staging_mu_);
+      staging_bytes_ -= n;
+      return nullptr;
+    }
+    return *std::move(r);
+  }
+  void GiveBack(std::unique_ptr<ShmRegion> r) {
+    absl::MutexLock lock(&staging_mu_);
+    free_staging_.push_back(std::move(r));
+  }
+
   std::unique_ptr<Client> client_;
+  std::string shm_socket_;  // empty: no shared-memory plane
+  std::atomic<bool> shm_on_{false};
+  const uint64_t shm_min_bytes_, shm_staging_bytes_;
+  absl::Mutex regions_mu_;
+  std::vector<std::shared_ptr<ShmRegion>> regions_ ABSL_GUARDED_BY(regions_mu_);
+  absl::Mutex staging_mu_;
+  std::vector<std::unique_ptr<ShmRegion>> free_staging_ ABSL_GUARDED_BY(staging_mu_);
+  uint64_t staging_bytes_ ABSL_GUARDED_BY(staging_mu_) = 0;
+  PlaneCount counts_[3];
 };
 
 void BindClient(py::module_& m) {
+  // A registered shared-memory region: writable bytes (buffer protocol) that payloads move
+  // through without a copy on this side.
+  py::class_<ShmRegion, std::shared_ptr<ShmRegion>>(m, "Region", py::buffer_protocol())
+      .def_buffer([](ShmRegion& r) {
+        return py::buffer_info(r.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(r.size())}, {py::ssize_t{1}});
+      })
+      .def_property_readonly("id", &ShmRegion::id)
+      .def_property_readonly("size", &ShmRegion::size);
   py::class_<PyClient>(m, "Client")
       .def(py::init<const std::string&, const std::string&, double, double, uint64_t,
-                    std::optional<py::dict>>(),
+                    std::optional<py::dict>, const std::string&, uint64_t, uint64_t>(),
            py::arg("target"), py::arg("token") = "", py::arg("deadline_s") = 30.0,
            py::arg("stream_deadline_s") = 600.0, py::arg("chunk_bytes") = uint64_t{1} << 20,
-           py::arg("tls") = py::none())
+           py::arg("tls") = py::none(), py::arg("shm") = "auto",
+           py::arg("shm_min_bytes") = uint64_t{1} << 20,
+           py::arg("shm_staging_bytes") = uint64_t{1} << 30)
+      .def_property_readonly("data_plane", &PyClient::data_plane)
+      .def_property_readonly("shm_socket", &PyClient::shm_socket)
+      .def("plane_stats", &PyClient::PlaneStats)
+      .def("register_region", &PyClient::RegisterRegion, py::arg("size"))
+      .def("unregister_region", &PyClient::UnregisterRegion, py::arg("region"))
       .def(
           "ensure_model",
           [](PyClient& self, const py::dict& layout, uint64_t pool_bytes) {
@@ -517,7 +723,7 @@ void BindClient(py::module_& m) {
                                kv_head_begin, kv_head_end);
             BufferView view(payload, /*writable=*/false);
             const absl::Span<const uint8_t> bytes(view.data(), view.size());
-            return SequenceToDict(self.Call([&] { return self.c().Append(model, id, a, bytes); }));
+            return SequenceToDict(self.Call([&] { return self.Append(model, id, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("payload"), py::arg("num_tokens"),
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
@@ -577,7 +783,8 @@ void BindClient(py::module_& m) {
                               kv_head_end, wait_s);
             BufferView view(out, /*writable=*/true);
             const absl::Span<uint8_t> bytes(view.data(), view.size());
-            return FetchToDict(self.Call([&] { return self.c().FetchInto(model, id, a, bytes); }));
+            return FetchToDict(
+                self.Call([&] { return self.FetchInto(model, id, nullptr, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
@@ -658,6 +865,22 @@ void BindClient(py::module_& m) {
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
           py::arg("model"), py::arg("hashes"), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
+      .def(
+          "fetch_blocks_into",
+          [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
+             const py::object& out, uint32_t layer_begin, std::optional<uint32_t> layer_end,
+             const std::optional<std::string>& dtype, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const std::vector<BlockHash> hs = ToHashes(hashes);
+            const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
+                                                      dtype, kv_head_begin, kv_head_end);
+            BufferView view(out, /*writable=*/true);
+            const absl::Span<uint8_t> bytes(view.data(), view.size());
+            return FetchToDict(self.Call([&] { return self.FetchInto(model, 0, &hs, a, bytes); }));
+          },
+          py::arg("model"), py::arg("hashes"), py::arg("out"), py::arg("layer_begin") = 0,
           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
           py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(

@@ -39,9 +39,9 @@
 #include "kernels/attention_cuda.h"
 #include "kernels/block_copy.h"
 #include "kernels/block_copy_cuda.h"
-#include "kernels/non_finite_cuda.h"
 #include "kernels/payload_codec.h"
 #include "kernels/payload_codec_cuda.h"
+#include "kernels/quant.h"
 #include "kvbank/layout.h"
 #include "server/core/pool_memory.h"
 
@@ -256,14 +256,51 @@ class CudaMemory final : public PoolMemory {
     return MovePayload(job, kernels::CopyDirection::kPoolToPayload, payload);
   }
 
-  absl::Status WriteDevicePayload(const PayloadJob& job, const uint8_t* payload,
-                                  int64_t* non_finite) override {
-    return MoveDevicePayload(job, kernels::CopyDirection::kPayloadToPool,
-                             const_cast<uint8_t*>(payload), non_finite);
+  absl::Status WritePayloadFromDevice(const PayloadJob& job, const uint8_t* payload) override {
+    return MovePayload(job, kernels::CopyDirection::kPayloadToPool, const_cast<uint8_t*>(payload),
+                       /*on_device=*/true);
   }
 
-  absl::Status ReadDevicePayload(const PayloadJob& job, uint8_t* payload) override {
-    return MoveDevicePayload(job, kernels::CopyDirection::kPoolToPayload, payload, nullptr);
+  absl::Status ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload) override {
+    return MovePayload(job, kernels::CopyDirection::kPoolToPayload, payload, /*on_device=*/true);
+  }
+
+  absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
+                                                uint64_t n) override {
+    if (n == 0) return -1;
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    uint32_t found = 0;
+    {
+      LaneHold hold(this);
+      Lane& lane = hold.lane();
+      ScratchPlan plan;
+      const uint64_t at_found = plan.Device(sizeof(uint32_t));
+      absl::StatusOr<uint8_t*> s = Scratch(lane, plan.total());
+      if (!s.ok()) return s.status();
+      absl::StatusOr<uint8_t*> args = Args(lane, sizeof(uint32_t));
+      if (!args.ok()) return args.status();
+      uint32_t* dev_found = At<uint32_t>(*s, at_found);
+      KVBANK_CUDA_TRY(cudaMemsetAsync(dev_found, 0, sizeof(uint32_t), lane.stream),
+                      "checking a payload for NaN / Inf");
+      KVBANK_CUDA_TRY(kernels::FindNonFiniteCuda(payload, dtype, n, dev_found, lane.stream),
+                      "checking a payload for NaN / Inf");
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(*args, dev_found, sizeof(uint32_t), cudaMemcpyDeviceToHost, lane.stream),
+          "checking a payload for NaN / Inf");
+      if (absl::Status f = Finish(lane, "checking a payload for NaN / Inf"); !f.ok()) return f;
+      std::memcpy(&found, *args, sizeof(found));
+    }
+    if (found == 0) return -1;
+    // NOTE: slow path, a bad payload only: the payload comes to the host to name the first bad
+    // element exactly as the host path does.
+    std::vector<uint8_t> host(n * DTypeBytes(dtype));
+    const cudaError_t e = cudaMemcpy(host.data(), payload, host.size(), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return Error(e, "copying a bad payload to the host to name its first NaN / Inf");
+    }
+    return kernels::FindNonFinite(host.data(), dtype, n);
   }
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
@@ -399,9 +436,11 @@ class CudaMemory final : public PoolMemory {
   }
 
  private:
-  // The payload (host; read for kPayloadToPool, written for kPoolToPayload) to or from the blocks:
-  // it travels through the device scratch, next to the map's arrays.
-  absl::Status MovePayload(const PayloadJob& job, kernels::CopyDirection dir, uint8_t* payload) {
+  // The payload (read for kPayloadToPool, written for kPoolToPayload) to or from the blocks. In
+  // host memory it travels through the device scratch, next to the map's arrays; in device
+  // memory (on_device) the kernels use it where it is.
+  absl::Status MovePayload(const PayloadJob& job, kernels::CopyDirection dir, uint8_t* payload,
+                           bool on_device = false) {
     if (absl::Status s = CheckJob(job); !s.ok()) return s;
     const kernels::PayloadMap& m = job.map;
     if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
@@ -410,10 +449,11 @@ class CudaMemory final : public PoolMemory {
     LaneHold hold(this);
     Lane& lane = hold.lane();
     uint8_t* dev_payload = nullptr;
-    absl::StatusOr<kernels::PayloadMap> d = SendMap(lane, m, &dev_payload);
+    absl::StatusOr<kernels::PayloadMap> d = SendMap(lane, m, on_device ? nullptr : &dev_payload);
     if (!d.ok()) return d.status();
+    if (on_device) dev_payload = payload;
     const bool in = dir == kernels::CopyDirection::kPayloadToPool;
-    if (in) {
+    if (in && !on_device) {
       KVBANK_CUDA_TRY(
           cudaMemcpyAsync(dev_payload, payload, m.total_bytes, cudaMemcpyHostToDevice, lane.stream),
           "copying the payload to the device");
@@ -431,63 +471,12 @@ class CudaMemory final : public PoolMemory {
                         in ? "scattering the payload's scales" : "gathering the payload's scales");
       }
     }
-    if (!in) {
+    if (!in && !on_device) {
       KVBANK_CUDA_TRY(
           cudaMemcpyAsync(payload, dev_payload, m.total_bytes, cudaMemcpyDeviceToHost, lane.stream),
           "copying the payload to the host");
     }
     return Finish(lane, in ? "writing a payload" : "reading a payload");
-  }
-
-  // MovePayload for a payload in device memory of this pool's device (a data plane received it
-  // there, or sends it from there): the same kernels, without the host copies. A converted
-  // payload going in is scanned for NaN / Inf first (one sync: the answer decides whether the
-  // encode runs).
-  absl::Status MoveDevicePayload(const PayloadJob& job, kernels::CopyDirection dir,
-                                 uint8_t* payload, int64_t* non_finite) {
-    if (absl::Status s = CheckJob(job); !s.ok()) return s;
-    const kernels::PayloadMap& m = job.map;
-    const bool in = dir == kernels::CopyDirection::kPayloadToPool;
-    if (in && job.convert) *non_finite = -1;
-    if (m.total_bytes == 0 || m.num_tokens == 0 || m.num_layers == 0) return absl::OkStatus();
-    DeviceGuard guard(device_);
-    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
-    LaneHold hold(this);
-    Lane& lane = hold.lane();
-    unsigned long long* dev_first = nullptr;
-    absl::StatusOr<kernels::PayloadMap> d =
-        SendMap(lane, m, nullptr, in && job.convert ? &dev_first : nullptr);
-    if (!d.ok()) return d.status();
-    if (in && job.convert) {
-      KVBANK_CUDA_TRY(kernels::FindNonFiniteCuda(payload, *job.convert,
-                                                 m.total_bytes / DTypeBytes(*job.convert),
-                                                 dev_first, lane.stream),
-                      "scanning the payload for NaN / Inf");
-      unsigned long long first = 0;
-      KVBANK_CUDA_TRY(
-          cudaMemcpyAsync(&first, dev_first, sizeof(first), cudaMemcpyDeviceToHost, lane.stream),
-          "copying the NaN / Inf scan's answer to the host");
-      if (absl::Status s = Finish(lane, "scanning the payload for NaN / Inf"); !s.ok()) return s;
-      if (first != ~0ull) {
-        *non_finite = static_cast<int64_t>(first);
-        return absl::OkStatus();
-      }
-    }
-    if (job.convert) {
-      KVBANK_CUDA_TRY(in ? kernels::EncodePayloadCuda(*d, *job.convert, payload, lane.stream)
-                         : kernels::DecodePayloadCuda(*d, *job.convert, payload, lane.stream),
-                      absl::StrCat(in ? "encoding a " : "decoding a ", DTypeName(*job.convert),
-                                   " device payload"));
-    } else {
-      KVBANK_CUDA_TRY(kernels::PayloadCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
-                      in ? "scattering a device payload" : "gathering a device payload");
-      if (d->scale_offset != nullptr) {
-        KVBANK_CUDA_TRY(
-            kernels::ScaleCopyCuda(*d, dir, 0, payload, m.total_bytes, lane.stream),
-            in ? "scattering a device payload's scales" : "gathering a device payload's scales");
-      }
-    }
-    return Finish(lane, in ? "writing a device payload" : "reading a device payload");
   }
 
   absl::Status CheckJob(const PayloadJob& job) const {
@@ -588,12 +577,11 @@ class CudaMemory final : public PoolMemory {
   }
 
   // Sends m's host arrays (layers, layer_offset, block_table, scale_offset) to the lane's
-  // scratch, with room for the payload after them (*dev_payload; none when dev_payload is null:
-  // the payload is on the device already) and for a scan's answer (*dev_flag, when not null),
-  // and returns the map over those copies. REQUIRES: m.num_layers > 0.
+  // scratch, with room for the payload after them (*dev_payload, unless dev_payload is null: the
+  // payload is in device memory already), and returns the map over those copies.
+  // REQUIRES: m.num_layers > 0.
   absl::StatusOr<kernels::PayloadMap> SendMap(Lane& lane, const kernels::PayloadMap& m,
-                                              uint8_t** dev_payload,
-                                              unsigned long long** dev_flag = nullptr) {
+                                              uint8_t** dev_payload) {
     const uint32_t bt = m.layers[0].block_tokens;
     const uint64_t table_len = (m.token_begin + m.num_tokens + bt - 1) / bt;
     const uint64_t layers_bytes = uint64_t{m.num_layers} * sizeof(LayerView);
@@ -605,7 +593,6 @@ class CudaMemory final : public PoolMemory {
     const uint64_t at_table = plan.Host(table_bytes);
     const uint64_t at_scales = m.scale_offset ? plan.Host(offsets_bytes) : 0;
     const uint64_t at_payload = dev_payload != nullptr ? plan.Device(m.total_bytes) : 0;
-    const uint64_t at_flag = dev_flag != nullptr ? plan.Device(sizeof(unsigned long long)) : 0;
     absl::StatusOr<uint8_t*> s = Send(lane, plan, [&](uint8_t* args, uint8_t*) {
       Put(args, at_layers, m.layers, layers_bytes);
       Put(args, at_offsets, m.layer_offset, offsets_bytes);
@@ -620,7 +607,6 @@ class CudaMemory final : public PoolMemory {
     d.block_table = At<const int32_t>(*s, at_table);
     d.scale_offset = m.scale_offset ? At<const uint64_t>(*s, at_scales) : nullptr;
     if (dev_payload != nullptr) *dev_payload = *s + at_payload;
-    if (dev_flag != nullptr) *dev_flag = At<unsigned long long>(*s, at_flag);
     return d;
   }
 

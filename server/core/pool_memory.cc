@@ -21,14 +21,19 @@
 
 namespace kvbank {
 
-absl::Status PoolMemory::WriteDevicePayload(const PayloadJob&, const uint8_t*, int64_t*) {
-  return absl::FailedPreconditionError(
-      absl::StrCat(name(), " memory takes no payload from a device (the pool is not on one)"));
+absl::Status PoolMemory::WritePayloadFromDevice(const PayloadJob&, const uint8_t*) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "a payload in device memory needs a pool in device memory (--device cuda:N); this pool is "
+      "in ",
+      name(), " memory"));
 }
 
-absl::Status PoolMemory::ReadDevicePayload(const PayloadJob&, uint8_t*) {
-  return absl::FailedPreconditionError(
-      absl::StrCat(name(), " memory gives no payload to a device (the pool is not on one)"));
+absl::Status PoolMemory::ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload) {
+  return WritePayloadFromDevice(job, payload);
+}
+
+absl::StatusOr<int64_t> PoolMemory::FindNonFiniteOnDevice(const uint8_t*, DType, uint64_t) {
+  return WritePayloadFromDevice(PayloadJob{}, nullptr);
 }
 
 namespace {
@@ -145,21 +150,22 @@ class HostMemory final : public PoolMemory {
     return absl::OkStatus();
   }
 
-  // The host is host-staged memory's device: a device payload is host memory.
-  absl::Status WriteDevicePayload(const PayloadJob& job, const uint8_t* payload,
-                                  int64_t* non_finite) override {
-    if (kind() != MemoryKind::kHostStaged)
-      return PoolMemory::WriteDevicePayload(job, payload, non_finite);
-    if (job.convert.has_value()) {
-      const uint32_t width = DTypeBytes(*job.convert);
-      *non_finite = kernels::FindNonFinite(payload, *job.convert, job.map.total_bytes / width);
-      if (*non_finite >= 0) return absl::OkStatus();
-    }
+  // Host-staged memory's device is the host: a "device" payload is host memory, so the device
+  // data planes' path into the pool (WriteFromDevice / ReadToDevice) runs on any machine too.
+  absl::Status WritePayloadFromDevice(const PayloadJob& job, const uint8_t* payload) override {
+    if (kind() != MemoryKind::kHostStaged) return PoolMemory::WritePayloadFromDevice(job, payload);
     return WritePayload(job, payload);
   }
-  absl::Status ReadDevicePayload(const PayloadJob& job, uint8_t* payload) override {
-    if (kind() != MemoryKind::kHostStaged) return PoolMemory::ReadDevicePayload(job, payload);
+  absl::Status ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload) override {
+    if (kind() != MemoryKind::kHostStaged) return PoolMemory::ReadPayloadToDevice(job, payload);
     return ReadPayload(job, payload);
+  }
+  absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
+                                                uint64_t n) override {
+    if (kind() != MemoryKind::kHostStaged) {
+      return PoolMemory::FindNonFiniteOnDevice(payload, dtype, n);
+    }
+    return kernels::FindNonFinite(payload, dtype, n);
   }
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,

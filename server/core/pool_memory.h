@@ -102,16 +102,15 @@ class PoolMemory {
   virtual absl::Status WritePayload(const PayloadJob& job, const uint8_t* payload) = 0;
   // blocks -> payload (host, job.map.total_bytes).
   virtual absl::Status ReadPayload(const PayloadJob& job, uint8_t* payload) = 0;
-  // The same moves for a payload already on the pool's device, for data planes that receive or
-  // send it there (NCCL): no host copy. `payload` is memory of the pool's device: a device
-  // pointer on cuda:N, host memory on host-staged (whose device is the host, so the planes' pool
-  // side runs on any machine). FAILED_PRECONDITION on host memory, which has no device path.
-  // A converted job (job.convert) is scanned first: *non_finite (REQUIRES: non-null then) gets
-  // the index of the first NaN / Inf element of the payload, and then nothing is written; -1
-  // when every element is finite.
-  virtual absl::Status WriteDevicePayload(const PayloadJob& job, const uint8_t* payload,
-                                          int64_t* non_finite);
-  virtual absl::Status ReadDevicePayload(const PayloadJob& job, uint8_t* payload);
+  // The same moves with the payload in device memory on this memory's device (a data plane's
+  // buffer, server/plane/cuda_ipc.h): the kernels read / write it in place, no host copy.
+  // FAILED_PRECONDITION naming the memory unless it is cuda:N.
+  virtual absl::Status WritePayloadFromDevice(const PayloadJob& job, const uint8_t* payload);
+  virtual absl::Status ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload);
+  // The index of the first NaN or Inf of `n` elements of `dtype` (fp32 / fp16 / bf16) at device
+  // memory `payload`, or -1 when all are finite. FAILED_PRECONDITION unless cuda:N.
+  virtual absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
+                                                        uint64_t n);
   // dst[i] <- src[i], whole blocks of `block_bytes`.
   virtual absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                                   uint64_t block_bytes) = 0;

@@ -155,6 +155,9 @@ struct FetchSpec {
   // has one latent head, which every range reads whole.
   uint32_t kv_head_begin = 0;
   std::optional<uint32_t> kv_head_end;
+  // The caller moves the payload with FetchReader::ReadToDevice: the reader stages nothing at its
+  // start (TransferSpec::device_payload).
+  bool device_dest = false;
 };
 
 // A range of KV heads, resolved against a model (SequenceStore::ResolveHeads).
@@ -191,9 +194,9 @@ class AppendTxn {
   // of the block to rescale and the pool or the tenant's quota has no block for it. The
   // transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
-  // The whole payload from memory on the pool's device, for a data plane that received it there
-  // (NCCL): PayloadWriter::WriteFromDevice, with Write's errors and what to do after one.
-  // REQUIRES: nothing was written yet.
+  // The whole payload at once from device memory on the pool's device
+  // (PayloadWriter::WriteFromDevice: the kernels read it in place; FAILED_PRECONDITION unless
+  // the pool is cuda:N, or for a storage-format payload). Then Commit, as after Write.
   absl::Status WriteFromDevice(const uint8_t* device_payload) {
     if (done_) return absl::FailedPreconditionError("append already finished");
     return writer_->WriteFromDevice(device_payload);
@@ -252,8 +255,9 @@ class FetchReader {
   // once). INTERNAL when the device fails; never fails on host memory.
   // REQUIRES: offset + out.size() <= payload_bytes().
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) { return reader_->Read(offset, out); }
-  // The whole payload into memory on the pool's device, for a data plane that sends it from
-  // there (NCCL): PayloadReader::ReadToDevice. `device_out` holds payload_bytes().
+  // The whole payload into device memory on the pool's device with room for payload_bytes()
+  // (PayloadReader::ReadToDevice: the kernels write it in place). FAILED_PRECONDITION unless the
+  // pool is cuda:N; INTERNAL when the device fails.
   absl::Status ReadToDevice(uint8_t* device_out) { return reader_->ReadToDevice(device_out); }
 
  private:

@@ -425,8 +425,9 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     n = t1 - spec.token_begin;
     Renew(s);
   }
-  auto reader = pool_->memory().BeginRead(
-      block_layout(), MakeTransfer(*wire, l0, l1, r->token_begin_, n, std::move(table), *heads));
+  TransferSpec t = MakeTransfer(*wire, l0, l1, r->token_begin_, n, std::move(table), *heads);
+  t.device_payload = spec.device_dest;  // read into device memory: nothing staged on the host
+  auto reader = pool_->memory().BeginRead(block_layout(), std::move(t));
   if (!reader.ok()) return reader.status();
   r->reader_ = *std::move(reader);
   r->kv_head_begin_ = heads->begin;

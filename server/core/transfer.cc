@@ -49,31 +49,31 @@ absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
   return absl::OkStatus();
 }
 
-absl::Status PayloadWriter::WriteFromDevice(const uint8_t* payload) {
+absl::Status PayloadWriter::WriteFromDevice(const uint8_t* device_payload) {
   if (written_ != 0) {
-    return absl::FailedPreconditionError(
-        "a payload from a device goes whole: this append was written to already");
+    return absl::FailedPreconditionError(absl::StrCat("a payload from device memory comes whole; ",
+                                                      written_, " bytes were written already"));
   }
   if (spec_.mode == TransferMode::kStorage) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "a storage-format (", DTypeName(spec_.dtype),
-        ") payload cannot come from a device: its scales and codes are checked on the host; "
-        "send fp32 / fp16 / bf16"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("a ", DTypeName(spec_.dtype),
+                     " storage-format payload cannot come from device memory (its scales are "
+                     "checked on the host): send fp32 / fp16 / bf16 to convert, or send bytes"));
   }
   if (spec_.payload.total_bytes == 0) return absl::OkStatus();
-  if (absl::Status s = WriteDeviceAt(payload); !s.ok()) return s;
+  if (absl::Status s = WriteDeviceAt(device_payload); !s.ok()) return s;
   written_ = spec_.payload.total_bytes;
   return absl::OkStatus();
 }
 
 absl::Status PayloadWriter::WriteDeviceAt(const uint8_t*) {
   return absl::FailedPreconditionError(
-      "this pool's memory takes no payload from a device (it is not on one)");
+      "a payload in device memory needs a pool in device memory (--device cuda:N)");
 }
 
 absl::Status PayloadReader::ReadToDevice(uint8_t*) {
   return absl::FailedPreconditionError(
-      "this pool's memory gives no payload to a device (it is not on one)");
+      "a payload into device memory needs a pool in device memory (--device cuda:N)");
 }
 
 absl::Status PayloadWriter::Privatize(uint64_t index) {
@@ -309,31 +309,6 @@ class StagedWriter final : public PayloadWriter {
   absl::Status Finish() override { return absl::OkStatus(); }  // every piece moved in Write
 
  private:
-  // Each piece straight from the device payload; a converted piece is scanned for NaN / Inf
-  // first (PoolMemory::WriteDevicePayload), as Write checks staged bytes.
-  absl::Status WriteDeviceAt(const uint8_t* payload) override {
-    for (const StagedPiece& piece : pieces_) {
-      if (rescalable_) {
-        if (absl::Status p = Privatize(spec_.token_begin / blocks_.block_tokens); !p.ok()) return p;
-        rescalable_ = false;
-      }
-      if (piece.end == piece.begin) continue;
-      int64_t bad = -1;
-      if (absl::Status s = memory_->WriteDevicePayload(piece.job, payload + piece.begin, &bad);
-          !s.ok()) {
-        return s;
-      }
-      if (bad >= 0) {
-        const uint32_t width = DTypeBytes(spec_.dtype);
-        const uint64_t byte = piece.begin + static_cast<uint64_t>(bad) * width;
-        const PayloadRow row = LocatePayloadRow(blocks_, spec_.payload, byte);
-        return NonFiniteError(row, (byte - row.begin) / width);
-      }
-    }
-    piece_ = pieces_.size();
-    return absl::OkStatus();
-  }
-
   absl::Status WriteAt(absl::Span<const uint8_t> data) override {
     if (staging_ == nullptr) {
       auto staged = memory_->Stage(LargestPiece(pieces_));
@@ -387,6 +362,34 @@ class StagedWriter final : public PayloadWriter {
     return memory_->WritePayload(piece.job, staging_->data());
   }
 
+  absl::Status WriteDeviceAt(const uint8_t* device_payload) override {
+    if (spec_.mode == TransferMode::kConvert) {
+      // Every element must be finite, as Write checks; found on the device, named like Write.
+      const uint32_t width = DTypeBytes(spec_.dtype);
+      absl::StatusOr<int64_t> bad = memory_->FindNonFiniteOnDevice(
+          device_payload, spec_.dtype, spec_.payload.total_bytes / width);
+      if (!bad.ok()) return bad.status();
+      if (*bad >= 0) {
+        const uint64_t byte = static_cast<uint64_t>(*bad) * width;
+        const PayloadRow row = LocatePayloadRow(blocks_, spec_.payload, byte);
+        return NonFiniteError(row, (byte - row.begin) / width);
+      }
+    }
+    if (rescalable_) {
+      if (absl::Status p = Privatize(spec_.token_begin / blocks_.block_tokens); !p.ok()) return p;
+      rescalable_ = false;
+    }
+    for (const StagedPiece& piece : pieces_) {
+      if (piece.end == piece.begin) continue;
+      if (absl::Status s = memory_->WritePayloadFromDevice(piece.job, device_payload + piece.begin);
+          !s.ok()) {
+        return s;
+      }
+    }
+    piece_ = pieces_.size();
+    return absl::OkStatus();
+  }
+
   PoolMemory* const memory_;
   std::vector<StagedPiece> pieces_;
   size_t piece_ = 0;                        // the one being staged
@@ -402,8 +405,10 @@ class StagedReader final : public PayloadReader {
     pieces_ = SplitForStaging(blocks_, spec_, memory_->base());
   }
 
-  // Stages the first piece: a device that fails, fails the fetch before a byte goes out.
+  // Stages the first piece: a device that fails, fails the fetch before a byte goes out. A
+  // device payload (TransferSpec::device_payload) stages nothing: ReadToDevice is its one move.
   absl::Status Start() {
+    if (spec_.device_payload) return absl::OkStatus();
     const uint64_t largest = LargestPiece(pieces_);
     auto staged = memory_->Stage(largest);
     if (!staged.ok()) return staged.status();
@@ -414,10 +419,11 @@ class StagedReader final : public PayloadReader {
     return absl::OkStatus();
   }
 
-  absl::Status ReadToDevice(uint8_t* out) override {
+  absl::Status ReadToDevice(uint8_t* device_out) override {
     for (const StagedPiece& piece : pieces_) {
       if (piece.end == piece.begin) continue;
-      if (absl::Status s = memory_->ReadDevicePayload(piece.job, out + piece.begin); !s.ok()) {
+      if (absl::Status s = memory_->ReadPayloadToDevice(piece.job, device_out + piece.begin);
+          !s.ok()) {
         return s;
       }
     }
@@ -425,6 +431,11 @@ class StagedReader final : public PayloadReader {
   }
 
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) override {
+    if (staged_ == nullptr) {  // a device payload's reader, read through the host after all
+      auto staged = memory_->Stage(LargestPiece(pieces_));
+      if (!staged.ok()) return staged.status();
+      staged_ = *std::move(staged);
+    }
     if (offset > spec_.payload.total_bytes || out.size() > spec_.payload.total_bytes - offset) {
       return absl::OutOfRangeError(
           absl::StrCat("read past the payload's ", spec_.payload.total_bytes, " bytes"));

@@ -56,6 +56,11 @@ struct TransferSpec {
   // layout narrowed to them (BlockLayout::Heads), and `payload` was made from it. Unset: every
   // head, the pool's layout.
   std::optional<BlockLayout> heads;
+  // The payload moves to or from device memory on the pool's device (a cuda:N pool and a data
+  // plane that hands it a device pointer: server/plane/cuda_ipc.h), through
+  // PayloadWriter::WriteFromDevice / PayloadReader::ReadToDevice: no staging buffer is taken and
+  // a staged reader reads nothing at its start.
+  bool device_payload = false;
 };
 
 // The payload of `spec` over the blocks at `pool`, for the kernels; `blocks` is the layout the
@@ -82,24 +87,26 @@ class PayloadWriter {
   // payload, or a converted payload holds NaN or Inf (nothing of the row or group holding it is
   // stored); what MakePrivate answers when it fails; INTERNAL when the device fails.
   absl::Status Write(absl::Span<const uint8_t> data);
+  // The whole payload at once from `device_payload`, device memory on the pool's device that
+  // holds spec().payload.total_bytes bytes and stays as it is until this returns; the kernels
+  // read it in place (no host copy). Same checks as Write (a converted payload's values must be
+  // finite, checked on the device). FAILED_PRECONDITION when the memory is not on a device, when
+  // bytes were written already, or for a storage-format payload (its scales are checked on the
+  // host: send it as bytes); INTERNAL when the device fails. Finish() follows as after Write.
+  absl::Status WriteFromDevice(const uint8_t* device_payload);
   // After the last byte: whatever is still to move and the checks that need the whole payload
   // (a storage-format payload's scales and codes). INVALID_ARGUMENT naming the first bad value.
   // REQUIRES: written() == spec().payload.total_bytes.
   virtual absl::Status Finish() = 0;
-  // The whole payload at once from memory on the pool's device (PoolMemory::WriteDevicePayload:
-  // a device pointer on cuda:N, host memory on host-staged), for a data plane that received it
-  // there (NCCL): no host copy. Errors as Write's; FAILED_PRECONDITION on memory without a
-  // device path (host) and for a storage-format payload (whose scales and codes are checked on
-  // the host). REQUIRES: written() == 0; payload holds spec().payload.total_bytes bytes.
-  absl::Status WriteFromDevice(const uint8_t* payload);
 
  protected:
   // `blocks`: the pool's layout (spec.heads, when set, stands in for it).
   PayloadWriter(const BlockLayout& blocks, TransferSpec spec, MakePrivate make_private);
   // `data` are payload bytes [written(), written() + data.size()), within the payload.
   virtual absl::Status WriteAt(absl::Span<const uint8_t> data) = 0;
-  // WriteFromDevice's move (written_ is then set by the caller). Default: FAILED_PRECONDITION.
-  virtual absl::Status WriteDeviceAt(const uint8_t* payload);
+  // The whole payload from device memory (WriteFromDevice, which checked written() == 0).
+  // Default: FAILED_PRECONDITION (host memory).
+  virtual absl::Status WriteDeviceAt(const uint8_t* device_payload);
   // make_private_ for logical block `index`, the answer written into the table.
   absl::Status Privatize(uint64_t index);
 
@@ -121,10 +128,11 @@ class PayloadReader {
   // Payload bytes [offset, offset + out.size()) into `out`. OUT_OF_RANGE past the payload;
   // INTERNAL when the device fails.
   virtual absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) = 0;
-  // The whole payload into memory on the pool's device (PoolMemory::ReadDevicePayload), for a
-  // data plane that sends it from there (NCCL). FAILED_PRECONDITION on memory without a device
-  // path (host); INTERNAL when the device fails. `out` holds spec().payload.total_bytes bytes.
-  virtual absl::Status ReadToDevice(uint8_t* out);
+  // The whole payload into `device_out`, device memory on the pool's device with room for
+  // spec().payload.total_bytes bytes, written in place by the kernels (no host copy); done when
+  // this returns. FAILED_PRECONDITION when the memory is not on a device (the default); INTERNAL
+  // when the device fails.
+  virtual absl::Status ReadToDevice(uint8_t* device_out);
 
  protected:
   // `blocks`: the pool's layout (spec.heads, when set, stands in for it).

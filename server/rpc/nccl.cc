@@ -116,8 +116,7 @@ class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<gr
     if (!nccl.ok()) return nccl.status();
     auto peer = PeerOf(t, "nccl");
     if (!peer.ok()) return peer.status();
-    // NOTE: on cuda:N the reader stages its first piece through the host when it opens (what a
-    // gRPC fetch streams first); the NCCL send then reads every piece on the device again.
+    // The reader was opened for a device destination (FetchSpec::device_dest): nothing staged.
     auto reader = open();
     if (!reader.ok()) return reader.status();
     const uint64_t n = (*reader)->payload_bytes();

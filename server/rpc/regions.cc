@@ -1,14 +1,19 @@
-// KvBankService's side of the same-host shared-memory plane (server/plane/shm_regions.h): an
-// Append whose header names a source slice, and a Fetch / FetchBlocks whose request names a dest
-// slice. The payload moves in one copy between the pool and the client's region, through the
-// core's transfer seam (AppendTxn::Write, FetchReader::Read), always on a worker: it is a whole
-// payload, not one chunk, and on memory that waits on a device it is a device copy.
+// KvBankService's side of the same-host planes: the shared-memory plane
+// (server/plane/shm_regions.h; an Append whose header names a source slice, a Fetch / FetchBlocks
+// whose request names a dest slice) and the CUDA IPC plane (server/plane/cuda_ipc.h; device_source
+// and device_dest slices, moved device to device by AppendTxn::WriteFromDevice and
+// FetchReader::ReadToDevice). The payload moves in one copy between the pool and the client's
+// region, through the core's transfer seam (AppendTxn::Write, FetchReader::Read), always on a
+// worker: it is a whole payload, not one chunk, and on memory that waits on a device it is a device
+// copy.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/cuda_memory.h"
 #include "server/rpc/handler_util.h"
 #include "server/rpc/service.h"
 
@@ -54,10 +59,11 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
 // The reader opens and copies on a worker; its blocks go before the answer is sent.
 class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
+  // Moves the opened reader's whole payload into the caller's region (it holds the region open).
+  using Sink = std::function<absl::Status(FetchReader& reader)>;
   // wait: copy only once the tokens are committed (FetchRequest.wait_ms).
   RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
-                     absl::StatusOr<plane::RegionBytes> dest, OpenFetch open,
-                     std::optional<FetchWaitSpec> wait)
+                     absl::StatusOr<Sink> dest, OpenFetch open, std::optional<FetchWaitSpec> wait)
       : service_(service), stream_(service->watchdog_.Watch(ctx)) {
     if (!dest.ok()) {
       Answer(dest.status());
@@ -92,7 +98,7 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
     if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
   }
 
-  void CopyOnWorker(plane::RegionBytes dest, OpenFetch open) {
+  void CopyOnWorker(Sink dest, OpenFetch open) {
     refs_.fetch_add(1, std::memory_order_relaxed);
     service_->device_work_->Submit(
         [this, dest = std::move(dest), open = std::move(open)]() mutable {
@@ -101,16 +107,11 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
         });
   }
 
-  static absl::StatusOr<v1::FetchResponse> Copy(plane::RegionBytes dest, const OpenFetch& open) {
+  static absl::StatusOr<v1::FetchResponse> Copy(Sink dest, const OpenFetch& open) {
     auto reader = open();
     if (!reader.ok()) return reader.status();
     const uint64_t n = (*reader)->payload_bytes();
-    if (n > dest.bytes.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("dest.length ", dest.bytes.size(),
-                                                     " is less than the payload's ", n,
-                                                     " bytes; nothing was written"));
-    }
-    if (absl::Status s = (*reader)->Read(0, dest.bytes.subspan(0, n)); !s.ok()) return s;
+    if (absl::Status s = dest(**reader); !s.ok()) return s;
     v1::FetchResponse resp;
     v1::FetchHeader* h = resp.mutable_header();
     h->set_token_begin((*reader)->token_begin());
@@ -150,7 +151,87 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
       regions.ok()
           ? (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest")
           : absl::StatusOr<plane::RegionBytes>(regions.status());
-  return new RegionFetchReactor(this, ctx, std::move(bytes), std::move(open), std::move(wait));
+  absl::StatusOr<RegionFetchReactor::Sink> sink =
+      bytes.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
+                 : absl::StatusOr<RegionFetchReactor::Sink>(bytes.status());
+  if (bytes.ok()) {
+    sink = [region = *std::move(bytes)](FetchReader& reader) {
+      const uint64_t n = reader.payload_bytes();
+      if (n > region.bytes.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
+                                                       " is less than the payload's ", n,
+                                                       " bytes; nothing was written"));
+      }
+      return reader.Read(0, region.bytes.subspan(0, n));
+    };
+  }
+  return new RegionFetchReactor(this, ctx, std::move(sink), std::move(open), std::move(wait));
+}
+
+// ---- The CUDA IPC plane ----
+
+absl::StatusOr<plane::CudaIpcRegions*> KvBankService::CudaIpcPlane() const {
+  if (options_.cuda_ipc == nullptr) {
+    return absl::FailedPreconditionError(
+        CudaBuiltIn() ? "kvbankd serves no CUDA IPC plane: its pools are not in GPU memory "
+                        "(--device cuda:N)"
+                      : "kvbankd serves no CUDA IPC plane: it was built without CUDA "
+                        "(KVBANK_ENABLE_CUDA)");
+  }
+  return options_.cuda_ipc.get();
+}
+
+absl::StatusOr<plane::DeviceBytes> KvBankService::ResolveDeviceSlice(
+    const std::string& tenant, const SequenceStore& model, const v1::RegionSlice& slice,
+    absl::string_view field) const {
+  if (slice.region_id() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".region_id is 0 (unset)"));
+  }
+  auto ipc = CudaIpcPlane();
+  if (!ipc.ok()) return ipc.status();
+  const PoolMemory& memory = model.pool().memory();
+  const std::string device = absl::StrCat("cuda:", (*ipc)->options().device);
+  if (memory.kind() != MemoryKind::kCuda || memory.name() != device) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " needs a pool on ", device, " (the CUDA IPC plane's device); this model keeps its ",
+        "pool in ", memory.name(), " memory"));
+  }
+  return (*ipc)->Resolve(tenant, slice.region_id(), slice.offset(), slice.length(), field);
+}
+
+absl::Status KvBankService::AppendFromDevice(const std::string& tenant, const SequenceStore& model,
+                                             const v1::RegionSlice& source, AppendTxn* txn) const {
+  auto bytes = ResolveDeviceSlice(tenant, model, source, "header.device_source");
+  if (!bytes.ok()) return bytes.status();
+  if (source.length() != txn->payload_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.device_source.length ", source.length(),
+                                                   " is not the payload's ", txn->payload_bytes(),
+                                                   " bytes"));
+  }
+  // NOTE: the client may change its buffer while the kernels read it; that spoils only its own
+  // data (the NaN check and the codec may then see different values: a converted row is still
+  // finite-checked bytes or the client's garbage, never memory outside the slice).
+  return txn->WriteFromDevice(bytes->data);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartDeviceFetch(
+    Ctx* ctx, OpenFetch open, absl::StatusOr<plane::DeviceBytes> dest,
+    std::optional<FetchWaitSpec> wait) {
+  absl::StatusOr<RegionFetchReactor::Sink> sink =
+      dest.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
+                : absl::StatusOr<RegionFetchReactor::Sink>(dest.status());
+  if (dest.ok()) {
+    sink = [region = *std::move(dest)](FetchReader& reader) {
+      const uint64_t n = reader.payload_bytes();
+      if (n > region.size) {
+        return absl::InvalidArgumentError(absl::StrCat("device_dest.length ", region.size,
+                                                       " is less than the payload's ", n,
+                                                       " bytes; nothing was written"));
+      }
+      return reader.ReadToDevice(region.data);
+    };
+  }
+  return new RegionFetchReactor(this, ctx, std::move(sink), std::move(open), std::move(wait));
 }
 
 }  // namespace kvbank::rpc

@@ -545,6 +545,18 @@ grpc::ServerUnaryReactor* KvBankService::Attend(Ctx* ctx, const Raw* raw, Raw* o
   return call;
 }
 
+grpc::ServerUnaryReactor* KvBankService::GetServerInfo(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::GetServerInfoRequest, v1::GetServerInfoResponse>(
+      ctx, raw, out,
+      [this](const Caller&, const v1::GetServerInfoRequest&, v1::GetServerInfoResponse* resp) {
+        resp->set_version(KVBANK_VERSION_STRING);
+        if (options_.shm_regions != nullptr) {
+          resp->set_shm_socket(options_.shm_regions->options().socket_path);
+        }
+        return absl::OkStatus();
+      });
+}
+
 // The shared-memory plane: the handle comes from the Unix socket (server/plane/shm_regions.h).
 grpc::ServerUnaryReactor* KvBankService::RegisterRegion(Ctx* ctx, const Raw* raw, Raw* out) {
   return Serve<v1::RegisterRegionRequest, v1::RegisterRegionResponse>(
@@ -569,6 +581,35 @@ grpc::ServerUnaryReactor* KvBankService::UnregisterRegion(Ctx* ctx, const Raw* r
         auto regions = ShmPlane();
         if (!regions.ok()) return regions.status();
         return (*regions)->Unregister(caller.tenant, req.region_id());
+      });
+}
+
+// The CUDA IPC plane: the handle is the client's cudaIpcMemHandle_t (server/plane/cuda_ipc.h).
+grpc::ServerUnaryReactor* KvBankService::RegisterDeviceRegion(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::RegisterDeviceRegionRequest, v1::RegisterDeviceRegionResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::RegisterDeviceRegionRequest& req,
+             v1::RegisterDeviceRegionResponse* resp) -> absl::Status {
+        auto ipc = CudaIpcPlane();
+        if (!ipc.ok()) return ipc.status();
+        auto id = (*ipc)->Register(caller.tenant, req.handle(), req.offset(), req.size());
+        if (!id.ok()) return id.status();
+        resp->set_region_id(*id);
+        resp->set_size(req.size());
+        resp->set_device((*ipc)->options().device);
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* KvBankService::UnregisterDeviceRegion(Ctx* ctx, const Raw* raw,
+                                                                Raw* out) {
+  return Serve<v1::UnregisterDeviceRegionRequest, v1::UnregisterDeviceRegionResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::UnregisterDeviceRegionRequest& req,
+             v1::UnregisterDeviceRegionResponse*) -> absl::Status {
+        auto ipc = CudaIpcPlane();
+        if (!ipc.ok()) return ipc.status();
+        return (*ipc)->Unregister(caller.tenant, req.region_id());
       });
 }
 

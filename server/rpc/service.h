@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
+#include "server/plane/cuda_ipc.h"
 #include "server/plane/nccl_plane.h"
 #include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
@@ -38,6 +39,9 @@ struct ServiceOptions {
   // The same-host shared-memory plane (--shm-socket); null: off (RegisterRegion and region
   // slices answer FAILED_PRECONDITION).
   std::shared_ptr<plane::ShmRegions> shm_regions;
+  // The same-host CUDA IPC plane (a cuda:N pool in a CUDA build); null: off
+  // (RegisterDeviceRegion and device slices answer FAILED_PRECONDITION).
+  std::shared_ptr<plane::CudaIpcRegions> cuda_ipc;
   // The NCCL plane (a cuda:N pool, built with NCCL); null: off, and nccl_off says why (the
   // FAILED_PRECONDITION that NcclConnect and NCCL transfers answer).
   std::shared_ptr<plane::NcclPlane> nccl;
@@ -72,8 +76,11 @@ using RawKvBankServiceCore = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                     v1::KvBank::WithRawCallbackMethod_DropModel<
                                                         v1::KvBank::
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
-using RawKvBankServicePlanes = v1::KvBank::WithRawCallbackMethod_RegisterRegion<
-    v1::KvBank::WithRawCallbackMethod_UnregisterRegion<RawKvBankServiceCore>>;
+using RawKvBankServicePlanes = v1::KvBank::WithRawCallbackMethod_GetServerInfo<
+    v1::KvBank::WithRawCallbackMethod_RegisterRegion<
+        v1::KvBank::WithRawCallbackMethod_UnregisterRegion<
+            v1::KvBank::WithRawCallbackMethod_RegisterDeviceRegion<
+                v1::KvBank::WithRawCallbackMethod_UnregisterDeviceRegion<RawKvBankServiceCore>>>>>;
 using RawKvBankService = v1::KvBank::WithRawCallbackMethod_NcclConnect<
     v1::KvBank::WithRawCallbackMethod_NcclDisconnect<RawKvBankServicePlanes>>;
 }  // namespace internal
@@ -98,6 +105,7 @@ class KvBankService final : public internal::RawKvBankService {
   Unary* DropModel(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* ListModels(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* GetStats(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* GetServerInfo(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* CreateSequence(Ctx* ctx, const Raw* req, Raw* resp) override;
   // AppendRequest messages in, an AppendResponse out.
   grpc::ServerReadReactor<Raw>* Append(Ctx* ctx, Raw* resp) override;
@@ -119,6 +127,9 @@ class KvBankService final : public internal::RawKvBankService {
   // The shared-memory plane (regions.cc).
   Unary* RegisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* UnregisterRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // The CUDA IPC plane (regions.cc).
+  Unary* RegisterDeviceRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* UnregisterDeviceRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
   // The NCCL plane (nccl.cc).
   Unary* NcclConnect(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* NcclDisconnect(Ctx* ctx, const Raw* req, Raw* resp) override;
@@ -167,6 +178,23 @@ class KvBankService final : public internal::RawKvBankService {
   // NOT_FOUND for a region that is not the tenant's (regions.cc).
   absl::Status AppendFromRegion(const std::string& tenant, const SequenceStore& model,
                                 const v1::RegionSlice& source, AppendTxn* txn) const;
+  // The CUDA IPC plane, or FAILED_PRECONDITION saying why it is off.
+  absl::StatusOr<plane::CudaIpcRegions*> CudaIpcPlane() const;
+  // The CUDA IPC plane's device region slice `slice` (named `field` in errors) for a transfer on
+  // `model`: INVALID_ARGUMENT for region_id 0, FAILED_PRECONDITION when the plane is off or the
+  // model's pool is not on its device, NOT_FOUND / INVALID_ARGUMENT as CudaIpcRegions::Resolve.
+  absl::StatusOr<plane::DeviceBytes> ResolveDeviceSlice(const std::string& tenant,
+                                                        const SequenceStore& model,
+                                                        const v1::RegionSlice& slice,
+                                                        absl::string_view field) const;
+  // Writes an append's whole payload device to device from the caller's device region
+  // (header.device_source) into `txn` (regions.cc).
+  absl::Status AppendFromDevice(const std::string& tenant, const SequenceStore& model,
+                                const v1::RegionSlice& source, AppendTxn* txn) const;
+  // A Fetch with a `device_dest` slice: as StartRegionFetch, device to device (regions.cc).
+  grpc::ServerWriteReactor<Raw>* StartDeviceFetch(Ctx* ctx, OpenFetch open,
+                                                  absl::StatusOr<plane::DeviceBytes> dest,
+                                                  std::optional<FetchWaitSpec> wait);
   // The NCCL plane, or FAILED_PRECONDITION saying why it is off (nccl.cc).
   absl::StatusOr<plane::NcclPlane*> Nccl() const;
   // NcclConnect's and NcclDisconnect's handlers (nccl.cc).

@@ -116,11 +116,13 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       if (!header.has_value()) {
         return absl::InvalidArgumentError("the first append message must carry header");
       }
-      if (header->has_source() && header->has_nccl()) {
-        return absl::InvalidArgumentError("header.source and header.nccl exclude each other");
+      if (header->has_nccl() && (header->has_source() || header->has_device_source())) {
+        return absl::InvalidArgumentError(
+            "header.nccl excludes header.source and header.device_source: name one");
       }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
       if (header->has_source()) return BeginFromRegion(*header, m);
+      if (header->has_device_source()) return BeginFromDevice(*header, m);
       if (header->has_nccl()) return BeginFromNccl(*header, m);
     } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
@@ -141,6 +143,9 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
 
   absl::Status Begin(const v1::AppendHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
+    if (h.has_source() && h.has_device_source()) {
+      return absl::InvalidArgumentError("header.source and header.device_source: name one");
+    }
     auto model = FindModel(*service_->registry_, h.model());
     if (!model.ok()) return model.status();
     auto dtype = FromProto(h.dtype(), "header.dtype");
@@ -196,6 +201,19 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     });
     stream_->SetWaiting(true);
     return s;
+  }
+
+  // The whole payload device to device from the caller's device region (the CUDA IPC plane).
+  absl::Status BeginFromDevice(const v1::AppendHeader& h, const proto::AppendMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append from a device region (header.device_source) carries no data");
+    }
+    from_region_ = true;
+    auto model = FindModel(*service_->registry_, h.model());
+    if (!model.ok()) return model.status();
+    return service_->AppendFromDevice(tenant_, **model, h.device_source(), txn_.get());
   }
 
   void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -481,6 +499,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   bool on_device = false;
   std::optional<v1::RegionSlice> dest;
   std::optional<v1::NcclTransfer> nccl;
+  std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
   std::optional<FetchWaitSpec> wait;
   std::string tenant;
   auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
@@ -488,10 +507,13 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     if (!caller.ok()) return caller.status();
     v1::FetchRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    if (req.has_dest() && req.has_device_dest()) {
+      return absl::InvalidArgumentError("dest and device_dest: name one");
+    }
     if (req.has_dest()) dest = req.dest();
     if (req.has_nccl()) nccl = req.nccl();
-    if (dest.has_value() && nccl.has_value()) {
-      return absl::InvalidArgumentError("dest and nccl exclude each other");
+    if (nccl.has_value() && (req.has_dest() || req.has_device_dest())) {
+      return absl::InvalidArgumentError("nccl excludes dest and device_dest: name one");
     }
     if (nccl.has_value() && req.wait_ms() > 0) {
       return absl::InvalidArgumentError("wait_ms is not supported with nccl");
@@ -513,6 +535,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     spec.kv_head_begin = req.kv_head_begin();
     if (req.has_kv_head_end()) spec.kv_head_end = req.kv_head_end();
     on_device = (*model)->pool().memory().waits_on_device();
+    // NCCL sends the payload from the device: the reader stages nothing on the host.
+    spec.device_dest = nccl.has_value();
+    if (req.has_device_dest()) {
+      spec.device_dest = true;
+      device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
+    }
     if (req.wait_ms() > kMaxFetchWaitMs) {
       return absl::InvalidArgumentError(
           absl::StrCat("wait_ms ", req.wait_ms(), " exceeds ", kMaxFetchWaitMs));
@@ -529,6 +557,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   auto open = prepare();
   if (open.ok() && dest.has_value()) {
     return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::move(wait));
+  }
+  if (open.ok() && device_dest.has_value()) {
+    return StartDeviceFetch(ctx, *std::move(open), *std::move(device_dest), std::move(wait));
   }
   if (open.ok() && nccl.has_value()) return StartNcclFetch(ctx, *std::move(open), tenant, *nccl);
   return FetchReactor::Start(this, ctx, std::move(open), on_device, std::move(wait));

@@ -1,10 +1,10 @@
 // Payloads already on the GPU (what the NCCL plane receives and sends) through a cuda:0 store
-// (AppendTxn::WriteFromDevice, FetchReader::ReadToDevice: PoolMemory::WriteDevicePayload /
-// ReadDevicePayload, no host copy) against the same payloads through a host-staged store's host
-// path: the same bytes back, fp16 bit-exact and int8 (codes, scales, dequantized) identical, over
-// several staging pieces and partial blocks; a NaN / Inf payload refused by the device scan
-// naming the same element as the host check, nothing stored. Needs no NCCL. Skips itself where
-// no CUDA device is present. Fixed seed, printed.
+// (AppendTxn::WriteFromDevice, FetchReader::ReadToDevice: PoolMemory::WritePayloadFromDevice /
+// ReadPayloadToDevice, no host copy) against the same payloads through a host-staged store's
+// host path: the same bytes back, fp16 bit-exact and int8 (codes, scales, dequantized)
+// identical, over several staging pieces and partial blocks; a NaN / Inf payload refused by the
+// device scan naming the same element as the host check, nothing stored. Needs no NCCL. Skips
+// itself where no CUDA device is present. Fixed seed, printed.
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -22,7 +22,8 @@
 # gpu_nccl_bench (after the tests, gpu_nccl_bench.log) compares NCCL self send/recv with a
 # device-to-device copy.
 #
-# After the tests it runs pool_bench on cuda:0 and on host memory (with .deps: the store's append /
+# After the tests it runs the CUDA IPC plane's benchmark (gpu_cuda_ipc_test's disabled
+# CudaIpcBench: cuda_ipc_bench.log), pool_bench on cuda:0 and on host memory (with .deps: the store's append /
 # fetch through the GPU data path; pool_bench.log), the CUDA decode-attention bench
 # (gpu_attention_bench: log and CSV in "$OUT") and then bench/torch_sdpa_compare.py on the CSV's shapes (python3 with torch,
 # where present). Both are bounded by `timeout` (KVBANK_BENCH_TIMEOUT_S, default 180 s each; reps
@@ -179,6 +180,18 @@ if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 && -x "$BUILD/bin/gpu_nccl_bench" ]]; then
       --reps "${KVBANK_BENCH_REPS:-15}" 2>&1
     echo "== gpu_nccl_bench exit code $?"
   } | tee "$OUT/gpu_nccl_bench.log"
+  set -e
+fi
+# The CUDA IPC plane: a pool -> device buffer fetch against cudaMemcpy device to device (goal:
+# ratio >= 0.8), from gpu_cuda_ipc_test's disabled benchmark (with .deps only: it needs the core).
+if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 && -x "$BUILD/bin/gpu_cuda_ipc_test" ]]; then
+  set +e
+  {
+    echo "== $(date -u +%FT%TZ) cuda_ipc_bench"
+    timeout "${KVBANK_BENCH_TIMEOUT_S:-180}" "$BUILD/bin/gpu_cuda_ipc_test" \
+      --gtest_filter='CudaIpcBench.*' --gtest_also_run_disabled_tests 2>&1
+    echo "== cuda_ipc_bench exit code $?"
+  } | tee "$OUT/cuda_ipc_bench.log"
   set -e
 fi
 if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then

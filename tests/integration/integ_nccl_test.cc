@@ -123,7 +123,7 @@ TEST_F(NcclTest, AppendOverNcclRefusesAndAppendsNothing) {
   both.mutable_source()->set_region_id(1);
   const grpc::Status s = Append(both);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "header.source and header.nccl"))
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "header.nccl excludes header.source"))
       << s.error_message();
   ExpectUnchanged();
 }
@@ -147,7 +147,7 @@ TEST_F(NcclTest, FetchOverNcclRefuses) {
   both.mutable_dest()->set_region_id(1);
   s = Fetch(both);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "dest and nccl")) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "nccl excludes dest")) << s.error_message();
   auto info = client_->GetSequence("m", seq_);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->length, 2u);

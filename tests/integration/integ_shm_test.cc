@@ -14,6 +14,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <limits>
 
 #include "client/shm_handshake.h"
@@ -414,11 +415,66 @@ TEST_F(ShmTest, UnsealedMemfdAndGarbageOnTheSocketAreRefused) {
   EXPECT_TRUE(c->AppendFromRegion("m", seq->id, args, (*region)->Slice(0, 4096)).ok());
 }
 
+// Layer-wise handoff into a region: a fetch that waits for its tokens, registered before they
+// are appended, writes them into the region once the append commits.
+TEST_F(ShmTest, AFetchIntoARegionWaitsForItsTokens) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  auto model = c->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  constexpr uint64_t kTokens = 24;
+  const uint64_t bytes = kTokens * model->payload_bytes_per_token;
+  auto region = c->RegisterRegion(bytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  Client::FetchArgs wait;
+  wait.token_end = kTokens;
+  wait.wait = absl::Seconds(30);
+  std::unique_ptr<Client> decode = Shm();
+  auto pulled = std::async(std::launch::async, [&] {
+    return decode->FetchToRegion("m", seq->id, wait, (*region)->Slice(0, bytes));
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (;;) {  // the fetch waits on the server before the tokens exist
+    auto st = c->GetStats("m");
+    ASSERT_TRUE(st.ok()) << st.status();
+    if (st->at(0).fetches_waiting == 1) break;
+    ASSERT_LT(absl::Now(), deadline) << "the fetch never waited";
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  std::vector<uint8_t> payload(bytes);
+  for (size_t i = 0; i < bytes; i += 2) {
+    payload[i] = static_cast<uint8_t>(i * 7);
+    payload[i + 1] = static_cast<uint8_t>(i % 0x3b);
+  }
+  Client::AppendArgs args;
+  args.num_tokens = kTokens;
+  ASSERT_TRUE(c->Append("m", seq->id, args, payload).ok());
+  auto got = pulled.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->payload_bytes, bytes);
+  EXPECT_EQ(std::memcmp((*region)->data(), payload.data(), bytes), 0);
+}
+
+// GetServerInfo names the socket, so a client can find the plane without being told the path.
+TEST_F(ShmTest, ServerInfoNamesTheSocket) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  auto info = NewClient()->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shm_socket, socket_);
+  EXPECT_FALSE(info->version.empty());
+}
+
 TEST_F(ShmTest, PlaneOffAnswersFailedPrecondition) {
   ASSERT_NO_FATAL_FAILURE(StartServer({"--models="}));
   ClientOptions o;
   o.shm_socket = socket_;  // nothing listens there
   std::unique_ptr<Client> c = NewClient(o);
+  auto info = c->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->shm_socket, "") << "no plane: no socket named";
   EXPECT_EQ(c->RegisterRegion(4096).status().code(), absl::StatusCode::kUnavailable);
   const ModelLayout layout = SmallLayout("m");
   ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());

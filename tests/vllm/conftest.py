@@ -28,8 +28,10 @@ INSTANCE_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="session")
-def server():
-    s = Server(["--pool-bytes=256MiB"])
+def server(tmp_path_factory):
+    # With the shared-memory plane: instances on this host use it unless told not to.
+    sock = str(tmp_path_factory.mktemp("kvbankd") / "kvbankd.sock")
+    s = Server(["--pool-bytes=256MiB", "--shm-socket=" + sock])
     yield s
     s.stop()
 

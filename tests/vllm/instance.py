@@ -14,6 +14,7 @@ prefix cache + external), kv_transfer_params, and seconds (that generate call's 
 """
 
 import json
+import logging
 import os
 import sys
 import time
@@ -24,6 +25,11 @@ def main(spec_path, out_path):
         spec = json.load(f)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The connector's own log lines (its model, its data plane) go to this instance's log.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+    logging.getLogger("kvbank").addHandler(handler)
+    logging.getLogger("kvbank").setLevel(logging.INFO)
     tp = int((spec.get("llm_args") or {}).get("tensor_parallel_size", 1))
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's CPU workers bind their OpenMP threads one NUMA node per rank by default; on a

@@ -90,6 +90,7 @@ def copy_prompt_kv(client, src, dst, p, noise_block=None):
 def test_disaggregated_prefill_then_decode(client, run_instance, reference):
     model = "vllm-tiny-disagg"
     prod = run_instance([DISAGG], role="kv_producer", max_tokens=1, kvbank_model=model)
+    assert "data plane shm" in prod["log"], "the producer did not find the shared-memory plane"
     for p, o in zip(DISAGG, prod["batches"][0]):
         stored = len(p) // BS * BS
         params = o["kv_transfer_params"] or {}
@@ -104,6 +105,7 @@ def test_disaggregated_prefill_then_decode(client, run_instance, reference):
 
     fetches = stats(client, model).get("fetches", 0)
     cons = run_instance([DISAGG], role="kv_consumer", kvbank_model=model)
+    assert "data plane shm" in cons["log"]
     for p, o in zip(DISAGG, cons["batches"][0]):
         print("[vllm] consumer: %d-token prompt, %d tokens loaded from kvbank, output %s, "
               "single instance %s" % (len(p), o["num_cached_tokens"], o["tokens"],
@@ -174,7 +176,12 @@ def test_tensor_parallel_prefill_and_decode(client, run_instance, model_dir):
     for model, tp in ((tp2, 1), (tp1, 2)):
         args = {"tensor_parallel_size": tp} if tp > 1 else {}
         fetches = stats(client, model).get("fetches", 0)
-        cons = run_instance([DISAGG], role="kv_consumer", kvbank_model=model, llm_args=args)
+        # The TP 1 decode loads over gRPC (the other instances use shared memory).
+        extra = {"kvbank_shm": tp > 1}
+        cons = run_instance([DISAGG], role="kv_consumer", kvbank_model=model, llm_args=args,
+                            extra=extra)
+        if tp == 1:
+            assert "data plane grpc" in cons["log"]
         fetched = stats(client, model).get("fetches", 0) - fetches
         layers = client.get_model(model).layout["num_layers"]
         assert fetched == layers * len(DISAGG) * tp  # FetchBlocks per prompt, layer and rank

@@ -246,6 +246,12 @@ class Client {
   // miss).
   absl::StatusOr<ModelInfo> GetModel(const std::string& model);
   absl::StatusOr<std::vector<ModelStats>> GetStats(const std::string& model = "");
+  // What the server is and which data planes it serves.
+  struct ServerInfo {
+    std::string version;
+    std::string shm_socket;  // kvbankd's --shm-socket; empty when the plane is off
+  };
+  absl::StatusOr<ServerInfo> GetServerInfo();
 
   // lease: unset = the server's default; zero = no lease (lives until freed).
   absl::StatusOr<SequenceInfo> CreateSequence(const std::string& model,
@@ -285,6 +291,10 @@ class Client {
   // payload.
   absl::StatusOr<FetchResult> FetchToRegion(const std::string& model, uint64_t id,
                                             const FetchArgs& args, const RegionSlice& dest);
+  // FetchBlocks written into `dest` (args' layer, dtype and head fields apply), as FetchToRegion.
+  absl::StatusOr<FetchResult> FetchBlocksToRegion(const std::string& model,
+                                                  const std::vector<BlockHash>& hashes,
+                                                  const FetchArgs& args, const RegionSlice& dest);
 
   // NCCL plane (a kvbankd whose pools are on cuda:N, built with NCCL; this SDK built with CUDA
   // and NCCL, else UNIMPLEMENTED). A communicator of two ranks, this process (rank 0, on CUDA

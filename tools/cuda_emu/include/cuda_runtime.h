@@ -244,13 +244,6 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
-// Emulated threads are fibers that switch only at barriers and warp ops, so a plain
-// read-modify-write is atomic here.
-inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
-  const unsigned long long old = *p;
-  if (v < old) *p = v;
-  return old;
-}
 template <typename T>
 T __ldg(const T* p) {
   return *p;

@@ -1,0 +1,88 @@
+"""The Python SDK on kvbankd's same-host shared-memory plane: found through GetServerInfo, the
+same bytes as the gRPC path for append, fetch_into and fetch_blocks_into (through staging
+regions, and without a copy from a registered region), the same errors, and plane_stats saying
+how each payload moved."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+import kvbank
+from kvbankd_process import Server
+
+
+@pytest.fixture(scope="module")
+def shm_server():
+    d = tempfile.mkdtemp(prefix="kvbank-pyshm-")
+    s = Server(["--pool-bytes=64MiB", "--shm-socket=" + os.path.join(d, "kvbankd.sock")])
+    yield s
+    s.stop()
+
+
+def layout(name):
+    return {"name": name, "num_layers": 4, "num_q_heads": 8, "num_kv_heads": 4, "head_dim": 64,
+            "block_tokens": 16, "dtype": "fp16"}
+
+
+def test_the_plane_is_found_and_moves_the_same_bytes(shm_server):
+    n = 200  # 4 layers x 2 x 4 heads x 200 tokens x 64 x 2 bytes = 800 KiB
+    payload = np.random.default_rng(7201).standard_normal((4, 2, 4, n, 64)).astype(np.float16)
+    ids = list(range(1000, 1000 + n))
+    with kvbank.Client(shm_server.target, shm_min_bytes=64 << 10) as c, \
+            kvbank.Client(shm_server.target, shm=False) as g:
+        assert c.data_plane == "shm" and g.data_plane == "grpc"
+        c.ensure_model(layout("shm-py"))
+        seq = c.create_sequence("shm-py", prompt=ids)
+        c.append("shm-py", seq.id, payload, num_tokens=n, token_ids=ids)  # staged
+        out = np.zeros(payload.size, np.float16)
+        info = c.fetch_into("shm-py", seq.id, out)
+        assert info.payload_bytes == payload.nbytes
+        assert out.tobytes() == payload.tobytes()
+        assert g.fetch("shm-py", seq.id).tobytes() == payload.tobytes()  # what gRPC reads
+
+        # A registered region: the payload moves without a copy here, both ways.
+        region = c.register_region(2 * payload.nbytes)
+        src = region[:payload.nbytes].view(np.float16)
+        src[:] = payload.reshape(-1)
+        seq2 = c.create_sequence("shm-py")
+        c.append("shm-py", seq2.id, src, num_tokens=n)
+        dst = region[payload.nbytes:].view(np.float16)
+        c.fetch_into("shm-py", seq2.id, dst)
+        assert dst.tobytes() == payload.tobytes()
+
+        # fetch_blocks_into: the prompt's 12 full blocks by hash.
+        root = c.get_prefix_root("shm-py")
+        hashes = kvbank.prefix_hashes(root.root, ids, 16, algorithm=root.algorithm)
+        blocks = np.zeros(payload.size, np.float16)
+        got = c.fetch_blocks_into("shm-py", hashes, blocks)
+        assert got.num_tokens == 192
+        want = g.fetch_blocks("shm-py", hashes).data
+        assert blocks.view(np.uint8)[:got.payload_bytes].tobytes() == want.tobytes()
+
+        st = c.plane_stats()
+        print("[shm] plane_stats %s" % st)
+        assert st["shm_staged"]["calls"] == 3  # append, fetch_into, fetch_blocks_into
+        assert st["shm"]["calls"] == 2 and st["shm"]["bytes"] == 2 * payload.nbytes
+        assert st["grpc"]["calls"] == 0
+
+        # A buffer too small is OutOfRangeError on every plane, as on gRPC.
+        with pytest.raises(kvbank.OutOfRangeError):
+            c.fetch_into("shm-py", seq.id, np.zeros(payload.size // 2, np.float16))
+        with pytest.raises(kvbank.OutOfRangeError):
+            c.fetch_into("shm-py", seq2.id, region[:1024])
+        c.unregister_region(region)
+
+
+def test_small_payloads_and_a_plane_off_use_grpc(shm_server, server):
+    small = np.zeros(4 * 2 * 4 * 2 * 64, np.float16)
+    with kvbank.Client(shm_server.target) as c:
+        c.ensure_model(layout("shm-py-small"))
+        seq = c.create_sequence("shm-py-small")
+        c.append("shm-py-small", seq.id, small, num_tokens=2)  # 8 KiB < shm_min_bytes
+        assert c.plane_stats()["grpc"]["calls"] == 1
+    with kvbank.Client(server.target) as c:  # a server with no --shm-socket
+        assert c.data_plane == "grpc"
+        with pytest.raises(kvbank.FailedPreconditionError, match="shared-memory"):
+            c.register_region(4096)
