@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "client/fetch_decoder.h"
+#include "client/nccl_link.h"
 #include "client/shm_handshake.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -125,6 +126,9 @@ struct Client::Impl {
   std::unique_ptr<v1::KvBank::Stub> stub;
   absl::Mutex mu;
   absl::flat_hash_map<std::string, ModelInfo> models ABSL_GUARDED_BY(mu);
+  // The NCCL communicator (NcclConnect); the link runs one transfer at a time itself.
+  absl::Mutex nccl_mu;
+  std::shared_ptr<internal::NcclLink> nccl ABSL_GUARDED_BY(nccl_mu);
 
   // Every call: a deadline, and the bearer token when there is one.
   void Deadline(grpc::ClientContext* ctx, bool stream) const {
@@ -994,6 +998,75 @@ absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
   impl_->Deadline(&ctx, true);
   auto reader = impl_->stub->FetchBlocks(&ctx, req);
   return ReadRegionHeader(*reader);
+}
+
+absl::Status Client::NcclConnect(int device) {
+  NcclDisconnect();
+  auto link = internal::NcclLink::Connect(
+      impl_->stub.get(),
+      [impl = impl_.get()](grpc::ClientContext* ctx, bool stream) { impl->Deadline(ctx, stream); },
+      device, impl_->options.call_deadline);
+  if (!link.ok()) return link.status();
+  absl::MutexLock lock(&impl_->nccl_mu);
+  impl_->nccl = *std::move(link);
+  return absl::OkStatus();
+}
+
+void Client::NcclDisconnect() {
+  std::shared_ptr<internal::NcclLink> link;
+  absl::MutexLock lock(&impl_->nccl_mu);
+  link = std::move(impl_->nccl);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendOverNccl(const std::string& model, uint64_t id,
+                                                            const AppendArgs& args,
+                                                            const void* device_ptr,
+                                                            uint64_t bytes) {
+  std::shared_ptr<internal::NcclLink> link;
+  {
+    absl::MutexLock lock(&impl_->nccl_mu);
+    link = impl_->nccl;
+  }
+  if (link == nullptr) {
+    return internal::NcclInSdk()
+               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
+               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
+  }
+  if (bytes == 0) return absl::InvalidArgumentError("an append over NCCL of 0 bytes");
+  auto resp = link->Append(MakeHeader(model, id, args, bytes), device_ptr);
+  if (!resp.ok()) return resp.status();
+  return FromProto(resp->sequence());
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchOverNccl(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args, void* device_ptr,
+                                                          uint64_t capacity) {
+  std::shared_ptr<internal::NcclLink> link;
+  {
+    absl::MutexLock lock(&impl_->nccl_mu);
+    link = impl_->nccl;
+  }
+  if (link == nullptr) {
+    return internal::NcclInSdk()
+               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
+               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
+  }
+  auto h = link->Fetch(MakeFetchRequest(model, id, args), device_ptr, capacity);
+  if (!h.ok()) return h.status();
+  FetchResult r;
+  r.token_begin = h->token_begin();
+  r.num_tokens = h->num_tokens();
+  r.layer_begin = h->layer_begin();
+  r.layer_end = h->layer_end();
+  r.kv_head_begin = h->kv_head_begin();
+  r.kv_head_end = h->kv_head_end();
+  std::optional<DType> dtype;
+  if (!proto::DTypeFromProto(h->dtype(), &dtype) || !dtype.has_value()) {
+    return absl::InternalError("a fetch over NCCL answered with no payload dtype");
+  }
+  r.dtype = *dtype;
+  r.payload_bytes = h->payload_bytes();
+  return r;
 }
 
 }  // namespace kvbank

@@ -105,6 +105,17 @@ ABSL_FLAG(
     "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "
     "closed (cudaIpcCloseMemHandle); the client registers again");
 ABSL_FLAG(uint32_t, cuda_ipc_max_regions, 256, "most CUDA IPC device regions registered at once");
+ABSL_FLAG(uint32_t, nccl_max_comms, 16,
+          "NCCL plane (pools on cuda:N, built with NCCL): most communicators at once");
+ABSL_FLAG(std::string, nccl_max_transfer_bytes, "4GiB",
+          "NCCL plane: largest payload of one transfer (staged whole on the device)");
+ABSL_FLAG(uint32_t, nccl_init_timeout_ms, 60000,
+          "NCCL plane: every rank of a communicator must join within this");
+ABSL_FLAG(uint32_t, nccl_transfer_timeout_ms, 60000,
+          "NCCL plane: a transfer whose peer does not take part within this aborts the "
+          "communicator");
+ABSL_FLAG(uint32_t, nccl_idle_timeout_ms, 600000,
+          "NCCL plane: a communicator unused this long is destroyed");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "with --tls-cert: require client certificates signed by these CAs (PEM): mutual TLS");
 
@@ -331,6 +342,32 @@ int Main(int argc, char** argv) {
               << absl::GetFlag(FLAGS_cuda_ipc_lease_ms) << " ms)" << std::endl;
   }
   const std::shared_ptr<plane::CudaIpcRegions> cuda_ipc = options.cuda_ipc;
+  if (!plane::NcclBuiltIn()) {
+    options.nccl_off = "kvbankd was built without NCCL (it needs CUDA and libnccl at build time)";
+  } else if (!on_gpu) {
+    options.nccl_off = absl::StrCat("kvbankd's pools are in ", device->Name(),
+                                    " memory; the NCCL plane needs a CUDA pool (--device cuda:N)");
+  } else {
+    plane::NcclOptions nccl;
+    nccl.device = device->cuda_device;
+    nccl.max_comms = absl::GetFlag(FLAGS_nccl_max_comms);
+    auto max_transfer = ParseBytes(absl::GetFlag(FLAGS_nccl_max_transfer_bytes));
+    if (!max_transfer.ok() || *max_transfer == 0) {
+      return Fail("--nccl-max-transfer-bytes must be a byte size above 0");
+    }
+    nccl.max_transfer_bytes = *max_transfer;
+    nccl.init_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_nccl_init_timeout_ms));
+    nccl.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_nccl_transfer_timeout_ms));
+    nccl.idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_nccl_idle_timeout_ms));
+    auto created = plane::NcclPlane::Create(nccl);
+    if (created.ok()) {
+      options.nccl = *std::move(created);
+      std::cerr << "kvbankd: NCCL plane on " << device->Name() << " (at most " << nccl.max_comms
+                << " communicators)" << std::endl;
+    } else {
+      options.nccl_off = absl::StrCat("the NCCL plane is off: ", created.status().message());
+    }
+  }
   // Kept apart from the service's copy: the socket file is removed before exit.
   const std::shared_ptr<plane::ShmRegions> shm_regions = options.shm_regions;
 

@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/payload_codec.h"
+#include "kernels/quant.h"
 #include "server/core/cuda_memory.h"
 
 namespace kvbank {
@@ -147,6 +148,24 @@ class HostMemory final : public PoolMemory {
                             job.map.total_bytes);
     }
     return absl::OkStatus();
+  }
+
+  // Host-staged memory's device is the host: a "device" payload is host memory, so the device
+  // data planes' path into the pool (WriteFromDevice / ReadToDevice) runs on any machine too.
+  absl::Status WritePayloadFromDevice(const PayloadJob& job, const uint8_t* payload) override {
+    if (kind() != MemoryKind::kHostStaged) return PoolMemory::WritePayloadFromDevice(job, payload);
+    return WritePayload(job, payload);
+  }
+  absl::Status ReadPayloadToDevice(const PayloadJob& job, uint8_t* payload) override {
+    if (kind() != MemoryKind::kHostStaged) return PoolMemory::ReadPayloadToDevice(job, payload);
+    return ReadPayload(job, payload);
+  }
+  absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint8_t* payload, DType dtype,
+                                                uint64_t n) override {
+    if (kind() != MemoryKind::kHostStaged) {
+      return PoolMemory::FindNonFiniteOnDevice(payload, dtype, n);
+    }
+    return kernels::FindNonFinite(payload, dtype, n);
   }
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,

@@ -613,4 +613,18 @@ grpc::ServerUnaryReactor* KvBankService::UnregisterDeviceRegion(Ctx* ctx, const 
       });
 }
 
+grpc::ServerUnaryReactor* KvBankService::NcclConnect(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::NcclConnectRequest, v1::NcclConnectResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::NcclConnectRequest& req,
+             v1::NcclConnectResponse* resp) { return ConnectNccl(caller, req, resp); });
+}
+
+grpc::ServerUnaryReactor* KvBankService::NcclDisconnect(Ctx* ctx, const Raw* raw, Raw* out) {
+  return Serve<v1::NcclDisconnectRequest, v1::NcclDisconnectResponse>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::NcclDisconnectRequest& req,
+             v1::NcclDisconnectResponse*) { return DisconnectNccl(caller, req); });
+}
+
 }  // namespace kvbank::rpc

@@ -12,6 +12,7 @@
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
 #include "server/plane/cuda_ipc.h"
+#include "server/plane/nccl_plane.h"
 #include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
@@ -41,6 +42,10 @@ struct ServiceOptions {
   // The same-host CUDA IPC plane (a cuda:N pool in a CUDA build); null: off
   // (RegisterDeviceRegion and device slices answer FAILED_PRECONDITION).
   std::shared_ptr<plane::CudaIpcRegions> cuda_ipc;
+  // The NCCL plane (a cuda:N pool, built with NCCL); null: off, and nccl_off says why (the
+  // FAILED_PRECONDITION that NcclConnect and NCCL transfers answer).
+  std::shared_ptr<plane::NcclPlane> nccl;
+  std::string nccl_off;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
@@ -71,11 +76,13 @@ using RawKvBankServiceCore = v1::KvBank::WithRawCallbackMethod_EnsureModel<
                                                     v1::KvBank::WithRawCallbackMethod_DropModel<
                                                         v1::KvBank::
                                                             CallbackService>>>>>>>>>>>>>>>>>>;
-using RawKvBankService = v1::KvBank::WithRawCallbackMethod_GetServerInfo<
+using RawKvBankServicePlanes = v1::KvBank::WithRawCallbackMethod_GetServerInfo<
     v1::KvBank::WithRawCallbackMethod_RegisterRegion<
         v1::KvBank::WithRawCallbackMethod_UnregisterRegion<
             v1::KvBank::WithRawCallbackMethod_RegisterDeviceRegion<
                 v1::KvBank::WithRawCallbackMethod_UnregisterDeviceRegion<RawKvBankServiceCore>>>>>;
+using RawKvBankService = v1::KvBank::WithRawCallbackMethod_NcclConnect<
+    v1::KvBank::WithRawCallbackMethod_NcclDisconnect<RawKvBankServicePlanes>>;
 }  // namespace internal
 
 // Thread-safe; reactions never block on anything but short metadata locks. On host memory a
@@ -123,6 +130,9 @@ class KvBankService final : public internal::RawKvBankService {
   // The CUDA IPC plane (regions.cc).
   Unary* RegisterDeviceRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
   Unary* UnregisterDeviceRegion(Ctx* ctx, const Raw* req, Raw* resp) override;
+  // The NCCL plane (nccl.cc).
+  Unary* NcclConnect(Ctx* ctx, const Raw* req, Raw* resp) override;
+  Unary* NcclDisconnect(Ctx* ctx, const Raw* req, Raw* resp) override;
 
   // Drain mode, the first step of a graceful stop (see drain.h): every call from now on fails
   // UNAVAILABLE naming the drain, and every Watch stream ends with that status. Calls already
@@ -185,6 +195,22 @@ class KvBankService final : public internal::RawKvBankService {
   grpc::ServerWriteReactor<Raw>* StartDeviceFetch(Ctx* ctx, OpenFetch open,
                                                   absl::StatusOr<plane::DeviceBytes> dest,
                                                   std::optional<FetchWaitSpec> wait);
+  // The NCCL plane, or FAILED_PRECONDITION saying why it is off (nccl.cc).
+  absl::StatusOr<plane::NcclPlane*> Nccl() const;
+  // NcclConnect's and NcclDisconnect's handlers (nccl.cc).
+  absl::Status ConnectNccl(const Caller& caller, const v1::NcclConnectRequest& req,
+                           v1::NcclConnectResponse* resp) const;
+  absl::Status DisconnectNccl(const Caller& caller, const v1::NcclDisconnectRequest& req) const;
+  // Receives an append's whole payload over NCCL (header.nccl) into `txn`: checks the transfer,
+  // calls `ready` (which tells the client to issue its ncclSend), then blocks until the receive
+  // and the device write are done. Runs on a device worker (nccl.cc).
+  absl::Status AppendFromNccl(const std::string& tenant, const v1::NcclTransfer& nccl,
+                              AppendTxn* txn, const std::function<void()>& ready) const;
+  // A Fetch with `nccl`: `open` makes the reader on a worker, whose payload then goes to the
+  // client's rank with ncclSend; the stream answers the header only (nccl.cc).
+  class NcclFetchReactor;
+  grpc::ServerWriteReactor<Raw>* StartNcclFetch(Ctx* ctx, OpenFetch open, const std::string& tenant,
+                                                const v1::NcclTransfer& nccl);
   class WatchReactor;
   template <typename Request, typename Response>
   class UnaryCall;

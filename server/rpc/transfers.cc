@@ -56,8 +56,10 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
         if (txn_ == nullptr && message_decoded_.header.has_value()) {
           auto model = FindModel(*service_->registry_, message_decoded_.header->model());
           on_device_ = model.ok() && (*model)->pool().memory().waits_on_device();
-          // A payload from a shared-memory region is copied whole: never in a reaction.
-          on_device_ = on_device_ || message_decoded_.header->has_source();
+          // A payload from a shared-memory region is copied whole, one over NCCL waits on the
+          // peer: never in a reaction.
+          on_device_ = on_device_ || message_decoded_.header->has_source() ||
+                       message_decoded_.header->has_nccl();
         }
       }
       if (!on_device_) return Step(ok);
@@ -114,11 +116,20 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       if (!header.has_value()) {
         return absl::InvalidArgumentError("the first append message must carry header");
       }
+      if (header->has_nccl() && (header->has_source() || header->has_device_source())) {
+        return absl::InvalidArgumentError(
+            "header.nccl excludes header.source and header.device_source: name one");
+      }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
       if (header->has_source()) return BeginFromRegion(*header, m);
       if (header->has_device_source()) return BeginFromDevice(*header, m);
+      if (header->has_nccl()) return BeginFromNccl(*header, m);
     } else if (header.has_value()) {
       return absl::InvalidArgumentError("header may appear only in the first append message");
+    }
+    if (from_nccl_ && !m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append over NCCL (header.nccl) carries no data messages");
     }
     if (from_region_ && !m.data.empty()) {
       return absl::InvalidArgumentError(
@@ -174,6 +185,24 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     return service_->AppendFromRegion(tenant_, **model, h.source(), txn_.get());
   }
 
+  // The whole payload over NCCL (nccl.cc); the stream then only half-closes. The receive waits
+  // on the client's GPU, not on its stream: the idle timeout does not run meanwhile.
+  absl::Status BeginFromNccl(const v1::AppendHeader& h, const proto::AppendMessage& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!m.data.empty()) {
+      return absl::InvalidArgumentError(
+          "an append over NCCL (header.nccl) carries no data; the payload comes by ncclSend");
+    }
+    from_nccl_ = true;
+    stream_->SetWaiting(false);
+    absl::Status s = service_->AppendFromNccl(tenant_, h.nccl(), txn_.get(), [this] {
+      ctx_->AddInitialMetadata("kvbank-nccl", "ready");
+      StartSendInitialMetadata();
+    });
+    stream_->SetWaiting(true);
+    return s;
+  }
+
   // The whole payload device to device from the caller's device region (the CUDA IPC plane).
   absl::Status BeginFromDevice(const v1::AppendHeader& h, const proto::AppendMessage& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -211,6 +240,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   // worker.
   bool on_device_ ABSL_GUARDED_BY(mu_) = false;
   bool from_region_ ABSL_GUARDED_BY(mu_) = false;  // header.source: no data may follow
+  bool from_nccl_ ABSL_GUARDED_BY(mu_) = false;    // header.nccl: no data may follow
   std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);
@@ -468,6 +498,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   // worker when the model's memory waits on a device).
   bool on_device = false;
   std::optional<v1::RegionSlice> dest;
+  std::optional<v1::NcclTransfer> nccl;
   std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
   std::optional<FetchWaitSpec> wait;
   std::string tenant;
@@ -480,6 +511,13 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
       return absl::InvalidArgumentError("dest and device_dest: name one");
     }
     if (req.has_dest()) dest = req.dest();
+    if (req.has_nccl()) nccl = req.nccl();
+    if (nccl.has_value() && (req.has_dest() || req.has_device_dest())) {
+      return absl::InvalidArgumentError("nccl excludes dest and device_dest: name one");
+    }
+    if (nccl.has_value() && req.wait_ms() > 0) {
+      return absl::InvalidArgumentError("wait_ms is not supported with nccl");
+    }
     tenant = caller->tenant;
     if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
     auto model = FindModel(*registry_, req.model());
@@ -497,6 +535,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     spec.kv_head_begin = req.kv_head_begin();
     if (req.has_kv_head_end()) spec.kv_head_end = req.kv_head_end();
     on_device = (*model)->pool().memory().waits_on_device();
+    // NCCL sends the payload from the device: the reader stages nothing on the host.
+    spec.device_dest = nccl.has_value();
     if (req.has_device_dest()) {
       spec.device_dest = true;
       device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
@@ -521,6 +561,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
   if (open.ok() && device_dest.has_value()) {
     return StartDeviceFetch(ctx, *std::move(open), *std::move(device_dest), std::move(wait));
   }
+  if (open.ok() && nccl.has_value()) return StartNcclFetch(ctx, *std::move(open), tenant, *nccl);
   return FetchReactor::Start(this, ctx, std::move(open), on_device, std::move(wait));
 }
 

@@ -17,6 +17,11 @@
 #
 #   tests/gpu/run_on_device.sh [cmake args...]
 #
+# With libnccl found, gpu_nccl_plane_test (label gpu) tests the NCCL plane's core on this GPU
+# (a single-rank communicator sending to itself; two-rank cases need two GPUs) and
+# gpu_nccl_bench (after the tests, gpu_nccl_bench.log) compares NCCL self send/recv with a
+# device-to-device copy.
+#
 # After the tests it runs the CUDA IPC plane's benchmark (gpu_cuda_ipc_test's disabled
 # CudaIpcBench: cuda_ipc_bench.log), pool_bench on cuda:0 and on host memory (with .deps: the store's append /
 # fetch through the GPU data path; pool_bench.log), the CUDA decode-attention bench
@@ -127,6 +132,9 @@ targets=$(gpu_binaries)
 if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
   targets+=" gpu_attention_bench"
   [[ $mode == kernels ]] || targets+=" pool_bench"
+  if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^gpu_nccl_bench:'; then
+    targets+=" gpu_nccl_bench"
+  fi
 fi
 echo "== building: ${targets:-(no gpu test registered)}" | tee "$OUT/build.log"
 set +e
@@ -162,6 +170,16 @@ if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 && -x "$BUILD/bin/pool_bench" ]]; then
     timeout "${KVBANK_BENCH_TIMEOUT_S:-180}" "$BUILD/bin/pool_bench" --device host --reps 7 2>&1
     echo "== pool_bench host exit code $?"
   } | tee "$OUT/pool_bench.log"
+  set -e
+fi
+if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 && -x "$BUILD/bin/gpu_nccl_bench" ]]; then
+  set +e
+  {
+    echo "== $(date -u +%FT%TZ) gpu_nccl_bench (NCCL self send/recv vs cudaMemcpy D2D)"
+    timeout "${KVBANK_BENCH_TIMEOUT_S:-180}" "$BUILD/bin/gpu_nccl_bench" \
+      --reps "${KVBANK_BENCH_REPS:-15}" 2>&1
+    echo "== gpu_nccl_bench exit code $?"
+  } | tee "$OUT/gpu_nccl_bench.log"
   set -e
 fi
 # The CUDA IPC plane: a pool -> device buffer fetch against cudaMemcpy device to device (goal:

@@ -315,6 +315,29 @@ class Client {
                                                   const std::vector<BlockHash>& hashes,
                                                   const FetchArgs& args, const RegionSlice& dest);
 
+  // NCCL plane (a kvbankd whose pools are on cuda:N, built with NCCL; this SDK built with CUDA
+  // and NCCL, else UNIMPLEMENTED). A communicator of two ranks, this process (rank 0, on CUDA
+  // device `device`) and kvbankd (rank 1), which payloads then cross GPU to GPU with
+  // ncclSend / ncclRecv; gRPC names each transfer. One communicator per Client (connecting
+  // again replaces it); its transfers run one at a time. A transfer that fails after the NCCL
+  // operation began aborts the communicator (later ones answer FAILED_PRECONDITION): connect
+  // again. Nothing of this has run on a GPU yet.
+  absl::Status NcclConnect(int device);
+  // Drops the communicator (kvbankd's too). A no-op without one.
+  void NcclDisconnect();
+  // Append whose payload (`bytes`, the payload's exact size, on the NCCL device) goes over
+  // NCCL. fp32 / fp16 / bf16 payloads only (FAILED_PRECONDITION for the storage format).
+  // Atomic as Append. FAILED_PRECONDITION without NcclConnect.
+  absl::StatusOr<SequenceInfo> AppendOverNccl(const std::string& model, uint64_t id,
+                                              const AppendArgs& args, const void* device_ptr,
+                                              uint64_t bytes);
+  // Fetch received over NCCL into `device_ptr` (capacity bytes on the NCCL device); the result's
+  // payload stays empty, payload_bytes says how much arrived. INVALID_ARGUMENT, nothing sent,
+  // when the payload does not fit.
+  absl::StatusOr<FetchResult> FetchOverNccl(const std::string& model, uint64_t id,
+                                            const FetchArgs& args, void* device_ptr,
+                                            uint64_t capacity);
+
   // Typed helper: fills k [layers][kv_heads][tokens][head_dim] and v (same, head_dim_v; empty for
   // MLA). REQUIRES: the spans are exactly the size of the range fetched; else INVALID_ARGUMENT.
   absl::Status FetchTensors(const std::string& model, uint64_t id, const FetchArgs& args,

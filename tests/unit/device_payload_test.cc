@@ -1,0 +1,186 @@
+// Payloads handed to the store on the pool's device (AppendTxn::WriteFromDevice,
+// FetchReader::ReadToDevice): what the NCCL plane uses, without a host copy. Run on host-staged
+// memory (ctest device_payload_test_staged), whose "device" is the host, so the device path's
+// logic (pieces, the NaN / Inf scan, refusals) is checked on any machine; plain host memory
+// (device_payload_test) must refuse it. On a GPU tests/gpu/gpu_nccl_plane_test.cc drives the
+// same calls with device pointers. Fixed seed, printed.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gtest/gtest.h"
+#include "kernels/quant_math.h"
+#include "server/core/sequence_store.h"
+#include "tests/unit/test_memory.h"
+
+namespace kvbank {
+namespace {
+
+constexpr uint32_t kSeed = 20261201;
+
+ModelLayout Layout(DType stored) {
+  ModelLayout m;
+  m.name = "dev";
+  m.num_layers = 5;
+  m.num_q_heads = 6;
+  m.num_kv_heads = 3;
+  m.head_dim = m.head_dim_v = 24;
+  m.block_tokens = 4;
+  m.input_dtype = DType::kFp16;
+  m.layer_dtypes.assign(5, stored);
+  return m;
+}
+
+std::vector<uint8_t> Fp16Payload(uint64_t bytes, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<uint8_t> out(bytes);
+  for (uint64_t i = 0; i + 1 < bytes; i += 2) {
+    const uint16_t h = kernels::qmath::FloatToHalf(dist(rng), true);
+    std::memcpy(out.data() + i, &h, 2);
+  }
+  return out;
+}
+
+class DevicePayloadTest : public ::testing::Test {
+ protected:
+  void Make(DType stored) {
+    const ModelLayout m = Layout(stored);
+    const BlockLayout b = ComputeBlockLayout(m);
+    auto pool = testenv::CreateTestPool(b, 64 * b.block_bytes);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
+  }
+  bool OnDevicePath() const { return store_->pool().memory().kind() != MemoryKind::kHost; }
+  uint64_t NewSeq() {
+    auto s = store_->Create(absl::ZeroDuration());
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? s->id : 0;
+  }
+  AppendSpec Spec(uint64_t id, uint64_t tokens, std::optional<DType> dtype = DType::kFp16) {
+    AppendSpec a;
+    a.sequence_id = id;
+    a.num_tokens = tokens;
+    a.dtype = dtype;
+    return a;
+  }
+  // Fetches every token, in `dtype`, through ReadToDevice (device) or Read.
+  std::vector<uint8_t> Fetch(uint64_t id, DType dtype, bool device) {
+    FetchSpec f;
+    f.sequence_id = id;
+    f.dtype = dtype;
+    auto r = store_->BeginFetch(f);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    std::vector<uint8_t> out((*r)->payload_bytes(), 0xa5);
+    const absl::Status s =
+        device ? (*r)->ReadToDevice(out.data()) : (*r)->Read(0, absl::MakeSpan(out));
+    EXPECT_TRUE(s.ok()) << s;
+    return out;
+  }
+
+  std::unique_ptr<SequenceStore> store_;
+};
+
+TEST_F(DevicePayloadTest, Fp16RoundTripIsBitExactAcrossPieces) {
+  std::printf("seed %u\n", kSeed);
+  Make(DType::kFp16);
+  const uint64_t id = NewSeq();
+  for (uint64_t tokens : {11u, 6u}) {  // the second continues a partial block
+    auto txn = store_->BeginAppend(Spec(id, tokens));
+    ASSERT_TRUE(txn.ok()) << txn.status();
+    const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed + tokens);
+    const absl::Status w = (*txn)->WriteFromDevice(payload.data());
+    if (!OnDevicePath()) {
+      EXPECT_EQ(w.code(), absl::StatusCode::kFailedPrecondition) << w;
+      return;
+    }
+    ASSERT_TRUE(w.ok()) << w;
+    ASSERT_TRUE((*txn)->Commit().ok());
+  }
+  // Both ways out give the same bytes, and the same as a plain append of them would.
+  const std::vector<uint8_t> dev = Fetch(id, DType::kFp16, true);
+  const std::vector<uint8_t> host = Fetch(id, DType::kFp16, false);
+  EXPECT_EQ(dev, host);
+  const uint64_t ref = NewSeq();
+  for (uint64_t tokens : {11u, 6u}) {
+    auto txn = store_->BeginAppend(Spec(ref, tokens));
+    ASSERT_TRUE(txn.ok());
+    const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed + tokens);
+    ASSERT_TRUE((*txn)->Write(payload).ok());
+    ASSERT_TRUE((*txn)->Commit().ok());
+  }
+  EXPECT_EQ(dev, Fetch(ref, DType::kFp16, false));
+  EXPECT_EQ(store_->CheckInvariants(), "");
+}
+
+TEST_F(DevicePayloadTest, Int8StorageMatchesTheHostPathBitForBit) {
+  Make(DType::kInt8);
+  if (!OnDevicePath()) GTEST_SKIP() << "host memory has no device path (checked by Fp16 case)";
+  const uint64_t dev_id = NewSeq(), ref_id = NewSeq();
+  auto dev = store_->BeginAppend(Spec(dev_id, 13));
+  auto ref = store_->BeginAppend(Spec(ref_id, 13));
+  ASSERT_TRUE(dev.ok() && ref.ok());
+  const std::vector<uint8_t> payload = Fp16Payload((*dev)->payload_bytes(), kSeed);
+  ASSERT_TRUE((*dev)->WriteFromDevice(payload.data()).ok());
+  ASSERT_TRUE((*ref)->Write(payload).ok());
+  ASSERT_TRUE((*dev)->Commit().ok());
+  ASSERT_TRUE((*ref)->Commit().ok());
+  // Storage format (codes and scales) and dequantized: identical, through either way out.
+  EXPECT_EQ(Fetch(dev_id, DType::kInt8, true), Fetch(ref_id, DType::kInt8, false));
+  const std::vector<uint8_t> out = Fetch(dev_id, DType::kFp16, true);
+  EXPECT_EQ(out, Fetch(ref_id, DType::kFp16, false));
+  // And within int8's bound of what went in (scale = range / 255 per row; |x| < 6 here).
+  double worst = 0;
+  for (uint64_t i = 0; i + 1 < out.size(); i += 2) {
+    uint16_t a, b;
+    std::memcpy(&a, payload.data() + i, 2);
+    std::memcpy(&b, out.data() + i, 2);
+    worst = std::max(worst, std::fabs(double(kernels::qmath::HalfToFloat(a)) -
+                                      double(kernels::qmath::HalfToFloat(b))));
+  }
+  EXPECT_LT(worst, 12.0 / 255.0) << "int8 round trip error";
+}
+
+TEST_F(DevicePayloadTest, NonFiniteIsRefusedNamingTheRowAndNothingIsStored) {
+  Make(DType::kInt8);
+  if (!OnDevicePath()) GTEST_SKIP() << "host memory has no device path (checked by Fp16 case)";
+  const uint64_t id = NewSeq();
+  auto txn = store_->BeginAppend(Spec(id, 9));
+  ASSERT_TRUE(txn.ok());
+  std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed);
+  const uint16_t nan = 0x7e00;
+  std::memcpy(payload.data() + payload.size() - 10, &nan, 2);  // in the last layer's V
+  const absl::Status w = (*txn)->WriteFromDevice(payload.data());
+  EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument) << w;
+  EXPECT_NE(w.message().find("layer 4, V, head 2, token 8, element 19"), absl::string_view::npos)
+      << w;
+  txn->reset();
+  auto info = store_->Get(id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->length, 0u);
+  EXPECT_EQ(store_->CheckInvariants(), "");
+}
+
+TEST_F(DevicePayloadTest, StorageFormatAndPartWrittenAppendsAreRefused) {
+  Make(DType::kInt8);
+  const uint64_t id = NewSeq();
+  auto storage = store_->BeginAppend(Spec(id, 4, DType::kInt8));
+  ASSERT_TRUE(storage.ok()) << storage.status();
+  std::vector<uint8_t> bytes((*storage)->payload_bytes());
+  EXPECT_EQ((*storage)->WriteFromDevice(bytes.data()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  storage->reset();
+  auto txn = store_->BeginAppend(Spec(id, 4));
+  ASSERT_TRUE(txn.ok());
+  const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed);
+  ASSERT_TRUE((*txn)->Write(absl::MakeConstSpan(payload).subspan(0, 2)).ok());
+  EXPECT_EQ((*txn)->WriteFromDevice(payload.data()).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace kvbank
