@@ -524,6 +524,13 @@ absl::StatusOr<Client::FetchResult> RawFetch(grpc::Channel* channel, const char*
   return std::move(decoder).Finish();
 }
 
+// A RegionSlice of the SDK as the proto message.
+void SetSlice(const RegionSlice& slice, v1::RegionSlice* out) {
+  out->set_region_id(slice.region_id);
+  out->set_offset(slice.offset);
+  out->set_length(slice.length);
+}
+
 v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
                                   const Client::FetchArgs& args) {
   v1::FetchRequest req;
@@ -890,10 +897,7 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string&
                                                               const RegionSlice& source) {
   // payload_bytes 0: the server checks source.length against the payload and names that field.
   v1::AppendHeader header = MakeHeader(model, id, args, 0);
-  v1::RegionSlice* s = header.mutable_source();
-  s->set_region_id(source.region_id);
-  s->set_offset(source.offset);
-  s->set_length(source.length);
+  SetSlice(source, header.mutable_source());
   return impl_->StreamAppend(header, {});
 }
 
@@ -925,11 +929,6 @@ absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
   return r;
 }
 
-void SetSlice(const RegionSlice& slice, v1::RegionSlice* out) {
-  out->set_region_id(slice.region_id);
-  out->set_offset(slice.offset);
-  out->set_length(slice.length);
-}
 }  // namespace
 
 absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,

@@ -289,8 +289,8 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
         &service_->timers_, [this] { refs_.fetch_add(1, std::memory_order_relaxed); },
         [this] { Unref(); });
     // The wait may end on the thread of the commit it waited for, inside that append's
-    // reaction: a write started there is held up with the append's stream (measured: 32 MiB
-    // layers moved at 0.2 GB/s instead of 1.5), so the fetch opens on a worker.
+    // reaction: opening the fetch there (and reading its first chunk) would delay the append's
+    // answer, so the fetch opens on a worker.
     wait_->Begin(std::move(wait->store), wait->spec, wait->timeout,
                  [this, open = std::move(open)](absl::Status s) {
                    refs_.fetch_add(1, std::memory_order_relaxed);
