@@ -320,9 +320,22 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
     m.prefix_query_tokens = p.prefix_query_tokens();
     m.prefix_hit_tokens = p.prefix_hit_tokens();
     m.fetches_waiting = p.fetches_waiting();
+    m.tenant_view = p.tenant_view();
     for (const auto& t : p.tenants()) {
-      m.tenants.push_back({t.tenant(), t.prefix_query_tokens(), t.prefix_hit_tokens(),
-                           t.blocks_referenced(), t.sequences()});
+      ModelStats::Tenant& r = m.tenants.emplace_back();
+      r.tenant = t.tenant();
+      r.prefix_query_tokens = t.prefix_query_tokens();
+      r.prefix_hit_tokens = t.prefix_hit_tokens();
+      r.blocks_referenced = t.blocks_referenced();
+      r.sequences = t.sequences();
+      r.tokens_stored = t.tokens_stored();
+      r.appends = t.appends();
+      r.fetches = t.fetches();
+      r.bytes_appended = t.bytes_appended();
+      r.bytes_fetched = t.bytes_fetched();
+      r.leases_expired = t.leases_expired();
+      r.max_blocks = t.max_blocks();
+      r.max_sequences = t.max_sequences();
     }
     out.push_back(m);
   }

@@ -28,18 +28,30 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/log.h"
 #include "google/protobuf/text_format.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "server/core/memory_limit.h"
 #include "server/core/pool_memory.h"
 #include "server/flags.h"
 #include "server/rpc/drain.h"
+#include "server/rpc/request_log.h"
 #include "server/rpc/service.h"
 #include "server/rpc/serving.h"
 #include "server/rpc/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve on (port 0: pick one)");
 ABSL_FLAG(std::string, port_file, "", "write the port actually bound to this file once serving");
+ABSL_FLAG(std::string, health_listen, "",
+          "also serve grpc.health.v1 alone, in plaintext, on this address (for kubelet's gRPC "
+          "probes, which cannot do TLS); same statuses as the main port; empty: off");
+ABSL_FLAG(std::string, health_port_file, "", "write the health port bound to this file");
+ABSL_FLAG(std::string, log_format, "text",
+          "text (lines for a person) | json (one JSON object a line: start-up config, models, "
+          "errors with method, tenant and code, drain progress; never payloads or tokens)");
+ABSL_FLAG(uint32_t, log_errors_per_second, 50,
+          "most failed calls logged a second (the rest are counted in the next record)");
 ABSL_FLAG(std::string, device, "auto",
           "where pools live: auto (a GPU when there is one, else host memory) | host | cuda:N | "
           "host-staged (host memory through the GPU data path, for tests)");
@@ -148,10 +160,6 @@ absl::StatusOr<uint64_t> ParseBytes(std::string text) {
   return static_cast<uint64_t>(v * double(mult));
 }
 
-uint64_t PhysicalMemory() {
-  return uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGESIZE));
-}
-
 // Whether a --listen address only takes connections from this host.
 bool IsLoopback(const std::string& address) {
   const std::string host = address.substr(0, address.rfind(':'));
@@ -159,8 +167,16 @@ bool IsLoopback(const std::string& address) {
 }
 
 int Fail(const std::string& what) {
-  std::cerr << "kvbankd: " << what << "\n";
+  log::Error("startup_failed") << what;
   return 2;
+}
+
+// Writes `port` to `path` (when set) so that readers never see a half-written file.
+void WritePortFile(const std::string& path, int port) {
+  if (path.empty()) return;
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << port << "\n";
+  std::rename(tmp.c_str(), path.c_str());
 }
 
 // The models registered at start: the --models presets, then the --config file's.
@@ -209,16 +225,21 @@ int Main(int argc, char** argv) {
       exit.has_value()) {
     return *exit;
   }
+  if (log::Format format; log::ParseFormat(absl::GetFlag(FLAGS_log_format), &format)) {
+    log::SetFormat(format);
+  } else {
+    return Fail("--log-format must be text or json");
+  }
   // TLS files are checked before anything is allocated.
   const rpc::TlsFiles tls{absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
                           absl::GetFlag(FLAGS_tls_client_ca)};
   auto credentials = rpc::ServerCredentialsFromFlags(tls);
   if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
   if (tls.cert_path.empty() && !IsLoopback(absl::GetFlag(FLAGS_listen))) {
-    std::cerr << "kvbankd: warning: serving " << absl::GetFlag(FLAGS_listen)
-              << " without TLS: bearer tokens and KV cross the network in clear text "
-                 "(--tls-cert, --tls-key)"
-              << std::endl;
+    log::Warn("no_tls").Field("listen", absl::GetFlag(FLAGS_listen))
+        << "warning: serving " << absl::GetFlag(FLAGS_listen)
+        << " without TLS: bearer tokens and KV cross the network in clear text "
+           "(--tls-cert, --tls-key)";
   }
 
   rpc::ServiceOptions options;
@@ -231,7 +252,11 @@ int Main(int argc, char** argv) {
   const size_t num_models = specs->size();
   const double util = absl::GetFlag(FLAGS_gpu_memory_utilization);
   if (!(util > 0 && util <= 1)) return Fail("--gpu-memory-utilization must be in (0, 1]");
-  uint64_t max_pool = PhysicalMemory() / 10 * 8;
+  // Host memory this process may use: physical memory, or less under a cgroup limit (a
+  // container's): pools sized from it fit the pod's memory limit.
+  const MemoryLimit host_limit = HostMemoryLimit(PhysicalMemoryBytes());
+  uint64_t max_pool = host_limit.bytes / 10 * 8;
+  std::string budget_source = absl::StrCat("80% of ", host_limit.source);
   if (on_gpu) {
     uint64_t free_bytes = 0, total_bytes = 0;
     if (absl::Status s = CudaMemoryInfo(device->cuda_device, &free_bytes, &total_bytes); !s.ok()) {
@@ -246,6 +271,9 @@ int Main(int argc, char** argv) {
                                " bytes are in use on ", device->Name()));
     }
     max_pool = static_cast<uint64_t>(budget);
+    budget_source =
+        absl::StrCat("--gpu-memory-utilization ", util, " of ", device->Name(), "'s ", total_bytes,
+                     " bytes less ", total_bytes - free_bytes, " in use (", free_bytes, " free)");
   }
   if (std::string b = absl::GetFlag(FLAGS_pool_bytes); !b.empty()) {
     auto pool_bytes = ParseBytes(b);
@@ -255,19 +283,30 @@ int Main(int argc, char** argv) {
   } else if (on_gpu) {
     options.defaults.pool_bytes = max_pool / std::max<size_t>(num_models, 1);
   } else {
-    options.defaults.pool_bytes = uint64_t{1} << 30;
+    // 1 GiB, or less where the memory limit leaves less for the models registered at start.
+    options.defaults.pool_bytes =
+        std::min<uint64_t>(uint64_t{1} << 30, max_pool / std::max<size_t>(num_models, 1));
   }
   if (double f = absl::GetFlag(FLAGS_pool_memory_fraction); f > 0) {
     if (on_gpu)
       return Fail("--pool-memory-fraction is for host memory; use --gpu-memory-utilization");
     if (f > 0.95) return Fail("--pool-memory-fraction must be at most 0.95");
-    options.defaults.pool_bytes = static_cast<uint64_t>(f * double(PhysicalMemory()));
+    options.defaults.pool_bytes = static_cast<uint64_t>(f * double(host_limit.bytes));
   }
   if (std::string m = absl::GetFlag(FLAGS_max_pool_bytes); !m.empty()) {
     auto v = ParseBytes(m);
     if (!v.ok()) return Fail(absl::StrCat("--max-pool-bytes: ", v.status().message()));
     max_pool = *v;
+    budget_source = "--max-pool-bytes";
   }
+  log::Info("memory_budget")
+          .Field("max_pool_bytes", max_pool)
+          .Field("source", budget_source)
+          .Field("default_pool_bytes", options.defaults.pool_bytes)
+          .Field("host_memory_bytes", host_limit.bytes)
+          .Field("host_memory_source", host_limit.source)
+      << "memory budget: " << max_pool << " bytes for all pools (" << budget_source
+      << "); a model's pool " << options.defaults.pool_bytes << " bytes by default";
   auto chunk = ParseBytes(absl::GetFlag(FLAGS_chunk_bytes));
   if (!chunk.ok() || *chunk == 0 || *chunk > uint64_t(rpc::kMaxMessageBytes) / 2) {
     return Fail(absl::StrCat("--chunk-bytes must be in (0, ", rpc::kMaxMessageBytes / 2, "]"));
@@ -296,7 +335,7 @@ int Main(int argc, char** argv) {
   } else if (!absl::GetFlag(FLAGS_no_auth)) {
     return Fail("authentication needs --auth-tokens-file FILE; --no-auth serves without it");
   } else {
-    std::cerr << "kvbankd: --no-auth: every caller is the same tenant\n";
+    log::Warn("no_auth") << "--no-auth: every caller is the same tenant";
   }
 
   auto registry = std::make_shared<ModelRegistry>(max_pool);
@@ -306,10 +345,17 @@ int Main(int argc, char** argv) {
     auto r = registry->Ensure(*std::move(c));
     if (!r.ok()) return Fail(std::string(r.status().message()));
     auth.ApplyQuotas(*r->model);
-    std::cerr << "kvbankd: model '" << s.name() << "': " << r->model->pool().num_blocks()
-              << " blocks of " << r->model->block_layout().block_bytes << " bytes ("
-              << r->model->pool().num_blocks() * r->model->layout().block_tokens << " tokens), "
-              << r->model->pool().memory().name() << " memory\n";
+    const uint64_t blocks = r->model->pool().num_blocks();
+    log::Info("model_registered")
+            .Field("model", s.name())
+            .Field("blocks", blocks)
+            .Field("block_bytes", r->model->block_layout().block_bytes)
+            .Field("tokens", blocks * r->model->layout().block_tokens)
+            .Field("memory", r->model->pool().memory().name())
+        << "model '" << s.name() << "': " << blocks << " blocks of "
+        << r->model->block_layout().block_bytes << " bytes ("
+        << blocks * r->model->layout().block_tokens << " tokens), "
+        << r->model->pool().memory().name() << " memory";
   }
 
   auto grpc_memory = ParseBytes(absl::GetFlag(FLAGS_grpc_memory_bytes));
@@ -329,8 +375,9 @@ int Main(int argc, char** argv) {
     auto regions = plane::ShmRegions::Start(shm);
     if (!regions.ok()) return Fail(std::string(regions.status().message()));
     options.shm_regions = *std::move(regions);
-    std::cerr << "kvbankd: shared-memory plane on " << path << " (regions up to " << *max_region
-              << " bytes, at most " << shm.max_regions << ")" << std::endl;
+    log::Info("plane").Field("plane", "shm").Field("socket", path)
+        << "shared-memory plane on " << path << " (regions up to " << *max_region
+        << " bytes, at most " << shm.max_regions << ")";
   }
   if (on_gpu) {
     plane::CudaIpcOptions ipc;
@@ -338,8 +385,9 @@ int Main(int argc, char** argv) {
     ipc.lease = absl::Milliseconds(std::max<uint32_t>(absl::GetFlag(FLAGS_cuda_ipc_lease_ms), 1));
     ipc.max_regions = absl::GetFlag(FLAGS_cuda_ipc_max_regions);
     options.cuda_ipc = std::make_shared<plane::CudaIpcRegions>(ipc);
-    std::cerr << "kvbankd: CUDA IPC plane on " << device->Name() << " (lease "
-              << absl::GetFlag(FLAGS_cuda_ipc_lease_ms) << " ms)" << std::endl;
+    log::Info("plane").Field("plane", "cuda_ipc").Field("device", device->Name())
+        << "CUDA IPC plane on " << device->Name() << " (lease "
+        << absl::GetFlag(FLAGS_cuda_ipc_lease_ms) << " ms)";
   }
   const std::shared_ptr<plane::CudaIpcRegions> cuda_ipc = options.cuda_ipc;
   if (!plane::NcclBuiltIn()) {
@@ -362,8 +410,9 @@ int Main(int argc, char** argv) {
     auto created = plane::NcclPlane::Create(nccl);
     if (created.ok()) {
       options.nccl = *std::move(created);
-      std::cerr << "kvbankd: NCCL plane on " << device->Name() << " (at most " << nccl.max_comms
-                << " communicators)" << std::endl;
+      log::Info("plane").Field("plane", "nccl").Field("device", device->Name())
+          << "NCCL plane on " << device->Name() << " (at most " << nccl.max_comms
+          << " communicators)";
     } else {
       options.nccl_off = absl::StrCat("the NCCL plane is off: ", created.status().message());
     }
@@ -381,47 +430,78 @@ int Main(int argc, char** argv) {
   serving_options.max_connection_idle =
       absl::Milliseconds(absl::GetFlag(FLAGS_max_connection_idle_ms));
   serving_options.keepalive_time = absl::Milliseconds(absl::GetFlag(FLAGS_keepalive_time_ms));
+  serving_options.health_listen = absl::GetFlag(FLAGS_health_listen);
   auto counter = std::make_unique<rpc::CallCounter>();
   const rpc::CallCounter& calls = *counter;
   serving_options.interceptors.push_back(std::move(counter));
+  serving_options.interceptors.push_back(
+      std::make_unique<rpc::RequestLog>(&auth, absl::GetFlag(FLAGS_log_errors_per_second)));
   auto serving = rpc::Serving::Start(&service, std::move(serving_options));
   if (!serving.ok()) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen), ": ",
                              serving.status().message()));
   }
   const int port = (*serving)->port();
-  std::cerr << "kvbankd: serving kvbank.v1 on " << absl::GetFlag(FLAGS_listen) << " (port " << port
-            << "; at most " << (*serving)->max_connections() << " connections, descriptor limit "
-            << (*serving)->descriptor_limit() << ")" << std::endl;
-  if (std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    const std::string tmp = pf + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), pf.c_str());  // readers never see a half-written file
+  {
+    std::string models;
+    for (const auto& s : *specs) absl::StrAppend(&models, models.empty() ? "" : ",", s.name());
+    log::Info("serving")
+            .Field("listen", absl::GetFlag(FLAGS_listen))
+            .Field("port", port)
+            .Field("health_port", (*serving)->health_port())
+            .Field("device", device->Name())
+            .Field("models", models)
+            .Field("auth", auth.enabled() ? "tokens" : "none")
+            .Field("tls", tls.cert_path.empty()        ? "off"
+                          : tls.client_ca_path.empty() ? "on"
+                                                       : "mutual")
+            .Field("max_pool_bytes", max_pool)
+            .Field("max_connections", (*serving)->max_connections())
+            .Field("drain_timeout_ms", absl::GetFlag(FLAGS_drain_timeout_ms))
+            .Field("version", KVBANK_VERSION_STRING)
+        << "serving kvbank.v1 on " << absl::GetFlag(FLAGS_listen) << " (port " << port
+        << "; at most " << (*serving)->max_connections() << " connections, descriptor limit "
+        << (*serving)->descriptor_limit() << ")"
+        << ((*serving)->health_port() != 0
+                ? absl::StrCat("; health on port ", (*serving)->health_port())
+                : std::string());
   }
+  WritePortFile(absl::GetFlag(FLAGS_port_file), port);
+  WritePortFile(absl::GetFlag(FLAGS_health_port_file), (*serving)->health_port());
 
   absl::Notification stop;
   std::thread reaper([&] {
     const absl::Duration every = absl::Milliseconds(absl::GetFlag(FLAGS_lease_check_ms));
-    bool accepting = true;
+    bool serving_now = true;
     absl::Time last_trim = absl::Now();
     while (!stop.WaitForNotificationWithTimeout(every)) {
-      // Health reports a listener that cannot take connections (out of descriptors).
-      if (bool now = (*serving)->listener().accepting(); now != accepting) {
-        accepting = now;
+      // Health reports a listener that cannot take connections (out of descriptors) and a pool
+      // whose memory cannot serve (a GPU with a sticky error).
+      std::string why_not;
+      if (!(*serving)->listener().accepting()) why_not = "cannot accept connections";
+      for (const auto& model : registry->List()) {
+        if (absl::Status h = model->pool().memory().Health(); !h.ok() && why_not.empty()) {
+          why_not = absl::StrCat("model '", model->layout().name, "': ", h.message());
+        }
+      }
+      if (const bool now = why_not.empty(); now != serving_now) {
+        serving_now = now;
         (*serving)->SetServing(now);
-        std::cerr << "kvbankd: health: "
-                  << (now ? "SERVING (accepting connections again)"
-                          : "NOT_SERVING (cannot accept connections)")
-                  << std::endl;
+        (now ? log::Info("health") : log::Error("health"))
+                .Field("status", now ? "SERVING" : "NOT_SERVING")
+                .Field("reason", why_not)
+            << "health: " << (now ? "SERVING (can serve again)" : "NOT_SERVING (") << why_not
+            << (now ? "" : ")");
       }
       if (size_t n = registry->ExpireLeases(absl::Now()); n > 0) {
-        std::cerr << "kvbankd: " << n << " lease(s) expired; their sequences were freed\n";
+        log::Info("leases_expired").Field("sequences", n)
+            << n << " lease(s) expired; their sequences were freed";
       }
       registry->ExpireCache(absl::Now());
       if (cuda_ipc != nullptr) {
         if (size_t n = cuda_ipc->Sweep(absl::Now()); n > 0) {
-          std::cerr << "kvbankd: " << n
-                    << " CUDA IPC device region(s) unused for the lease; closed\n";
+          log::Info("cuda_ipc_regions_closed").Field("regions", n)
+              << n << " CUDA IPC device region(s) unused for the lease; closed";
         }
       }
       // The heap is kept large on purpose (see mallopt above), so a burst (many large messages
@@ -436,7 +516,11 @@ int Main(int argc, char** argv) {
 
   int sig = 0;
   sigwait(&signals, &sig);
-  std::cerr << "kvbankd: signal " << sig << ": draining calls in flight" << std::endl;
+  log::Info("drain_start")
+          .Field("signal", sig)
+          .Field("in_flight", calls.in_flight())
+          .Field("drain_timeout_ms", absl::GetFlag(FLAGS_drain_timeout_ms))
+      << "signal " << sig << ": draining calls in flight";
   // Drain before gRPC's Shutdown, which closes connections whose clients may still be reading
   // (see server/rpc/drain.h): refuse new calls, report NOT_SERVING, let the calls in flight
   // finish and wait until the clients have acknowledged every byte sent.
@@ -447,21 +531,36 @@ int Main(int argc, char** argv) {
   service.BeginDrain();
   (*serving)->ShutdownHealth();
   uint64_t in_flight = 0, unacked = 0;
+  const absl::Time drain_start = absl::Now();
+  absl::Time next_progress = drain_start + absl::Seconds(1);
   for (;;) {
     in_flight = calls.in_flight();
     unacked = in_flight > 0 ? 0 : rpc::UnackedBytesOnPort(port);
     if ((in_flight == 0 && unacked == 0) || absl::Now() >= deadline) break;
+    if (absl::Now() >= next_progress) {
+      next_progress += absl::Seconds(1);
+      log::Info("drain_progress")
+              .Field("in_flight", in_flight)
+              .Field("unacked_bytes", unacked)
+              .Field("remaining_ms", absl::ToInt64Milliseconds(deadline - absl::Now()))
+          << "draining: " << in_flight << " call(s) in flight, " << unacked
+          << " byte(s) not acknowledged";
+    }
     absl::SleepFor(absl::Milliseconds(2));
   }
   if (in_flight > 0 || unacked > 0) {
-    std::cerr << "kvbankd: drain timed out with " << in_flight << " call(s) in flight and "
-              << unacked << " byte(s) not acknowledged; cancelling" << std::endl;
+    log::Warn("drain_timeout").Field("in_flight", in_flight).Field("unacked_bytes", unacked)
+        << "drain timed out with " << in_flight << " call(s) in flight and " << unacked
+        << " byte(s) not acknowledged; cancelling";
+  } else {
+    log::Info("drain_done").Field("ms", absl::ToInt64Milliseconds(absl::Now() - drain_start))
+        << "drained in " << absl::ToInt64Milliseconds(absl::Now() - drain_start) << " ms";
   }
   // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
   // is left and close the connections now.
   (*serving)->Stop();
   if (shm_regions != nullptr) unlink(shm_regions->options().socket_path.c_str());
-  std::cerr << "kvbankd: stopped" << std::endl;
+  log::Info("stopped") << "stopped";
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51
   // sometimes waits ~10 s for one of its internal threads.
   std::fflush(nullptr);

@@ -25,8 +25,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/cli/plan.h"
 #include "common/command_line.h"
 #include "kvbank/client.h"
@@ -63,7 +65,14 @@ struct Command {
 
 const std::vector<Command>& Commands() {
   static const std::vector<Command> kCommands = {
-      {"stats", "[MODEL]", "blocks, sequences, tokens and traffic of one model or all", {}, 0, 1},
+      {"stats",
+       "[MODEL]",
+       "pool blocks (free, cached, used, pinned), evictions, prefix hit rate, traffic and each "
+       "tenant's row, of one model or all",
+       {{"watch", "SECONDS", "print them again every SECONDS, with rates, until Ctrl-C", "off"},
+        {"count", "N", "with --watch: stop after N refreshes (0: never)", "0"}},
+       0,
+       1},
       {"models", "", "the registered models and their layouts", {}, 0, 0},
       {"events",
        "MODEL",
@@ -208,23 +217,103 @@ int Models(Client& c) {
   return 0;
 }
 
-int Stats(Client& c, const std::string& model) {
-  auto stats = c.GetStats(model);
-  if (!stats.ok()) return Error(stats.status());
-  for (const auto& s : *stats) {
-    std::printf(
-        "%s: blocks total=%llu free=%llu used=%llu (block %llu B, %.1f MiB used of %.1f)"
-        " sequences=%llu tokens=%llu capacity_tokens=%llu appends=%llu fetches=%llu"
-        " appended=%llu B fetched=%llu B leases_expired=%llu\n",
-        s.model.c_str(), (unsigned long long)s.blocks_total, (unsigned long long)s.blocks_free,
-        (unsigned long long)s.blocks_used, (unsigned long long)s.block_bytes,
-        s.bytes_used / 1048576.0, s.pool_bytes / 1048576.0, (unsigned long long)s.sequences,
-        (unsigned long long)s.tokens_stored, (unsigned long long)s.capacity_tokens,
-        (unsigned long long)s.appends, (unsigned long long)s.fetches,
-        (unsigned long long)s.bytes_appended, (unsigned long long)s.bytes_fetched,
-        (unsigned long long)s.leases_expired);
+std::string Percent(uint64_t part, uint64_t whole) {
+  if (whole == 0) return "-";
+  return absl::StrFormat("%.1f%%", 100.0 * double(part) / double(whole));
+}
+
+std::string Mib(uint64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
+
+// One model's figures; with `before` (the previous refresh, `dt` ago) also rates.
+void PrintModelStats(const Client::ModelStats& s, const Client::ModelStats* before,
+                     absl::Duration dt) {
+  std::printf("%s: blocks total=%llu", s.model.c_str(), (unsigned long long)s.blocks_total);
+  if (s.tenant_view) {
+    std::printf(" yours=%llu (free, cached and evictions are the admin's to see)",
+                (unsigned long long)s.blocks_used);
+  } else {
+    std::printf(" free=%llu cached=%llu used=%llu pinned=%llu usage=%s evictions=%llu",
+                (unsigned long long)s.blocks_free, (unsigned long long)s.blocks_cached,
+                (unsigned long long)s.blocks_used, (unsigned long long)s.blocks_pinned,
+                Percent(s.blocks_used, s.blocks_total).c_str(), (unsigned long long)s.evictions);
   }
-  return 0;
+  std::printf(" (block %llu B, %s used of %s)\n", (unsigned long long)s.block_bytes,
+              Mib(s.bytes_used).c_str(), Mib(s.pool_bytes).c_str());
+  std::printf(
+      "  sequences=%llu tokens=%llu capacity_tokens=%llu prefix hit rate=%s (%llu of %llu prompt "
+      "tokens) appends=%llu fetches=%llu appended=%llu B fetched=%llu B leases_expired=%llu "
+      "fetches_waiting=%llu\n",
+      (unsigned long long)s.sequences, (unsigned long long)s.tokens_stored,
+      (unsigned long long)s.capacity_tokens,
+      Percent(s.prefix_hit_tokens, s.prefix_query_tokens).c_str(),
+      (unsigned long long)s.prefix_hit_tokens, (unsigned long long)s.prefix_query_tokens,
+      (unsigned long long)s.appends, (unsigned long long)s.fetches,
+      (unsigned long long)s.bytes_appended, (unsigned long long)s.bytes_fetched,
+      (unsigned long long)s.leases_expired, (unsigned long long)s.fetches_waiting);
+  if (before != nullptr && dt > absl::ZeroDuration()) {
+    const double secs = absl::ToDoubleSeconds(dt);
+    auto rate = [&](uint64_t now, uint64_t then) {
+      return now >= then ? double(now - then) / secs : 0.0;
+    };
+    std::printf(
+        "  per second: appends=%.1f fetches=%.1f in=%.1f MiB out=%.1f MiB evictions=%.1f "
+        "prompt tokens=%.0f hit=%s\n",
+        rate(s.appends, before->appends), rate(s.fetches, before->fetches),
+        rate(s.bytes_appended, before->bytes_appended) / 1048576.0,
+        rate(s.bytes_fetched, before->bytes_fetched) / 1048576.0,
+        rate(s.evictions, before->evictions),
+        rate(s.prefix_query_tokens, before->prefix_query_tokens),
+        Percent(
+            s.prefix_hit_tokens - std::min(s.prefix_hit_tokens, before->prefix_hit_tokens),
+            s.prefix_query_tokens - std::min(s.prefix_query_tokens, before->prefix_query_tokens))
+            .c_str());
+  }
+  for (const auto& t : s.tenants) {
+    std::printf(
+        "  tenant %-16s sequences=%llu tokens=%llu blocks=%llu%s hit rate=%s (%llu of %llu) "
+        "appends=%llu fetches=%llu appended=%llu B fetched=%llu B%s\n",
+        t.tenant.empty() ? "''" : t.tenant.c_str(), (unsigned long long)t.sequences,
+        (unsigned long long)t.tokens_stored, (unsigned long long)t.blocks_referenced,
+        t.max_blocks ? absl::StrCat("/", t.max_blocks).c_str() : "",
+        Percent(t.prefix_hit_tokens, t.prefix_query_tokens).c_str(),
+        (unsigned long long)t.prefix_hit_tokens, (unsigned long long)t.prefix_query_tokens,
+        (unsigned long long)t.appends, (unsigned long long)t.fetches,
+        (unsigned long long)t.bytes_appended, (unsigned long long)t.bytes_fetched,
+        t.max_sequences ? absl::StrCat(" max_sequences=", t.max_sequences).c_str() : "");
+  }
+}
+
+// `kvbank stats [MODEL] [--watch S [--count N]]`.
+int Stats(Client& c, const std::string& model, const ParsedArgs& a) {
+  double watch = 0;
+  uint64_t count = 0;
+  if (auto v = a.Get("watch"); v && (!absl::SimpleAtod(*v, &watch) || !(watch > 0))) {
+    return UsageError("stats", "--watch takes a number of seconds > 0");
+  }
+  if (auto v = a.Get("count"); v && !absl::SimpleAtoi(*v, &count)) {
+    return UsageError("stats", "--count takes an integer >= 0");
+  }
+  std::vector<Client::ModelStats> before;
+  absl::Time then;
+  for (uint64_t round = 0;; ++round) {
+    auto stats = c.GetStats(model);
+    if (!stats.ok()) return Error(stats.status());
+    const absl::Time now = absl::Now();
+    if (watch > 0)
+      std::printf("-- %s\n", absl::FormatTime("%H:%M:%S", now, absl::LocalTimeZone()).c_str());
+    for (const auto& s : *stats) {
+      const Client::ModelStats* prev = nullptr;
+      for (const auto& b : before) {
+        if (b.model == s.model) prev = &b;
+      }
+      PrintModelStats(s, prev, now - then);
+    }
+    std::fflush(stdout);
+    if (watch <= 0 || (count > 0 && round + 1 >= count)) return 0;
+    before = *std::move(stats);
+    then = now;
+    absl::SleepFor(absl::Seconds(watch));
+  }
 }
 
 // Prints KV events as they come (a KV-aware router's view), until --count events or Ctrl-C.
@@ -441,7 +530,9 @@ int Demo(const std::string& server, const ClientOptions& options, absl::Duration
     if (absl::Status f = held.Free(second->id); !f.ok()) return Error(f);
     if (absl::Status f = held.Free(first->id); !f.ok()) return Error(f);
   }
-  Stats(*decode, model);
+  if (auto stats = decode->GetStats(model); stats.ok()) {
+    for (const auto& st : *stats) PrintModelStats(st, nullptr, absl::ZeroDuration());
+  }
   return exact ? 0 : 1;
 }
 
@@ -527,7 +618,7 @@ int Main(int argc, char** argv) {
   std::unique_ptr<Client> client = ConnectOrSay(server, options, timeout);
   if (client == nullptr) return 1;
   if (name == "stats") {
-    return Stats(*client, parsed->positional.empty() ? "" : parsed->positional[0]);
+    return Stats(*client, parsed->positional.empty() ? "" : parsed->positional[0], all);
   }
   if (name == "models") return Models(*client);
   return Events(*client, parsed->positional[0], all);

@@ -295,9 +295,18 @@ py::dict StatsToDict(const Client::ModelStats& s) {
     td["prefix_hit_tokens"] = t.prefix_hit_tokens;
     td["blocks_referenced"] = t.blocks_referenced;
     td["sequences"] = t.sequences;
+    td["tokens_stored"] = t.tokens_stored;
+    td["appends"] = t.appends;
+    td["fetches"] = t.fetches;
+    td["bytes_appended"] = t.bytes_appended;
+    td["bytes_fetched"] = t.bytes_fetched;
+    td["leases_expired"] = t.leases_expired;
+    td["max_blocks"] = t.max_blocks;
+    td["max_sequences"] = t.max_sequences;
     tenants.append(td);
   }
   d["tenants"] = tenants;
+  d["tenant_view"] = s.tenant_view;
   return d;
 }
 

@@ -492,7 +492,25 @@ class CudaMemory final : public PoolMemory {
 
   // The error of `what`, naming this memory and the CUDA error.
   absl::Status Error(cudaError_t e, absl::string_view what) const {
+    if (IsSticky(e)) {
+      int none = cudaSuccess;
+      sticky_.compare_exchange_strong(none, int(e), std::memory_order_acq_rel);
+    }
     return absl::InternalError(absl::StrCat(name(), ": ", what, ": ", CudaErrorText(e)));
+  }
+
+  absl::Status Health() const override {
+    const int e = sticky_.load(std::memory_order_acquire);
+    if (e == cudaSuccess) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat(name(), " took a sticky CUDA error (",
+                                               CudaErrorText(cudaError_t(e)),
+                                               "): every call on this device fails until the "
+                                               "process restarts"));
+  }
+
+  // Errors after which the device's context is unusable for good.
+  static bool IsSticky(cudaError_t e) {
+    return e == cudaErrorIllegalAddress || e == cudaErrorLaunchFailure;
   }
 
   // Ends a call that failed at `what`. NOTE: a sync point: drains the lane's stream so that no
@@ -645,6 +663,8 @@ class CudaMemory final : public PoolMemory {
   const int device_;
   const std::shared_ptr<PinnedCache> pinned_;
   std::array<Lane, kLanes> lanes_;
+  // The first sticky error seen (cudaSuccess: none), for Health().
+  mutable std::atomic<int> sticky_{cudaSuccess};
   std::atomic<uint32_t> next_lane_{0};
 };
 

@@ -123,6 +123,9 @@ class PoolMemory {
   // num_threads: the CPU kernel's threads (0: all cores); ignored on a GPU.
   virtual absl::Status Attend(const kernels::DecodeAttentionParams& p, uint32_t max_length,
                               uint32_t num_threads) = 0;
+  // OK while the memory can serve; else why not (a CUDA device whose context took a sticky error:
+  // every later call on it fails). Health reports NOT_SERVING then. Cheap; any thread.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
 
  protected:
   PoolMemory(MemoryKind kind, std::string name, uint8_t* base, uint64_t bytes)

@@ -9,6 +9,13 @@
 #include "server/rpc/service.h"
 
 namespace kvbank::rpc {
+namespace {
+
+// Connections the health-only server keeps open at once: kubelet probes and an operator's
+// grpc_health_probe need a handful.
+constexpr uint64_t kHealthConnections = 64;
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Serving>> Serving::Start(grpc::Service* service,
                                                         ServingOptions options) {
@@ -66,6 +73,27 @@ absl::StatusOr<std::unique_ptr<Serving>> Serving::Start(grpc::Service* service,
     return absl::InternalError(absl::StrCat("gRPC could not start serving on ", options.listen));
   }
   s->listener_->Start(std::move(acceptor), s->max_connections_);
+  if (!options.health_listen.empty()) {
+    auto health_listener = Listener::Bind(options.health_listen);
+    if (!health_listener.ok()) {
+      return absl::Status(health_listener.status().code(),
+                          absl::StrCat("the health address ", options.health_listen, ": ",
+                                       health_listener.status().message()));
+    }
+    s->health_listener_ = *std::move(health_listener);
+    // No service registered: the server holds only the default health service.
+    grpc::ServerBuilder health_builder;
+    auto health_acceptor = health_builder.experimental().AddExternalConnectionAcceptor(
+        grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+        grpc::InsecureServerCredentials());
+    health_builder.SetMaxReceiveMessageSize(4096);
+    s->health_server_ = health_builder.BuildAndStart();
+    if (s->health_server_ == nullptr || s->health_server_->GetHealthCheckService() == nullptr) {
+      return absl::InternalError(
+          absl::StrCat("gRPC could not start the health server on ", options.health_listen));
+    }
+    s->health_listener_->Start(std::move(health_acceptor), kHealthConnections);
+  }
   s->SetServing(true);
   return s;
 }
@@ -73,16 +101,21 @@ absl::StatusOr<std::unique_ptr<Serving>> Serving::Start(grpc::Service* service,
 Serving::~Serving() { Stop(); }
 
 void Serving::SetServing(bool serving) {
-  if (server_ == nullptr) return;
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  if (health == nullptr) return;
-  health->SetServingStatus(serving);
-  health->SetServingStatus(v1::KvBank::service_full_name(), serving);
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+    if (health == nullptr) continue;
+    health->SetServingStatus(serving);
+    health->SetServingStatus(v1::KvBank::service_full_name(), serving);
+  }
 }
 
 void Serving::ShutdownHealth() {
-  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
-    health->Shutdown();
+  for (grpc::Server* server : {server_.get(), health_server_.get()}) {
+    if (server == nullptr) continue;
+    if (grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService()) {
+      health->Shutdown();
+    }
   }
 }
 
@@ -94,6 +127,11 @@ void Serving::Stop() {
   // clients to answer its ping, up to 20 s.
   server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
+  if (health_server_ != nullptr) {
+    health_listener_->Stop();
+    health_server_->Shutdown(std::chrono::system_clock::now());
+    health_server_->Wait();
+  }
 }
 
 }  // namespace kvbank::rpc

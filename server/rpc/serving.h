@@ -28,6 +28,11 @@ struct ServingOptions {
   absl::Duration max_connection_idle = absl::Minutes(10);
   absl::Duration keepalive_time = absl::Seconds(60);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // When set, a second, plaintext gRPC server on this address serves grpc.health.v1 only, with
+  // the same statuses as the main one: kubelet's native gRPC probes cannot speak TLS or send
+  // tokens. It has its own listener (a few connections; it survives running out of descriptors
+  // like the main one).
+  std::string health_listen;
   // Extra channel arguments (benchmark experiments).
   std::vector<std::pair<std::string, int>> channel_args;
 };
@@ -46,11 +51,14 @@ class Serving {
   ~Serving();  // Stop()s
 
   int port() const { return listener_->port(); }
+  // The health-only server's port; 0 without ServingOptions::health_listen.
+  int health_port() const { return health_listener_ != nullptr ? health_listener_->port() : 0; }
   uint64_t max_connections() const { return max_connections_; }
   uint64_t descriptor_limit() const { return descriptor_limit_; }
   grpc::Server* server() const { return server_.get(); }
   const Listener& listener() const { return *listener_; }
-  // Health of "" and of kvbank.v1.KvBank. No effect once the health service is shut down.
+  // Health of "" and of kvbank.v1.KvBank, on the main server and the health-only one. No effect
+  // once the health service is shut down.
   void SetServing(bool serving);
   // The drain: health answers NOT_SERVING from now on, for good.
   void ShutdownHealth();
@@ -62,6 +70,8 @@ class Serving {
   Serving() = default;
   std::unique_ptr<Listener> listener_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Listener> health_listener_;  // with health_server_, or both null
+  std::unique_ptr<grpc::Server> health_server_;
   uint64_t max_connections_ = 0;
   uint64_t descriptor_limit_ = 0;
   bool stopped_ = false;

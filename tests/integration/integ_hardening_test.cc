@@ -23,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
+#include "tests/integration/health_support.h"
 #include "tests/integration/prefix_support.h"
 #include "tests/integration/server_fixture.h"
 
@@ -39,34 +40,6 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& target) {
 
 std::chrono::system_clock::time_point In(absl::Duration d) {
   return absl::ToChronoTime(absl::Now() + d);
-}
-
-// grpc.health.v1.Health/Check for `service` on `channel`: 1 SERVING, 2 NOT_SERVING, -1 when the
-// call failed.
-int HealthOf(grpc::Channel* channel, const std::string& service) {
-  grpc::GenericStub generic(channel->shared_from_this());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(In(absl::Seconds(2)));
-  std::string request;
-  if (!service.empty())
-    request = absl::StrCat("\x0a", std::string(1, char(service.size())), service);
-  grpc::Slice slice(request);
-  grpc::ByteBuffer req(&slice, 1), resp;
-  absl::Notification done;
-  grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
-                    [&](grpc::Status s) {
-                      status = std::move(s);
-                      done.Notify();
-                    });
-  done.WaitForNotification();
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (resp.Dump(&slices).ok()) {
-    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0;
 }
 
 // A raw TCP connection to 127.0.0.1:port that never speaks HTTP/2; -1 when connect failed.

@@ -130,8 +130,14 @@ class Client {
       std::string tenant;
       uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0, blocks_referenced = 0;
       uint64_t sequences = 0;
+      uint64_t tokens_stored = 0, appends = 0, fetches = 0, bytes_appended = 0;
+      uint64_t bytes_fetched = 0, leases_expired = 0;
+      uint64_t max_blocks = 0, max_sequences = 0;  // limits; 0: none of its own
     };
     std::vector<Tenant> tenants;  // the caller's own, or every tenant for an admin
+    // The caller is not admin: the figures are its own, and the pool-wide ones that move with
+    // other tenants' work (free, cached, pinned blocks, evictions) are withheld (0).
+    bool tenant_view = false;
   };
   // How a sequence starts: with a prompt, its cached full blocks are attached.
   struct CreateArgs {

@@ -59,6 +59,10 @@ class DeadPort {
 // Every flag kvbankd defines, as the README spells them.
 const std::vector<std::string> kServerFlags = {"--listen",
                                                "--port-file",
+                                               "--health-listen",
+                                               "--health-port-file",
+                                               "--log-format",
+                                               "--log-errors-per-second",
                                                "--device",
                                                "--models",
                                                "--config",
@@ -270,6 +274,54 @@ class KvbankDemoTest : public KvbankdTest {
     return (*stats)[0].sequences;
   }
 };
+
+TEST_F(KvbankDemoTest, StatsShowCachedBlocksEvictionsHitRateAndTenants) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=llama-3.1-8b", "--pool-bytes=64MiB"}));
+  auto client = NewClient();
+  ASSERT_NE(client, nullptr);
+  // Two blocks' worth of prompt, stored, freed (its blocks stay cached), then asked for again:
+  // 32 of the 64 prompt tokens looked up hit.
+  auto models = client->ListModels();
+  ASSERT_TRUE(models.ok() && !models->empty());
+  const uint32_t bt = (*models)[0].layout.block_tokens;
+  std::vector<uint32_t> prompt(2 * bt);
+  for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = 1000 + i;
+  Client::CreateArgs args;
+  args.prompt = prompt;
+  auto first = client->CreateSequence("llama-3.1-8b", args);
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<uint8_t> kv((*models)[0].payload_bytes_per_token * prompt.size(), 7);
+  Client::AppendArgs a;
+  a.num_tokens = prompt.size();
+  ASSERT_TRUE(client->Append("llama-3.1-8b", first->id, a, kv).ok());
+  ASSERT_TRUE(client->Free("llama-3.1-8b", first->id).ok());
+  auto second = client->CreateSequence("llama-3.1-8b", args);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->cached_tokens, prompt.size());
+
+  ProcessResult r = Kvbank({"stats", "--server", server_->target()});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  for (const std::string& want :
+       {std::string("cached=0"), std::string("evictions=0"), std::string("used=2"),
+        absl::StrCat("prefix hit rate=50.0% (", prompt.size(), " of ", 2 * prompt.size()),
+        std::string("tenant ''"), std::string("sequences=1")}) {
+    EXPECT_TRUE(absl::StrContains(r.out, want)) << want << "\n" << r.Describe();
+  }
+  ASSERT_TRUE(client->Free("llama-3.1-8b", second->id).ok());
+  r = Kvbank({"stats", "llama-3.1-8b", "--server", server_->target()});
+  EXPECT_TRUE(absl::StrContains(r.out, "cached=2 used=0")) << r.Describe();
+
+  // --watch refreshes --count times, with rates from the second refresh on.
+  r = Kvbank({"stats", "--watch", "0.2", "--count", "2", "--server", server_->target()});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  size_t refreshes = 0;
+  for (size_t at = 0; (at = r.out.find("-- ", at)) != std::string::npos; ++at) ++refreshes;
+  EXPECT_EQ(refreshes, 2u) << r.Describe();
+  EXPECT_TRUE(absl::StrContains(r.out, "per second: appends=0.0")) << r.Describe();
+  r = Kvbank({"stats", "--watch", "0", "--server", server_->target()});
+  EXPECT_EQ(r.exit_code, 2) << r.Describe();
+  EXPECT_TRUE(absl::StrContains(r.err, "--watch")) << r.Describe();
+}
 
 TEST_F(KvbankDemoTest, RunsAndLeavesNothingBehind) {
   // Underscores still work as well as dashes.

@@ -1,0 +1,113 @@
+#include "server/rpc/request_log.h"
+
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+
+namespace kvbank::rpc {
+
+const char* StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
+  }
+}
+
+class RequestLog::Interceptor final : public grpc::experimental::Interceptor {
+ public:
+  Interceptor(RequestLog* log, grpc::experimental::ServerRpcInfo* info) : log_(log), info_(info) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status status = methods->GetSendStatus();
+      if (!status.ok()) log_->Failed(*info_, status);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  RequestLog* const log_;
+  grpc::experimental::ServerRpcInfo* const info_;
+};
+
+grpc::experimental::Interceptor* RequestLog::CreateServerInterceptor(
+    grpc::experimental::ServerRpcInfo* info) {
+  if (!absl::StartsWith(info->method(), "/kvbank.v1.KvBank/")) return nullptr;
+  return new Interceptor(this, info);
+}
+
+void RequestLog::Failed(grpc::experimental::ServerRpcInfo& info, const grpc::Status& status) {
+  uint64_t suppressed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (now - window_start_ >= absl::Seconds(1)) {
+      window_start_ = now;
+      in_window_ = 0;
+    }
+    if (in_window_ >= max_per_second_) {
+      ++suppressed_;
+      suppressed_total_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    ++in_window_;
+    suppressed = suppressed_;
+    suppressed_ = 0;
+  }
+  // The tenant is looked up again only for calls that failed; a call refused for its token has
+  // none.
+  std::string tenant;
+  if (auth_ != nullptr && info.server_context() != nullptr) {
+    if (auto caller = auth_->Authenticate(*info.server_context()); caller.ok()) {
+      tenant = caller->tenant;
+    }
+  }
+  const std::string method(info.method());
+  const char* code = StatusCodeName(status.error_code());
+  auto record = log::Warn("rpc_error");
+  record.Field("method", method).Field("tenant", tenant).Field("code", code);
+  if (suppressed > 0) record.Field("suppressed", suppressed);
+  record << method << " failed " << code << " (tenant '" << tenant
+         << "'): " << status.error_message();
+  if (suppressed > 0) record << " [" << suppressed << " more error(s) not logged]";
+  logged_.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace kvbank::rpc
