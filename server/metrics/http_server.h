@@ -24,7 +24,8 @@ class HttpServer {
   // host:port, UNAVAILABLE naming the address when it cannot be bound (a port in use).
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const std::string& address,
                                                            const Registry* registry);
-  // Stops serving: waits for the requests in flight, closes the port.
+  // Stops serving: waits for the requests in flight, closes the port. NOTE: takes up to 2 s once
+  // requests were served (civetweb's poll interval).
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
