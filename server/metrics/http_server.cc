@@ -37,8 +37,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   mg_init_library(0);  // reference counted; mg_exit_library is left to process exit
   // A scrape every few seconds needs little: two workers, no files served (no document_root),
   // requests that stall are dropped.
-  const char* options[] = {"listening_ports", address.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000", nullptr};
+  const char* options[] = {"listening_ports",    address.c_str(), "num_threads", "2",
+                           "request_timeout_ms", "10000",         nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof(callbacks));
   mg_init_data init;
@@ -61,8 +61,8 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   const int n = mg_get_server_ports(server->ctx_, 4, ports);
   if (n < 1) return absl::InternalError(absl::StrCat("civetweb bound no port for ", address));
   server->port_ = ports[0].port;
-  server->url_ = absl::StrCat("http://", address.substr(0, address.rfind(':')), ":",
-                              server->port_, "/metrics");
+  server->url_ = absl::StrCat("http://", address.substr(0, address.rfind(':')), ":", server->port_,
+                              "/metrics");
   return server;
 }
 
@@ -97,8 +97,8 @@ absl::Status WritePortFile(const std::string& path, int port) {
     if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write ", tmp));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ",
-                                            std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", tmp, " to ", path, ": ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }

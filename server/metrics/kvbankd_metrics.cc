@@ -51,10 +51,10 @@ const Figure<v1::ModelStats> kModelFigures[] = {
      [](const v1::ModelStats& m) { return double(m.appends()); }},
     {"kvbank_fetches_total", "Fetch readers handed out (by sequence or by block hash).",
      MetricType::kCounter, [](const v1::ModelStats& m) { return double(m.fetches()); }},
-    {"kvbank_bytes_appended_total", "Payload bytes of the appends committed.",
-     MetricType::kCounter, [](const v1::ModelStats& m) { return double(m.bytes_appended()); }},
-    {"kvbank_bytes_fetched_total", "Payload bytes of the fetches handed out.",
-     MetricType::kCounter, [](const v1::ModelStats& m) { return double(m.bytes_fetched()); }},
+    {"kvbank_bytes_appended_total", "Payload bytes of the appends committed.", MetricType::kCounter,
+     [](const v1::ModelStats& m) { return double(m.bytes_appended()); }},
+    {"kvbank_bytes_fetched_total", "Payload bytes of the fetches handed out.", MetricType::kCounter,
+     [](const v1::ModelStats& m) { return double(m.bytes_fetched()); }},
     {"kvbank_leases_expired_total", "Sequences freed because their lease ran out.",
      MetricType::kCounter, [](const v1::ModelStats& m) { return double(m.leases_expired()); }},
 };
@@ -176,10 +176,10 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
 
 void KvbankdMetrics::CollectServer(std::vector<FamilySnapshot>* out) const {
   const rpc::PlaneBytes& bytes = service_->plane_bytes();
-  FamilySnapshot* in = AddFamily(
-      out, "kvbank_bytes_received_total",
-      "Payload bytes of appends committed, by the data plane that carried them.",
-      MetricType::kCounter);
+  FamilySnapshot* in =
+      AddFamily(out, "kvbank_bytes_received_total",
+                "Payload bytes of appends committed, by the data plane that carried them.",
+                MetricType::kCounter);
   FamilySnapshot* sent =
       AddFamily(out, "kvbank_bytes_sent_total",
                 "Payload bytes of fetches completed, by the data plane that carried them.",

@@ -147,9 +147,9 @@ absl::StatusOr<Family<Counter>*> Registry::AddCounter(const std::string& name,
   if (!absl::EndsWith(name, "_total")) {
     return absl::InvalidArgumentError(absl::StrCat("counter ", name, " must end in _total"));
   }
-  counters_.push_back(std::make_unique<Family<Counter>>(
-      name, help, MetricType::kCounter, std::move(label_names),
-      [] { return std::make_unique<Counter>(); }));
+  counters_.push_back(
+      std::make_unique<Family<Counter>>(name, help, MetricType::kCounter, std::move(label_names),
+                                        [] { return std::make_unique<Counter>(); }));
   order_.emplace_back(MetricType::kCounter, counters_.size() - 1);
   return counters_.back().get();
 }

@@ -129,8 +129,8 @@ class Family {
   absl::StatusOr<T*> WithLabels(const std::vector<std::string>& values) {
     if (values.size() != label_names_.size()) {
       return absl::InvalidArgumentError("metric " + name_ + " takes " +
-                                        std::to_string(label_names_.size()) + " label values, got " +
-                                        std::to_string(values.size()));
+                                        std::to_string(label_names_.size()) +
+                                        " label values, got " + std::to_string(values.size()));
     }
     absl::MutexLock lock(&mu_);
     std::unique_ptr<T>& child = children_[values];

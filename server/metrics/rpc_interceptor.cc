@@ -7,16 +7,29 @@
 namespace kvbank::metrics {
 
 std::vector<double> RpcDurationBuckets() {
-  return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
-          100e-3, 250e-3, 500e-3, 1, 2.5, 5, 10, 30, 60};
+  return {50e-6,  100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+          100e-3, 250e-3, 500e-3, 1,      2.5,  5,      10,   30,    60};
 }
 
 const char* StatusCodeName(int code) {
-  static constexpr const char* kNames[] = {
-      "OK",      "CANCELLED",         "UNKNOWN",   "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-      "NOT_FOUND", "ALREADY_EXISTS",  "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-      "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-      "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  // grpc::StatusCode's values in order, as gRPC names them.
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
   if (code < 0 || code >= int(sizeof(kNames) / sizeof(kNames[0]))) return "UNKNOWN";
   return kNames[code];
 }
@@ -31,13 +44,16 @@ class RpcMetrics::Tracker final : public grpc::experimental::Interceptor {
   }
   ~Tracker() override {
     // A call that ends without a status of its own (its client went away first).
-    if (!recorded_) Record(grpc::StatusCode::CANCELLED);
+    if (!recorded_.load(std::memory_order_acquire)) Record(grpc::StatusCode::CANCELLED);
     method_->in_flight->Add(-1);
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (!recorded_ && methods->QueryInterceptionHookPoint(
-                          grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+    // A streaming call's send and receive batches may be intercepted on two threads at once;
+    // the status is sent once, so only that batch records.
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS) &&
+        !recorded_.exchange(true, std::memory_order_acq_rel)) {
       Record(methods->GetSendStatus().error_code());
     }
     methods->Proceed();
@@ -45,7 +61,6 @@ class RpcMetrics::Tracker final : public grpc::experimental::Interceptor {
 
  private:
   void Record(int code) {
-    recorded_ = true;
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start_;
     method_->duration->Observe(took.count());
     owner_->CodeCounter(method_, code)->Inc();
@@ -54,18 +69,18 @@ class RpcMetrics::Tracker final : public grpc::experimental::Interceptor {
   RpcMetrics* const owner_;
   Method* const method_;
   const std::chrono::steady_clock::time_point start_;
-  bool recorded_ = false;  // gRPC runs one call's interceptions one at a time
+  std::atomic<bool> recorded_{false};
 };
 
 absl::StatusOr<std::unique_ptr<RpcMetrics>> RpcMetrics::Create(
     Registry* registry, const std::string& prefix, const std::string& service,
     const std::vector<std::string>& methods) {
   std::unique_ptr<RpcMetrics> r(new RpcMetrics());
-  auto duration = registry->AddHistogram(
-      prefix + "_rpc_duration_seconds",
-      absl::StrCat("Time from the start of a ", service,
-                   " call to its status being sent, in seconds, by method."),
-      {"method"}, RpcDurationBuckets());
+  auto duration =
+      registry->AddHistogram(prefix + "_rpc_duration_seconds",
+                             absl::StrCat("Time from the start of a ", service,
+                                          " call to its status being sent, in seconds, by method."),
+                             {"method"}, RpcDurationBuckets());
   if (!duration.ok()) return duration.status();
   auto total = registry->AddCounter(
       prefix + "_rpc_total",
@@ -73,9 +88,8 @@ absl::StatusOr<std::unique_ptr<RpcMetrics>> RpcMetrics::Create(
                    "calls whose client went away before an answer)."),
       {"method", "code"});
   if (!total.ok()) return total.status();
-  auto in_flight = registry->AddGauge(prefix + "_rpc_in_flight",
-                                      absl::StrCat(service, " calls in flight, by method."),
-                                      {"method"});
+  auto in_flight = registry->AddGauge(
+      prefix + "_rpc_in_flight", absl::StrCat(service, " calls in flight, by method."), {"method"});
   if (!in_flight.ok()) return in_flight.status();
   r->total_ = *total;
   for (const std::string& name : methods) {

@@ -34,10 +34,9 @@ class RpcMetrics final : public grpc::experimental::ServerInterceptorFactoryInte
   // Registers the three families as `prefix`_... in `registry` and the rows of `methods` (short
   // names, e.g. "Fetch") of `service` (its full name, e.g. "kvbank.v1.KvBank"). Calls of other
   // services or methods are not counted. Errors as Registry::Add*.
-  static absl::StatusOr<std::unique_ptr<RpcMetrics>> Create(Registry* registry,
-                                                            const std::string& prefix,
-                                                            const std::string& service,
-                                                            const std::vector<std::string>& methods);
+  static absl::StatusOr<std::unique_ptr<RpcMetrics>> Create(
+      Registry* registry, const std::string& prefix, const std::string& service,
+      const std::vector<std::string>& methods);
 
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;

@@ -31,7 +31,9 @@ inline const char* PlaneName(Plane p) {
 // Thread-safe: one relaxed atomic add per transfer (not per message).
 class PlaneBytes {
  public:
-  void AddReceived(Plane p, uint64_t n) { received_[int(p)].fetch_add(n, std::memory_order_relaxed); }
+  void AddReceived(Plane p, uint64_t n) {
+    received_[int(p)].fetch_add(n, std::memory_order_relaxed);
+  }
   void AddSent(Plane p, uint64_t n) { sent_[int(p)].fetch_add(n, std::memory_order_relaxed); }
   uint64_t received(Plane p) const { return received_[int(p)].load(std::memory_order_relaxed); }
   uint64_t sent(Plane p) const { return sent_[int(p)].load(std::memory_order_relaxed); }

@@ -230,7 +230,8 @@ class KvBankService final : public internal::RawKvBankService {
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
   StreamWatchdog watchdog_;
   mutable Timers timers_;  // fetches' wait_ms (thread-safe)
-  mutable PlaneBytes plane_bytes_;  // thread-safe counters
+  // Payload bytes by data plane (thread-safe counters; plane_bytes.h).
+  mutable PlaneBytes plane_bytes_;
   // Last: joined (finishing their calls) first.
   std::unique_ptr<WorkQueue> device_work_;
   std::unique_ptr<WorkQueue> attend_work_;

@@ -247,7 +247,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   bool on_device_ ABSL_GUARDED_BY(mu_) = false;
   bool from_region_ ABSL_GUARDED_BY(mu_) = false;  // header.source: no data may follow
   bool from_nccl_ ABSL_GUARDED_BY(mu_) = false;    // header.nccl: no data may follow
-  Plane plane_ ABSL_GUARDED_BY(mu_) = Plane::kGrpc;  // the payload's way in
+  // The payload's way in (its bytes count in plane_bytes_ at the commit).
+  Plane plane_ ABSL_GUARDED_BY(mu_) = Plane::kGrpc;
   std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);

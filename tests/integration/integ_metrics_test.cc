@@ -220,8 +220,8 @@ TEST_F(MetricsTest, OnlyMetricsIsServed) {
 
 // A bad --metrics-listen stops kvbankd at start, naming the flag.
 TEST(MetricsFlagTest, BadAddressIsRefusedAtStart) {
-  auto server = ServerProcess::Start({"--no-auth", "--models=", "--metrics-listen=9400"},
-                                     absl::Seconds(10));
+  auto server =
+      ServerProcess::Start({"--no-auth", "--models=", "--metrics-listen=9400"}, absl::Seconds(10));
   ASSERT_FALSE(server.ok());
   EXPECT_TRUE(absl::StrContains(server.status().message(), "--metrics-listen")) << server.status();
   EXPECT_TRUE(absl::StrContains(server.status().message(), "is not host:port")) << server.status();

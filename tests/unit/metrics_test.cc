@@ -23,8 +23,8 @@ namespace {
 
 // A small registry with every kind of family, label values that need escaping, and a collector.
 void Populate(Registry* r) {
-  auto requests = r->AddCounter("test_requests_total", "Requests \\ seen\nby path and code.",
-                                {"path", "code"});
+  auto requests =
+      r->AddCounter("test_requests_total", "Requests \\ seen\nby path and code.", {"path", "code"});
   ASSERT_TRUE(requests.ok()) << requests.status();
   (*(*requests)->WithLabels({"c\\d\ne", "500"}))->Inc();
   (*(*requests)->WithLabels({"/a\"b", "200"}))->Inc(2);
@@ -180,7 +180,8 @@ TEST(MetricsTest, HttpServesMetricsOnly) {
 
   const std::string ok = Get(port, "/metrics");
   EXPECT_TRUE(absl::StartsWith(ok, "HTTP/1.1 200 OK\r\n")) << ok;
-  EXPECT_TRUE(absl::StrContains(ok, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"))
+  EXPECT_TRUE(
+      absl::StrContains(ok, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"))
       << ok;
   EXPECT_EQ(testing_http::Body(ok), kPopulated);
   EXPECT_TRUE(absl::StrContains(ok, absl::StrCat("Content-Length: ", strlen(kPopulated), "\r\n")));
