@@ -176,17 +176,19 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
 
 void KvbankdMetrics::CollectServer(std::vector<FamilySnapshot>* out) const {
   const rpc::PlaneBytes& bytes = service_->plane_bytes();
+  // Each family is filled before the next is added (AddFamily's pointer dies when `out` grows).
   FamilySnapshot* in =
       AddFamily(out, "kvbank_bytes_received_total",
                 "Payload bytes of appends committed, by the data plane that carried them.",
                 MetricType::kCounter);
+  for (rpc::Plane p : rpc::kPlanes) {
+    in->samples.push_back({"", {{"plane", rpc::PlaneName(p)}}, double(bytes.received(p))});
+  }
   FamilySnapshot* sent =
       AddFamily(out, "kvbank_bytes_sent_total",
                 "Payload bytes of fetches completed, by the data plane that carried them.",
                 MetricType::kCounter);
-  // `in` and `sent` stay valid: nothing is added to `out` until both are filled.
   for (rpc::Plane p : rpc::kPlanes) {
-    in->samples.push_back({"", {{"plane", rpc::PlaneName(p)}}, double(bytes.received(p))});
     sent->samples.push_back({"", {{"plane", rpc::PlaneName(p)}}, double(bytes.sent(p))});
   }
   const rpc::Listener* listener = listener_.load(std::memory_order_acquire);
