@@ -207,6 +207,37 @@ TEST_F(MetricsTest, ScrapeReportsTheWorkDone) {
   EXPECT_EQ(at("kvbank_build_info{version=\"" + info->version + "\"}"), 1);
 }
 
+// A call whose client gives up (its deadline passes while the fetch waits for tokens) counts once,
+// under a code that is not OK, and leaves the in-flight gauge.
+TEST_F(MetricsTest, AbandonedCallCountsOnceAndLeavesInFlight) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  ASSERT_TRUE(As("token-of-ops")->EnsureModel(SmallLayout("m"), 4 * kMiB).ok());
+  ClientOptions o;
+  o.bearer_token = "token-of-a";
+  o.stream_deadline = absl::Milliseconds(300);
+  std::unique_ptr<Client> a = NewClient(o);
+  auto seq = a->CreateSequence("m", Client::CreateArgs());
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  Client::FetchArgs f;
+  f.token_end = kBt;  // never appended
+  f.wait = absl::Seconds(30);
+  EXPECT_EQ(a->Fetch("m", seq->id, f).status().code(), absl::StatusCode::kDeadlineExceeded);
+  std::map<std::string, double> m;
+  double fetches = 0;
+  ASSERT_TRUE(WaitUntil([&] {
+    m = Scrape();
+    fetches = 0;
+    for (const auto& [series, v] : m) {
+      if (absl::StartsWith(series, "kvbank_rpc_total{method=\"Fetch\",")) fetches += v;
+    }
+    return fetches == 1 && m["kvbank_rpc_in_flight{method=\"Fetch\"}"] == 0;
+  })) << "Fetch rows "
+      << fetches << ", in flight " << m["kvbank_rpc_in_flight{method=\"Fetch\"}"];
+  EXPECT_EQ(m["kvbank_rpc_total{method=\"Fetch\",code=\"OK\"}"], 0);
+  EXPECT_EQ(m["kvbank_rpc_duration_seconds_count{method=\"Fetch\"}"], 1);
+  EXPECT_EQ(m["kvbank_bytes_sent_total{plane=\"grpc\"}"], 0);
+}
+
 TEST_F(MetricsTest, OnlyMetricsIsServed) {
   ASSERT_NO_FATAL_FAILURE(Start());
   EXPECT_TRUE(absl::StartsWith(testing_http::Request(metrics_port_, "/"), "HTTP/1.1 404"));
