@@ -165,7 +165,8 @@ class Family {
 class Registry {
  public:
   // Appends the families of scrape-time figures to `out`. Called by every Collect, in the order
-  // collectors were added, after the registered families; may run on any thread, one at a time.
+  // collectors were added, after the registered families; may run on any thread, one at a time,
+  // under the registry's lock: it must not call back into the registry.
   using Collector = std::function<void(std::vector<FamilySnapshot>* out)>;
 
   Registry() = default;
