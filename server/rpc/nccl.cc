@@ -98,7 +98,11 @@ class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<gr
     refs_.fetch_add(1, std::memory_order_relaxed);
     service_->device_work_->Submit(
         [this, open = std::move(open), tenant = std::move(tenant), nccl = std::move(nccl)] {
-          Answer(Move(open, tenant, nccl));
+          absl::StatusOr<v1::FetchResponse> resp = Move(open, tenant, nccl);
+          if (resp.ok()) {
+            service_->plane_bytes_.AddSent(Plane::kNccl, resp->header().payload_bytes());
+          }
+          Answer(resp);
           Unref();
         });
   }

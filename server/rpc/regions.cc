@@ -62,9 +62,10 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
   // Moves the opened reader's whole payload into the caller's region (it holds the region open).
   using Sink = std::function<absl::Status(FetchReader& reader)>;
   // wait: copy only once the tokens are committed (FetchRequest.wait_ms).
-  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
+  // plane: the one `dest` writes through (counted in plane_bytes_ once the copy is done).
+  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, Plane plane,
                      absl::StatusOr<Sink> dest, OpenFetch open, std::optional<FetchWaitSpec> wait)
-      : service_(service), stream_(service->watchdog_.Watch(ctx)) {
+      : service_(service), plane_(plane), stream_(service->watchdog_.Watch(ctx)) {
     if (!dest.ok()) {
       Answer(dest.status());
       return;
@@ -102,7 +103,9 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
     refs_.fetch_add(1, std::memory_order_relaxed);
     service_->device_work_->Submit(
         [this, dest = std::move(dest), open = std::move(open)]() mutable {
-          Answer(Copy(std::move(dest), open));
+          absl::StatusOr<v1::FetchResponse> resp = Copy(std::move(dest), open);
+          if (resp.ok()) service_->plane_bytes_.AddSent(plane_, resp->header().payload_bytes());
+          Answer(resp);
           Unref();
         });
   }
@@ -136,6 +139,7 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
   }
 
   KvBankService* const service_;
+  const Plane plane_;
   // gRPC's (until OnDone) and the queued copy's: the last to go deletes the reactor.
   std::atomic<int> refs_{1};
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
@@ -165,7 +169,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
       return reader.Read(0, region.bytes.subspan(0, n));
     };
   }
-  return new RegionFetchReactor(this, ctx, std::move(sink), std::move(open), std::move(wait));
+  return new RegionFetchReactor(this, ctx, Plane::kShm, std::move(sink), std::move(open),
+                                std::move(wait));
 }
 
 // ---- The CUDA IPC plane ----
@@ -231,7 +236,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartDeviceFetch(
       return reader.ReadToDevice(region.data);
     };
   }
-  return new RegionFetchReactor(this, ctx, std::move(sink), std::move(open), std::move(wait));
+  return new RegionFetchReactor(this, ctx, Plane::kCudaIpc, std::move(sink), std::move(open),
+                                std::move(wait));
 }
 
 }  // namespace kvbank::rpc

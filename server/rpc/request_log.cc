@@ -5,49 +5,9 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
+#include "server/metrics/rpc_interceptor.h"
 
 namespace kvbank::rpc {
-
-const char* StatusCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
-}
 
 class RequestLog::Interceptor final : public grpc::experimental::Interceptor {
  public:
@@ -100,7 +60,7 @@ void RequestLog::Failed(grpc::experimental::ServerRpcInfo& info, const grpc::Sta
     }
   }
   const std::string method(info.method());
-  const char* code = StatusCodeName(status.error_code());
+  const char* code = metrics::StatusCodeName(int(status.error_code()));
   auto record = log::Warn("rpc_error");
   record.Field("method", method).Field("tenant", tenant).Field("code", code);
   if (suppressed > 0) record.Field("suppressed", suppressed);

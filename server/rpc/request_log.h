@@ -43,9 +43,6 @@ class RequestLog final : public grpc::experimental::ServerInterceptorFactoryInte
   std::atomic<uint64_t> suppressed_total_{0};
 };
 
-// "NOT_FOUND" for grpc::StatusCode::NOT_FOUND, and so on.
-const char* StatusCodeName(grpc::StatusCode code);
-
 }  // namespace kvbank::rpc
 
 #endif  // KVBANK_SERVER_RPC_REQUEST_LOG_H_

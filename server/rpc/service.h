@@ -17,6 +17,7 @@
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
 #include "server/rpc/fetch_wait.h"
+#include "server/rpc/plane_bytes.h"
 #include "server/rpc/stream_watchdog.h"
 #include "server/rpc/work_queue.h"
 
@@ -140,6 +141,8 @@ class KvBankService final : public internal::RawKvBankService {
   void BeginDrain();
   // Streams cancelled because their client stopped sending or reading (--stream-idle-timeout-ms).
   uint64_t streams_timed_out() const { return watchdog_.timed_out(); }
+  // Payload bytes moved by each data plane (appends committed, fetches completed).
+  const PlaneBytes& plane_bytes() const { return plane_bytes_; }
 
  private:
   // Every call starts here: refused while draining, else authenticated.
@@ -227,6 +230,8 @@ class KvBankService final : public internal::RawKvBankService {
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
   StreamWatchdog watchdog_;
   mutable Timers timers_;  // fetches' wait_ms (thread-safe)
+  // Payload bytes by data plane (thread-safe counters; plane_bytes.h).
+  mutable PlaneBytes plane_bytes_;
   // Last: joined (finishing their calls) first.
   std::unique_ptr<WorkQueue> device_work_;
   std::unique_ptr<WorkQueue> attend_work_;

@@ -93,9 +93,11 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       // Half-close commits; a cancelled or broken call (client gone, deadline) never does.
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("append cancelled"));
       if (txn_ == nullptr) return Fail(absl::InvalidArgumentError("append stream had no header"));
+      const uint64_t payload_bytes = txn_->payload_bytes();
       auto info = txn_->Commit();
       txn_.reset();
       if (!info.ok()) return Fail(info.status());
+      service_->plane_bytes_.AddReceived(plane_, payload_bytes);
       v1::AppendResponse resp;
       ToProto(*info, model_name_, resp.mutable_sequence());
       bool own = false;
@@ -121,6 +123,10 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
             "header.nccl excludes header.source and header.device_source: name one");
       }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
+      plane_ = header->has_source()          ? Plane::kShm
+               : header->has_device_source() ? Plane::kCudaIpc
+               : header->has_nccl()          ? Plane::kNccl
+                                             : Plane::kGrpc;
       if (header->has_source()) return BeginFromRegion(*header, m);
       if (header->has_device_source()) return BeginFromDevice(*header, m);
       if (header->has_nccl()) return BeginFromNccl(*header, m);
@@ -241,6 +247,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   bool on_device_ ABSL_GUARDED_BY(mu_) = false;
   bool from_region_ ABSL_GUARDED_BY(mu_) = false;  // header.source: no data may follow
   bool from_nccl_ ABSL_GUARDED_BY(mu_) = false;    // header.nccl: no data may follow
+  // The payload's way in (its bytes count in plane_bytes_ at the commit).
+  Plane plane_ ABSL_GUARDED_BY(mu_) = Plane::kGrpc;
   std::unique_ptr<AppendTxn> txn_ ABSL_GUARDED_BY(mu_);
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);
@@ -414,6 +422,7 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
       if (finish) {
         stream_->SetWaiting(false);
         reader_.reset();  // on an error: the snapshot's blocks go now
+        if (status.ok()) service_->plane_bytes_.AddSent(Plane::kGrpc, total_);
         return Finish(status);
       }
       if (!build) return;
