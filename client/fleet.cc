@@ -29,10 +29,10 @@ absl::StatusOr<Client::PrefixRootInfo> Fleet::Impl::RootInfo(const std::string& 
       // placement keys are computed here, and must chain the server's own root.
       const BlockHash mine = RootHash(r->algorithm, {r->layout_fingerprint, r->tenant, ""});
       if (mine != r->root) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "replica ", name, "'s prefix root of model ", model,
-            " is not the one this SDK computes from its fingerprint and tenant (",
-            HashToHex(r->root), " vs ", HashToHex(mine), ")"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("replica ", name, "'s prefix root of model ", model,
+                         " is not the one this SDK computes from its fingerprint and tenant (",
+                         HashToHex(r->root), " vs ", HashToHex(mine), ")"));
       }
       first.emplace(name, *r);
     } else if (std::string why = RootMismatch(first->second, *r); !why.empty()) {
@@ -140,26 +140,26 @@ absl::StatusOr<Fleet::Sequence> Fleet::CreateSequence(const std::string& model,
   auto key = PlacementKey(model, args.prompt, args.cache_salt, args.extra_keys);
   if (!key.ok()) return key.status();
   return impl_->OnPlacement(*key,
-                     [&](Client& c, const std::string& name) -> absl::StatusOr<Sequence> {
-                       auto info = c.CreateSequence(model, args);
-                       if (!info.ok()) return info.status();
-                       return Sequence{name, model, info->id, *info};
-                     });
+                            [&](Client& c, const std::string& name) -> absl::StatusOr<Sequence> {
+                              auto info = c.CreateSequence(model, args);
+                              if (!info.ok()) return info.status();
+                              return Sequence{name, model, info->id, *info};
+                            });
 }
 
 absl::StatusOr<Client::SequenceInfo> Fleet::Append(const Sequence& seq,
                                                    const Client::AppendArgs& args,
                                                    absl::Span<const uint8_t> payload) {
   return impl_->OnSequence(seq,
-                    [&](Client& c) { return c.Append(seq.model, seq.id, args, payload); });
+                           [&](Client& c) { return c.Append(seq.model, seq.id, args, payload); });
 }
 
 absl::StatusOr<Client::SequenceInfo> Fleet::AppendTensors(const Sequence& seq,
                                                           const Client::AppendArgs& args,
                                                           absl::Span<const uint8_t> k,
                                                           absl::Span<const uint8_t> v) {
-  return impl_->OnSequence(seq,
-                    [&](Client& c) { return c.AppendTensors(seq.model, seq.id, args, k, v); });
+  return impl_->OnSequence(
+      seq, [&](Client& c) { return c.AppendTensors(seq.model, seq.id, args, k, v); });
 }
 
 absl::StatusOr<Client::FetchResult> Fleet::Fetch(const Sequence& seq,
@@ -171,13 +171,13 @@ absl::StatusOr<Client::FetchResult> Fleet::FetchInto(const Sequence& seq,
                                                      const Client::FetchArgs& args,
                                                      absl::Span<uint8_t> out) {
   return impl_->OnSequence(seq,
-                    [&](Client& c) { return c.FetchInto(seq.model, seq.id, args, out); });
+                           [&](Client& c) { return c.FetchInto(seq.model, seq.id, args, out); });
 }
 
 absl::Status Fleet::FetchTensors(const Sequence& seq, const Client::FetchArgs& args,
                                  absl::Span<uint8_t> k, absl::Span<uint8_t> v) {
-  return impl_->OnSequence(seq,
-                    [&](Client& c) { return c.FetchTensors(seq.model, seq.id, args, k, v); });
+  return impl_->OnSequence(
+      seq, [&](Client& c) { return c.FetchTensors(seq.model, seq.id, args, k, v); });
 }
 
 absl::StatusOr<Fleet::Sequence> Fleet::Fork(const Sequence& seq,
@@ -191,7 +191,7 @@ absl::StatusOr<Fleet::Sequence> Fleet::Fork(const Sequence& seq,
 
 absl::StatusOr<Client::SequenceInfo> Fleet::Truncate(const Sequence& seq, uint64_t num_tokens) {
   return impl_->OnSequence(seq,
-                    [&](Client& c) { return c.Truncate(seq.model, seq.id, num_tokens); });
+                           [&](Client& c) { return c.Truncate(seq.model, seq.id, num_tokens); });
 }
 
 absl::StatusOr<uint64_t> Fleet::Free(const Sequence& seq) {
@@ -213,9 +213,9 @@ absl::StatusOr<std::vector<Client::AttendOutput>> Fleet::Attend(
   std::map<std::string, std::vector<size_t>> groups;
   for (size_t i = 0; i < queries.size(); ++i) {
     if (queries[i].sequence.model != model) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "queries[", i, "]: sequence ", queries[i].sequence.id, " is of model ",
-          queries[i].sequence.model, ", not ", model));
+      return absl::InvalidArgumentError(absl::StrCat("queries[", i, "]: sequence ",
+                                                     queries[i].sequence.id, " is of model ",
+                                                     queries[i].sequence.model, ", not ", model));
     }
     groups[queries[i].sequence.replica].push_back(i);
   }
@@ -227,7 +227,7 @@ absl::StatusOr<std::vector<Client::AttendOutput>> Fleet::Attend(
       batch.push_back({queries[i].sequence.id, queries[i].layer, queries[i].query});
     }
     auto r = impl_->OnSequence(queries[indices.front()].sequence,
-                        [&](Client& c) { return c.Attend(model, batch, args); });
+                               [&](Client& c) { return c.Attend(model, batch, args); });
     if (!r.ok()) return r.status();
     if (r->size() != indices.size()) {
       return absl::InternalError(absl::StrCat("replica ", replica, " answered ", r->size(),
@@ -246,8 +246,7 @@ absl::StatusOr<std::vector<uint64_t>> Fleet::Match(const std::string& model,
       keys[i] = queries[i].hashes.front();
       continue;
     }
-    auto key = PlacementKey(model, queries[i].tokens, queries[i].cache_salt,
-                            queries[i].extra_keys);
+    auto key = PlacementKey(model, queries[i].tokens, queries[i].cache_salt, queries[i].extra_keys);
     if (!key.ok()) return key.status();
     keys[i] = *key;
   }
@@ -315,8 +314,8 @@ absl::StatusOr<uint64_t> Fleet::Pin(const std::string& model, const Client::Matc
     if (!k.ok()) return k.status();
     key = *k;
   }
-  return impl_->OnPlacement(key,
-                     [&](Client& c, const std::string&) { return c.Pin(model, blocks, pin); });
+  return impl_->OnPlacement(
+      key, [&](Client& c, const std::string&) { return c.Pin(model, blocks, pin); });
 }
 
 }  // namespace kvbank

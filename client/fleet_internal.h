@@ -58,13 +58,13 @@ struct Fleet::Impl {
   std::string target;
   FleetOptions options;
   bool dns = false;
-  std::string dns_host, dns_port;         // dns:///host:port
-  std::vector<std::string> static_list;   // host:port,host:port
+  std::string dns_host, dns_port;        // dns:///host:port
+  std::vector<std::string> static_list;  // host:port,host:port
 
   // Lock order: refresh_mu before mu. No RPC runs under mu.
   absl::Mutex refresh_mu;  // one resolution + probe round at a time
   mutable absl::Mutex mu;
-  std::map<std::string, Member> members ABSL_GUARDED_BY(mu);  // by name
+  std::map<std::string, Member> members ABSL_GUARDED_BY(mu);   // by name
   std::map<std::string, Pending> pending ABSL_GUARDED_BY(mu);  // by address
   std::vector<std::string> addresses ABSL_GUARDED_BY(mu);      // the last resolution
   std::vector<EnsureCall> ensured ABSL_GUARDED_BY(mu);
@@ -90,13 +90,12 @@ struct Fleet::Impl {
   absl::Status NoHealthyReplica() const ABSL_LOCKS_EXCLUDED(mu);
   void MarkDown(const std::string& name, const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu);
   // The member's Client and address, or nullopt when it is not in the fleet.
-  std::optional<std::pair<std::shared_ptr<Client>, std::string>> Find(
-      const std::string& name) const ABSL_LOCKS_EXCLUDED(mu);
+  std::optional<std::pair<std::shared_ptr<Client>, std::string>> Find(const std::string& name) const
+      ABSL_LOCKS_EXCLUDED(mu);
   std::vector<Pick> Healthy() const ABSL_LOCKS_EXCLUDED(mu);
 
   // fleet.cc
-  absl::StatusOr<Client::PrefixRootInfo> RootInfo(const std::string& model)
-      ABSL_LOCKS_EXCLUDED(mu);
+  absl::StatusOr<Client::PrefixRootInfo> RootInfo(const std::string& model) ABSL_LOCKS_EXCLUDED(mu);
   void ForgetEnsured(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto it = ensured.begin(); it != ensured.end();) {
       it = it->name == model ? ensured.erase(it) : std::next(it);

@@ -44,10 +44,11 @@ std::vector<size_t> RendezvousOrder(absl::Span<const std::string> replicas, cons
 std::string RootMismatch(const Client::PrefixRootInfo& a, const Client::PrefixRootInfo& b) {
   std::vector<std::string> why;
   if (a.layout_fingerprint != b.layout_fingerprint) {
-    why.push_back(absl::StrCat("layout fingerprint ", a.layout_fingerprint, " vs ",
-                               b.layout_fingerprint));
+    why.push_back(
+        absl::StrCat("layout fingerprint ", a.layout_fingerprint, " vs ", b.layout_fingerprint));
   }
-  if (a.tenant != b.tenant) why.push_back(absl::StrCat("tenant '", a.tenant, "' vs '", b.tenant, "'"));
+  if (a.tenant != b.tenant)
+    why.push_back(absl::StrCat("tenant '", a.tenant, "' vs '", b.tenant, "'"));
   if (a.algorithm != b.algorithm) {
     why.push_back(absl::StrCat("hash algorithm ", HashAlgorithmName(a.algorithm), " vs ",
                                HashAlgorithmName(b.algorithm)));
@@ -95,8 +96,8 @@ absl::Status Fleet::Impl::ParseTarget() {
     if (entry.empty()) continue;
     std::string host, port;
     if (!absl::StartsWith(entry, "unix:") && !SplitHostPort(entry, &host, &port)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "fleet target '", target, "': entry '", entry, "' is not host:port"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("fleet target '", target, "': entry '", entry, "' is not host:port"));
     }
     impl->static_list.emplace_back(entry);
   }
@@ -178,11 +179,11 @@ absl::Status Fleet::Impl::Prepare(Client& client) {
     known_roots = roots;
   }
   for (const EnsureCall& c : calls) {
-    absl::Status s = c.layout.has_value()
-                         ? client.EnsureModel(*c.layout, c.pool_bytes).status()
-                         : client.EnsurePreset(c.name, c.preset, c.storage, c.pool_bytes,
-                                               c.block_tokens)
-                               .status();
+    absl::Status s =
+        c.layout.has_value()
+            ? client.EnsureModel(*c.layout, c.pool_bytes).status()
+            : client.EnsurePreset(c.name, c.preset, c.storage, c.pool_bytes, c.block_tokens)
+                  .status();
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("ensuring model ", c.name, ": ", s.message()));
     }
@@ -190,13 +191,13 @@ absl::Status Fleet::Impl::Prepare(Client& client) {
   for (const auto& [model, fleet_root] : known_roots) {
     auto r = client.GetPrefixRoot(model);
     if (!r.ok()) {
-      return absl::Status(r.status().code(), absl::StrCat("prefix root of model ", model, ": ",
-                                                          r.status().message()));
+      return absl::Status(r.status().code(),
+                          absl::StrCat("prefix root of model ", model, ": ", r.status().message()));
     }
     if (std::string why = RootMismatch(fleet_root, *r); !why.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "its prefix root of model ", model, " differs from the fleet's (", why,
-          "): its blocks would never match the others'"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("its prefix root of model ", model, " differs from the fleet's (", why,
+                       "): its blocks would never match the others'"));
     }
   }
   return absl::OkStatus();
@@ -227,8 +228,8 @@ void Fleet::Impl::ProbeAll() {
       continue;
     }
     auto m = members.find(name);
-    if (m != members.end() && std::find(addresses.begin(), addresses.end(), m->second.address) !=
-                                  addresses.end()) {
+    if (m != members.end() &&
+        std::find(addresses.begin(), addresses.end(), m->second.address) != addresses.end()) {
       p->second.reason = absl::StrCat("duplicate of replica ", name, " at ", m->second.address);
       continue;
     }
@@ -295,9 +296,9 @@ absl::Status Fleet::Impl::NoHealthyReplica() const {
   absl::MutexLock lock(&mu);
   for (const auto& [name, m] : members) why.push_back(absl::StrCat(name, ": ", m.reason));
   for (const auto& [address, p] : pending) why.push_back(absl::StrCat(address, ": ", p.reason));
-  return absl::UnavailableError(absl::StrCat("no healthy replica in fleet ", target, " (",
-                                             why.empty() ? "none resolved" : absl::StrJoin(why, "; "),
-                                             ")"));
+  return absl::UnavailableError(
+      absl::StrCat("no healthy replica in fleet ", target, " (",
+                   why.empty() ? "none resolved" : absl::StrJoin(why, "; "), ")"));
 }
 
 void Fleet::Impl::MarkDown(const std::string& name, const absl::Status& why) {

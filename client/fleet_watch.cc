@@ -61,7 +61,7 @@ absl::Status Fleet::Watch(const std::string& model, bool from_now, absl::Duratio
   const absl::Duration probe = impl.options.probe_interval;
 
   auto run = [&impl, &merger, &model, until, probe](std::string replica, bool start_from_now,
-                                                   std::shared_ptr<std::atomic<bool>> quit) {
+                                                    std::shared_ptr<std::atomic<bool>> quit) {
     bool now_only = start_from_now;
     uint64_t after = 0;
     while (!quit->load() && !merger.stopped() && absl::Now() < until) {
@@ -69,8 +69,8 @@ absl::Status Fleet::Watch(const std::string& model, bool from_now, absl::Duratio
       if (!found.has_value()) return;  // left the fleet: the main loop reports it
       const absl::Duration window = std::min(kWindow, until - absl::Now());
       absl::Status s = found->first->Watch(
-          model, after, now_only, window, [&](const std::vector<Client::Event>& events,
-                                              uint64_t next) {
+          model, after, now_only, window,
+          [&](const std::vector<Client::Event>& events, uint64_t next) {
             after = next;
             now_only = false;
             if (quit->load()) return false;
