@@ -6,6 +6,8 @@
 // translator does. module.cc's converters are private to that file; the few the fleet needs are
 // here, reading layouts only in the complete form kvbank.normalize_layout writes (its defaults
 // stay in one place).
+#include "kvbank/fleet.h"
+
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -23,7 +25,6 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvbank/client.h"
-#include "kvbank/fleet.h"
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
 
@@ -75,7 +76,8 @@ std::optional<absl::Duration> DurationOf(std::optional<double> seconds) {
 }
 BlockHash HashOf(const py::bytes& b) {
   const std::string s(b);
-  if (s.size() != 32) RaiseInvalidArgument("a block hash is 32 bytes, not " + std::to_string(s.size()));
+  if (s.size() != 32)
+    RaiseInvalidArgument("a block hash is 32 bytes, not " + std::to_string(s.size()));
   BlockHash h;
   std::memcpy(h.data(), s.data(), 32);
   return h;
@@ -175,7 +177,9 @@ py::dict SequenceDict(const Client::SequenceInfo& s) {
 }
 
 // (replica, info dict): what _fleet.py makes a FleetSequence of.
-py::tuple HandleTuple(const Fleet::Sequence& s) { return py::make_tuple(s.replica, SequenceDict(s.info)); }
+py::tuple HandleTuple(const Fleet::Sequence& s) {
+  return py::make_tuple(s.replica, SequenceDict(s.info));
+}
 
 py::dict FetchDict(const Client::FetchResult& r) {
   py::dict d;
@@ -455,35 +459,35 @@ void BindFleet(py::module_& m) {
              const Client::MatchQuery q = QueryOf(query);
              return WithoutGil([&] { return self.f().Pin(model, q, pin); });
            })
-      .def(
-          "watch",
-          // on_batch(replica: str, events: list[dict]) -> bool runs with the GIL held, from one
-          // stream thread at a time; the streams read with it released.
-          [](PyFleet& self, S model, bool from_now, double deadline_s,
-             const py::function& on_batch) {
-            if (!(deadline_s > 0)) RaiseInvalidArgument("deadline_s must be > 0");
-            std::optional<py::error_already_set> callback_error;
-            absl::Status s;
-            {
-              py::gil_scoped_release release;
-              s = self.f().Watch(model, from_now, absl::Seconds(deadline_s),
-                                 [&](const Fleet::TaggedEvents& batch) {
-                                   py::gil_scoped_acquire acquire;
-                                   if (callback_error.has_value()) return false;
-                                   try {
-                                     py::list events;
-                                     for (const auto& e : batch.events) events.append(EventDict(e));
-                                     return on_batch(batch.replica, events).cast<bool>();
-                                   } catch (py::error_already_set& e) {
-                                     callback_error.emplace(std::move(e));
-                                     return false;
-                                   }
-                                 });
-            }
-            if (callback_error.has_value()) throw *std::move(callback_error);
-            if (!s.ok() && !absl::IsDeadlineExceeded(s)) RaiseStatus(s);
-            return s.ok();
-          });
+      .def("watch",
+           // on_batch(replica: str, events: list[dict]) -> bool runs with the GIL held, from one
+           // stream thread at a time; the streams read with it released.
+           [](PyFleet& self, S model, bool from_now, double deadline_s,
+              const py::function& on_batch) {
+             if (!(deadline_s > 0)) RaiseInvalidArgument("deadline_s must be > 0");
+             std::optional<py::error_already_set> callback_error;
+             absl::Status s;
+             {
+               py::gil_scoped_release release;
+               s = self.f().Watch(model, from_now, absl::Seconds(deadline_s),
+                                  [&](const Fleet::TaggedEvents& batch) {
+                                    py::gil_scoped_acquire acquire;
+                                    if (callback_error.has_value()) return false;
+                                    try {
+                                      py::list events;
+                                      for (const auto& e : batch.events)
+                                        events.append(EventDict(e));
+                                      return on_batch(batch.replica, events).cast<bool>();
+                                    } catch (py::error_already_set& e) {
+                                      callback_error.emplace(std::move(e));
+                                      return false;
+                                    }
+                                  });
+             }
+             if (callback_error.has_value()) throw *std::move(callback_error);
+             if (!s.ok() && !absl::IsDeadlineExceeded(s)) RaiseStatus(s);
+             return s.ok();
+           });
 }
 
 }  // namespace kvbank::python

@@ -355,6 +355,50 @@ TEST_F(FleetTest, KilledReplicaFailsOnlyItsOwnSequences) {
   }
 }
 
+// A replica that died and comes back under its name (a StatefulSet pod restarted) takes its keys
+// back once healthy, with the fleet's model ensured on it first.
+TEST_F(FleetTest, RestartedReplicaComesBackUnderItsName) {
+  ASSERT_NO_FATAL_FAILURE(StartReplicas(2));
+  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  auto m = (*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // Prompts whose first choice is kvbank-1.
+  std::vector<std::vector<uint32_t>> prompts;
+  for (int i = 0; prompts.size() < 10 && i < 1000; ++i) {
+    auto prompt = Tokens(60000 + i, kBt);
+    auto key = (*fleet)->PlacementKey(kModel, prompt);
+    ASSERT_TRUE(key.ok());
+    if (*(*fleet)->ReplicaFor(*key) == "kvbank-1") prompts.push_back(prompt);
+  }
+  ASSERT_EQ(prompts.size(), 10u);
+  const int port = servers_[1]->port();
+  servers_[1]->SendSignal(SIGKILL);
+  EXPECT_FALSE(servers_[1]->WaitForExit(absl::Seconds(10)).ok());
+  for (const auto& p : prompts) {
+    std::string replica;
+    auto c = Serve(**fleet, *m, p, &replica);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(replica, "kvbank-0");
+  }
+  auto back = ServerProcess::Start({"--no-auth", "--models=", "--replica-name=kvbank-1",
+                                    absl::StrCat("--listen=127.0.0.1:", port)});
+  ASSERT_TRUE(back.ok()) << back.status();
+  servers_[1] = *std::move(back);
+  ASSERT_TRUE(WaitUntil([&] {
+    for (const auto& r : (*fleet)->Replicas()) {
+      if (r.name == "kvbank-1") return r.healthy;
+    }
+    return false;
+  })) << "kvbank-1 did not come back";
+  for (const auto& p : prompts) {
+    std::string replica;
+    auto c = Serve(**fleet, *m, p, &replica);
+    ASSERT_TRUE(c.ok()) << c.status();  // the model was ensured on the new process
+    EXPECT_EQ(replica, "kvbank-1");
+  }
+}
+
 TEST_F(FleetTest, AddedReplicaTakesAQuarterAndRemovedOneLeaves) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(3));
   absl::Mutex mu;
