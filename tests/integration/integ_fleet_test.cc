@@ -2,6 +2,7 @@
 // rate of a sharded shared-prefix trace, a replica SIGKILLed mid-run, a replica added and one
 // removed, roots equal on every replica, Match routed, merged KV events.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -159,6 +160,20 @@ TEST_F(FleetTest, RootsAgreeAndMatchIsRouted) {
     EXPECT_EQ(*(*fleet)->ReplicaFor(*key), first);
   }
   EXPECT_EQ(used.size(), 3u) << "12 prefixes all on " << *used.begin();
+}
+
+TEST_F(FleetTest, ReplicaNameDefaultsToHostName) {
+  auto server = ServerProcess::Start({"--no-auth", "--models="});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Client::Connect((*server)->target());
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->WaitForServing(absl::Seconds(20)));
+  auto info = (*client)->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
+  EXPECT_EQ(info->replica, host);
+  EXPECT_TRUE((*server)->Stop().ok());
 }
 
 TEST_F(FleetTest, ReplicaWithAnotherHashIsRefused) {

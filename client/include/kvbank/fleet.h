@@ -37,8 +37,9 @@
 // placements (its keys go to their next choice) until a health check says SERVING again
 // (checked every probe_interval); models ensured through the fleet are ensured on it first.
 //
-// Thread safety: a Fleet is thread-safe; share one per process. Lock order: mu_ only (no RPC
-// runs under it).
+// Thread safety: a Fleet is thread-safe; share one per process. Inside, one resolution and
+// health-check round runs at a time (the background thread's or Refresh's), and no RPC runs
+// under the membership lock.
 #ifndef KVBANK_FLEET_H_
 #define KVBANK_FLEET_H_
 
