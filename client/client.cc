@@ -288,7 +288,7 @@ absl::StatusOr<Client::ServerInfo> Client::GetServerInfo() {
   v1::GetServerInfoRequest req;
   v1::GetServerInfoResponse resp;
   if (auto s = impl_->Call(&v1::KvBank::Stub::GetServerInfo, req, &resp); !s.ok()) return s;
-  return ServerInfo{resp.version(), resp.shm_socket()};
+  return ServerInfo{resp.version(), resp.shm_socket(), resp.replica()};
 }
 
 absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::string& model) {

@@ -106,6 +106,9 @@ ABSL_FLAG(std::string, tls_cert, "",
           "serve TLS with this certificate chain (PEM); needs --tls-key. Without it bearer tokens "
           "travel in clear text");
 ABSL_FLAG(std::string, tls_key, "", "private key (PEM) of --tls-cert");
+ABSL_FLAG(std::string, replica_name, "",
+          "this replica's name in a fleet (GetServerInfo), which clients hash sequences to; "
+          "empty: the host name (a StatefulSet pod's stable name)");
 ABSL_FLAG(std::string, shm_socket, "",
           "same-host shared-memory plane: listen for memfd regions on this Unix socket path "
           "(mode 0600; a stale file is replaced, one a server answers on is refused); empty: off");
@@ -369,6 +372,11 @@ int Main(int argc, char** argv) {
     return Fail("--grpc-memory-bytes must be a byte size of at least 64MiB");
   }
   options.stream_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_stream_idle_timeout_ms));
+  options.replica_name = absl::GetFlag(FLAGS_replica_name);
+  if (char host[256] = {};
+      options.replica_name.empty() && gethostname(host, sizeof(host) - 1) == 0) {
+    options.replica_name = host;
+  }
   if (std::string path = absl::GetFlag(FLAGS_shm_socket); !path.empty()) {
     plane::ShmOptions shm;
     shm.socket_path = path;
@@ -468,6 +476,7 @@ int Main(int argc, char** argv) {
             .Field("listen", absl::GetFlag(FLAGS_listen))
             .Field("port", port)
             .Field("health_port", (*serving)->health_port())
+            .Field("replica", options.replica_name)
             .Field("device", device->Name())
             .Field("models", models)
             .Field("auth", auth.enabled() ? "tokens" : "none")

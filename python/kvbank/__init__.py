@@ -7,6 +7,8 @@
     client.append("llama", seq.id, payload, num_tokens=len(token_ids))
     client.fetch_into("llama", seq.id, out)   # straight into a numpy array or CPU tensor
 
+    fleet = kvbank.Fleet("dns:///kvbank-headless.ns:50051")   # several replicas, one object
+
 Errors raise kvbank.Error subclasses named after the gRPC code (kvbank.NotFoundError, ...).
 """
 
@@ -15,6 +17,7 @@ from ._client import (Blocks, Client, DeviceRegion, Event, FetchInfo, ModelInfo,
                       SequenceInfo, chain_hash, cuda_ipc_handle, layout_fingerprint,
                       normalize_layout, numpy_dtype,
                       prefix_hashes, preset_layout, preset_names, root_hash)
+from ._fleet import Fleet, FleetSequence, Replica
 from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                       DeadlineExceededError, Error, FailedPreconditionError, InternalError,
                       InvalidArgumentError, NotFoundError, OutOfRangeError,
@@ -26,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",
     "DeadlineExceededError", "DeviceRegion", "Error", "Event", "FailedPreconditionError", "FetchInfo",
+    "Fleet", "FleetSequence", "Replica",
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",

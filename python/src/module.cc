@@ -33,6 +33,7 @@
 #include "kvbank/client.h"
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
+#include "src/fleet.h"
 
 namespace py = pybind11;
 
@@ -1137,4 +1138,5 @@ PYBIND11_MODULE(_kvbank, m) {
   });
   kvbank::python::BindClient(m);
   kvbank::python::BindFunctions(m);
+  kvbank::python::BindFleet(m);
 }

@@ -550,6 +550,7 @@ grpc::ServerUnaryReactor* KvBankService::GetServerInfo(Ctx* ctx, const Raw* raw,
       ctx, raw, out,
       [this](const Caller&, const v1::GetServerInfoRequest&, v1::GetServerInfoResponse* resp) {
         resp->set_version(KVBANK_VERSION_STRING);
+        resp->set_replica(options_.replica_name);
         if (options_.shm_regions != nullptr) {
           resp->set_shm_socket(options_.shm_regions->options().socket_path);
         }

@@ -47,6 +47,8 @@ struct ServiceOptions {
   // FAILED_PRECONDITION that NcclConnect and NCCL transfers answer).
   std::shared_ptr<plane::NcclPlane> nccl;
   std::string nccl_off;
+  // GetServerInfoResponse.replica (--replica-name).
+  std::string replica_name;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.

@@ -256,6 +256,7 @@ class Client {
   struct ServerInfo {
     std::string version;
     std::string shm_socket;  // kvbankd's --shm-socket; empty when the plane is off
+    std::string replica;     // kvbankd's --replica-name (default its host name); may be empty
   };
   absl::StatusOr<ServerInfo> GetServerInfo();
 

@@ -1,0 +1,209 @@
+// kvbank fleet: one SDK object over several kvbankd replicas, no cluster manager.
+//
+//   auto fleet = kvbank::Fleet::Connect("dns:///kvbank-headless.ns:50051");
+//   (*fleet)->EnsurePreset("llama", "llama-3.1-8b");            // on every replica
+//   auto seq = (*fleet)->CreateSequence("llama", {.prompt = ids});  // placed by its prefix
+//   (*fleet)->Append(*seq, {.num_tokens = n}, payload);          // goes where seq lives
+//
+// Membership. The target is `dns:///name:port` (re-resolved every resolve_interval with
+// getaddrinfo: every A / AAAA record is a replica, as a Kubernetes headless Service publishes a
+// StatefulSet's pods) or a static list `host:port,host:port`. Each address gets its own
+// kvbank::Client. A replica is known by the name kvbankd reports in GetServerInfo
+// (--replica-name, default its host name: a StatefulSet's stable pod name), so a pod that comes
+// back under a new IP keeps its place; a kvbankd that reports no name is known by its address.
+// Addresses that leave the resolution leave the fleet; two addresses that report the same name
+// are one replica (the first that answered).
+//
+// Placement: rendezvous (highest-random-weight) hashing. Every replica scores a key with
+// RendezvousScore(name, key); the healthy replica with the highest score takes it, the next
+// one when it is down. Adding a replica to N moves about 1/(N+1) of the keys (only those the new
+// one now wins); removing one moves only its own keys.
+//
+// The key of a sequence is its first full block's prefix hash (kvbank/prefix_hash.h, computed
+// here; the hash chains the model's root, i.e. layout fingerprint, tenant and cache salt, the
+// block's token ids and the extra keys), so every prompt that shares a first block, and thus
+// every prompt that could share any cached block, meets on one replica. The root is computed
+// client-side from GetPrefixRoot's fingerprint and tenant, which the fleet checks agree on every
+// replica (a mismatch is FAILED_PRECONDITION naming both replicas: their hashes would never
+// meet). A prompt shorter than one block has no cacheable block, so where it lands does not
+// matter for the cache: its key is the hash of its partial block (the same short prompt lands
+// on the same replica, different ones spread); an empty prompt takes a per-fleet counter, so
+// sequences that start empty spread evenly instead of piling onto one replica.
+//
+// Failure. A Sequence handle remembers its replica, and every call on it goes there: never
+// silently anywhere else. When that replica has left the fleet, or answers UNAVAILABLE (refused,
+// unreachable, draining), the call fails UNAVAILABLE naming the replica and the sequence. A
+// replica that answers UNAVAILABLE, or whose health check is not SERVING, is skipped for new
+// placements (its keys go to their next choice) until a health check says SERVING again
+// (checked every probe_interval); models ensured through the fleet are ensured on it first.
+//
+// Thread safety: a Fleet is thread-safe; share one per process. Inside, one resolution and
+// health-check round runs at a time (the background thread's or Refresh's), and no RPC runs
+// under the membership lock.
+#ifndef KVBANK_FLEET_H_
+#define KVBANK_FLEET_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvbank/client.h"
+#include "kvbank/prefix_hash.h"
+
+namespace kvbank {
+
+// Rendezvous score of `replica` for `key`: a 64-bit hash of both (XXH3-64 of the key seeded by
+// XXH3-64 of the name). Deterministic across processes and versions of this SDK.
+uint64_t RendezvousScore(std::string_view replica, const BlockHash& key);
+// Indices into `replicas`, best first (highest score; equal scores by name). Thread-safe.
+std::vector<size_t> RendezvousOrder(absl::Span<const std::string> replicas, const BlockHash& key);
+
+struct FleetOptions {
+  ClientOptions client;  // every replica's Client
+  // dns:/// targets: how often the name is resolved again.
+  absl::Duration resolve_interval = absl::Seconds(10);
+  // How often every replica's health is checked (a down one comes back after its first SERVING).
+  absl::Duration probe_interval = absl::Seconds(1);
+  // Bound on one health check (and on GetServerInfo when an address joins).
+  absl::Duration probe_deadline = absl::Milliseconds(500);
+  // Set: replaces the target's resolution (another discovery source, or a test's membership):
+  // returns the replicas' gRPC addresses now; called where the target would be resolved.
+  std::function<absl::StatusOr<std::vector<std::string>>()> resolver;
+};
+
+class Fleet {
+ public:
+  struct Replica {
+    std::string name;     // --replica-name, or the address when the server reports none
+    std::string address;  // host:port the Client talks to
+    bool healthy = false;
+    std::string reason;  // why not healthy (the last error); empty when healthy
+  };
+  // A sequence and the replica that holds it. Copyable: a plain value, no resources.
+  struct Sequence {
+    std::string replica;
+    std::string model;
+    uint64_t id = 0;
+    Client::SequenceInfo info;  // as of the call that returned it
+  };
+  // A KV event of one replica (Watch): the router's index is keyed by (replica, hash).
+  // A kAllCleared event the fleet makes itself (sequence 0) means: forget everything of this
+  // replica (its stream broke, it left the fleet, or its resume point is gone).
+  struct TaggedEvents {
+    std::string replica;
+    std::vector<Client::Event> events;
+  };
+  struct AttendQuery {
+    Sequence sequence;
+    uint32_t layer = 0;
+    std::vector<float> query;  // [num_q_heads][head_dim] fp32
+  };
+
+  // Resolves `target` once (INVALID_ARGUMENT for a malformed one, UNAVAILABLE when the name does
+  // not resolve), learns the replicas that answer within probe_deadline and starts the
+  // background thread that re-resolves and health-checks. Replicas that do not answer yet join
+  // when they do.
+  static absl::StatusOr<std::unique_ptr<Fleet>> Connect(const std::string& target,
+                                                        FleetOptions options = {});
+  // Stops the background thread. REQUIRES: no call on this Fleet is in flight.
+  ~Fleet();
+  Fleet(const Fleet&) = delete;
+  Fleet& operator=(const Fleet&) = delete;
+
+  // Resolves and health-checks now (what the background thread does periodically); returns the
+  // resolution's error, if any (membership then stays as it was).
+  absl::Status Refresh();
+  // Every replica known (joined), sorted by name.
+  std::vector<Replica> Replicas() const;
+  // The Client of a replica (for calls the fleet does not route), or null when it is not in the
+  // fleet. The Client stays valid while the caller holds it.
+  std::shared_ptr<Client> ReplicaClient(const std::string& name) const;
+
+  // Registers the model on every healthy replica (the first replica's answer is returned; any
+  // non-UNAVAILABLE error is returned as is) and remembers it: a replica that joins or recovers
+  // gets it before it takes placements.
+  absl::StatusOr<Client::ModelInfo> EnsureModel(const ModelLayout& layout, uint64_t pool_bytes = 0);
+  absl::StatusOr<Client::ModelInfo> EnsurePreset(const std::string& name, const std::string& preset,
+                                                 std::optional<DType> storage = std::nullopt,
+                                                 uint64_t pool_bytes = 0,
+                                                 uint32_t block_tokens = 0);
+
+  // The placement key of a prompt (see the top of this file).
+  absl::StatusOr<BlockHash> PlacementKey(const std::string& model,
+                                         const std::vector<uint32_t>& prompt,
+                                         const std::string& cache_salt = "",
+                                         const std::vector<ExtraKey>& extra_keys = {});
+  // The healthy replica a new placement of `key` goes to now; UNAVAILABLE when none is healthy.
+  absl::StatusOr<std::string> ReplicaFor(const BlockHash& key) const;
+  // The model's prefix root for `cache_salt`, computed here and checked equal on every healthy
+  // replica (learnt once per model).
+  absl::StatusOr<Client::PrefixRootInfo> PrefixRoot(const std::string& model,
+                                                    const std::string& cache_salt = "");
+
+  // Placed on the prompt's replica (the next healthy choice when it answers UNAVAILABLE).
+  absl::StatusOr<Sequence> CreateSequence(const std::string& model,
+                                          const Client::CreateArgs& args = {});
+  // Calls on a sequence: on its replica only (UNAVAILABLE naming both when it is gone).
+  absl::StatusOr<Client::SequenceInfo> Append(const Sequence& seq, const Client::AppendArgs& args,
+                                              absl::Span<const uint8_t> payload);
+  absl::StatusOr<Client::SequenceInfo> AppendTensors(const Sequence& seq,
+                                                     const Client::AppendArgs& args,
+                                                     absl::Span<const uint8_t> k,
+                                                     absl::Span<const uint8_t> v);
+  absl::StatusOr<Client::FetchResult> Fetch(const Sequence& seq, const Client::FetchArgs& args);
+  absl::StatusOr<Client::FetchResult> FetchInto(const Sequence& seq, const Client::FetchArgs& args,
+                                                absl::Span<uint8_t> out);
+  absl::Status FetchTensors(const Sequence& seq, const Client::FetchArgs& args,
+                            absl::Span<uint8_t> k, absl::Span<uint8_t> v);
+  // The fork lives on the same replica (it shares the parent's blocks).
+  absl::StatusOr<Sequence> Fork(const Sequence& seq,
+                                std::optional<absl::Duration> lease = std::nullopt);
+  absl::StatusOr<Client::SequenceInfo> Truncate(const Sequence& seq, uint64_t num_tokens);
+  absl::StatusOr<uint64_t> Free(const Sequence& seq);
+  absl::StatusOr<Client::SequenceInfo> RenewLease(const Sequence& seq);
+  absl::StatusOr<Client::SequenceInfo> GetSequence(const Sequence& seq);
+  // Queries grouped by their sequences' replicas; outputs in the order of `queries`.
+  absl::StatusOr<std::vector<Client::AttendOutput>> Attend(const std::string& model,
+                                                           const std::vector<AttendQuery>& queries,
+                                                           const Client::AttendArgs& args = {});
+
+  // Prefix cache, each query asked of the replica its prompt (or first hash) would be placed
+  // on: the answer a single server holding that prompt's blocks gives.
+  absl::StatusOr<std::vector<uint64_t>> Match(const std::string& model,
+                                              const std::vector<Client::MatchQuery>& queries);
+  // GetPrefixRoot answered by the replica the root's own key is placed on (every replica gives
+  // the same answer; PrefixRoot checks that).
+  absl::StatusOr<Client::PrefixRootInfo> GetPrefixRoot(const std::string& model,
+                                                       const std::string& cache_salt = "");
+  absl::StatusOr<Client::FetchResult> FetchBlocks(const std::string& model,
+                                                  const std::vector<BlockHash>& hashes,
+                                                  const Client::FetchArgs& args = {});
+  absl::StatusOr<uint64_t> Pin(const std::string& model, const Client::MatchQuery& blocks,
+                               bool pin = true);
+
+  // Merged KV events of every replica, each batch tagged with its replica, until on_batch
+  // returns false (OK) or `deadline` passes (DEADLINE_EXCEEDED). One stream per replica; a
+  // replica that joins meanwhile is watched from its first event. A stream that breaks, or a
+  // replica that leaves, is reported as a kAllCleared event of that replica, and the stream
+  // starts again from now once the replica is healthy. on_batch is called from one thread at a
+  // time (never concurrently).
+  absl::Status Watch(const std::string& model, bool from_now, absl::Duration deadline,
+                     const std::function<bool(const TaggedEvents&)>& on_batch);
+
+ private:
+  struct Impl;
+  explicit Fleet(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvbank
+
+#endif  // KVBANK_FLEET_H_

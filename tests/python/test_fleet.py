@@ -1,0 +1,143 @@
+"""kvbank.Fleet over three real kvbankd on loopback: placement by prefix, routed Match and
+prefix roots, calls pinned to a sequence's replica, a killed replica's sequences failing with
+UnavailableError naming it, merged KV events."""
+
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import kvbank
+from kvbankd_process import Server
+
+LAYOUT = {"name": "fleet", "num_layers": 2, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+          "dtype": "fp16"}
+BT = 16
+
+
+@pytest.fixture
+def replicas():
+    servers = [Server(["--replica-name=py-%d" % i, "--pool-bytes=16MiB"]) for i in range(3)]
+    yield servers
+    for s in servers:
+        if s.proc.poll() is None:
+            s.stop()
+
+
+def tokens(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 128000, n)]
+
+
+def kv(model, n, seed=0):
+    count = model.payload_bytes(n) // 2
+    return np.random.default_rng(seed).uniform(-1, 1, count).astype(np.float16)
+
+
+def test_fleet_places_by_prefix_and_pins_sequences(replicas):
+    fleet = kvbank.Fleet(",".join(s.target for s in replicas), probe_interval_s=0.1)
+    assert [r.name for r in fleet.replicas()] == ["py-0", "py-1", "py-2"]
+    assert all(r.healthy for r in fleet.replicas())
+    model = fleet.ensure_model(LAYOUT, pool_bytes=4 << 20)
+
+    # The root is the same on every replica and the one computed here.
+    root = fleet.prefix_root("fleet")
+    for s in replicas:
+        assert kvbank.Client(s.target).get_prefix_root("fleet").root == root.root
+    assert fleet.get_prefix_root("fleet").root == root.root
+
+    used = set()
+    for p in range(9):
+        prefix = tokens(100 + p, 2 * BT)
+        a = fleet.create_sequence("fleet", prompt=prefix + tokens(200 + p, 5))
+        data = kv(model, len(prefix) + 5, seed=p)
+        fleet.append(a, data, num_tokens=len(prefix) + 5,
+                     token_ids=prefix + tokens(200 + p, 5))
+        np.testing.assert_array_equal(fleet.fetch(a), data)
+        out = np.empty_like(data)
+        assert fleet.fetch_into(a, out).payload_bytes == data.nbytes
+        assert out.tobytes() == data.tobytes()
+        fork = fleet.fork(a)
+        assert fork.replica == a.replica and fork.id != a.id
+        assert fleet.truncate(fork, BT).length == BT
+        assert fleet.free(fork) > 0
+        assert fleet.free(a) > 0
+
+        b = fleet.create_sequence("fleet", prompt=prefix + tokens(300 + p, 9))
+        assert b.replica == a.replica
+        assert b.info.cached_tokens == 2 * BT
+        assert fleet.get_sequence(b).id == b.id
+        fleet.free(b)
+        assert fleet.match("fleet", [prefix + tokens(400 + p, 3)]) == [2 * BT]
+        assert fleet.replica_for(fleet.placement_key("fleet", prefix)) == a.replica
+        used.add(a.replica)
+    assert used == {"py-0", "py-1", "py-2"}
+
+
+def test_fleet_killed_replica_fails_only_its_sequences(replicas):
+    fleet = kvbank.Fleet(",".join(s.target for s in replicas), probe_interval_s=0.1)
+    model = fleet.ensure_model(LAYOUT, pool_bytes=4 << 20)
+    seqs = []
+    for i in range(30):
+        prompt = tokens(1000 + i, BT)
+        seq = fleet.create_sequence("fleet", prompt=prompt)
+        fleet.append(seq, kv(model, BT, seed=i), num_tokens=BT, token_ids=prompt)
+        seqs.append(seq)
+    victim = seqs[0].replica
+    server = replicas[int(victim[-1])]
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=10)
+
+    for seq in seqs:
+        if seq.replica == victim:
+            with pytest.raises(kvbank.UnavailableError) as e:
+                fleet.get_sequence(seq)
+            assert "replica %s" % victim in e.value.message
+            assert "sequence %d" % seq.id in e.value.message
+        else:
+            assert fleet.get_sequence(seq).length == BT
+    # New placements all succeed, none on the victim.
+    for i in range(30):
+        seq = fleet.create_sequence("fleet", prompt=tokens(2000 + i, BT))
+        assert seq.replica != victim
+        fleet.free(seq)
+    health = {r.name: r.healthy for r in fleet.replicas()}
+    assert health[victim] is False
+    assert sum(health.values()) == 2
+
+
+def test_fleet_watch_tags_events_with_replica(replicas):
+    fleet = kvbank.Fleet(",".join(s.target for s in replicas), probe_interval_s=0.1)
+    model = fleet.ensure_model(LAYOUT, pool_bytes=4 << 20)
+    prompts = [tokens(3000 + i, BT) for i in range(6)]
+    want = {fleet.placement_key("fleet", p): fleet.replica_for(fleet.placement_key("fleet", p))
+            for p in prompts}
+    seen = {}
+
+    def on_batch(replica, events):
+        for e in events:
+            if e.type == "stored":
+                for h in e.hashes:
+                    seen[h] = replica
+        return not all(k in seen for k in want)
+
+    result = {}
+    watcher = threading.Thread(
+        target=lambda: result.setdefault("stopped", fleet.watch("fleet", on_batch,
+                                                                 deadline_s=30)))
+    watcher.start()
+    for i, p in enumerate(prompts):
+        seq = fleet.create_sequence("fleet", prompt=p)
+        fleet.append(seq, kv(model, BT, seed=i), num_tokens=BT, token_ids=p)
+        fleet.free(seq)
+    watcher.join()
+    assert result["stopped"] is True
+    for key, replica in want.items():
+        assert seen[key] == replica
+
+
+def test_fleet_bad_target():
+    with pytest.raises(kvbank.InvalidArgumentError):
+        kvbank.Fleet("127.0.0.1")
+    with pytest.raises(kvbank.InvalidArgumentError):
+        kvbank.Fleet("dns://authority/name:1")
