@@ -26,7 +26,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 # The runtime libraries of kvbankd and kvbank (as in Containerfile.cpu's runtime stage).
-runtime_packages=libgrpc++1.51,libgrpc29,libprotobuf32,libabsl20220623,libssl3,libxxhash0,libc-ares2,libre2-9,zlib1g
+runtime_packages=libgrpc++1.51,libgrpc29,libprotobuf32,libabsl20220623,libssl3,libxxhash0
+runtime_packages+=,libc-ares2,libre2-9,zlib1g
 
 for tool in debootstrap buildah; do
   command -v "$tool" >/dev/null || { echo "$0: needs $tool (apt-get install $tool)" >&2; exit 1; }
@@ -83,4 +84,5 @@ mkdir -p "$(dirname "$output")"
 rm -f "$output"
 buildah commit --format oci --rm "$ctr" "oci-archive:$output:$tag" >/dev/null
 ctr=""
-echo "== $output ($tag): $(du -h "$output" | cut -f1) archive, root filesystem $(du -sh --exclude=proc "$rootfs" | cut -f1)"
+echo "== $output ($tag): $(du -h "$output" | cut -f1) archive (one uncompressed layer)," \
+  "root filesystem $(du -sh "$rootfs" | cut -f1)"

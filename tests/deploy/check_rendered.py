@@ -130,9 +130,11 @@ def check(rendered, dashboard_path):
         limit = quantity_bytes(limits["memory"])
         f = float(flags["--pool-memory-fraction"])
         c.expect(0 < f < 1 and (1 - f) * limit >= MIN_HEADROOM_BYTES,
-                 "--pool-memory-fraction %.2f of %s leaves >= 1 GiB headroom" % (f, limits["memory"]))
+                 "--pool-memory-fraction %.2f of %s leaves >= 1 GiB headroom"
+                 % (f, limits["memory"]))
     if flags.get("--device", "").startswith("cuda"):
-        c.expect(str(limits.get("nvidia.com/gpu")) == "1", "a cuda device comes with nvidia.com/gpu: 1")
+        c.expect(str(limits.get("nvidia.com/gpu")) == "1",
+                 "a cuda device comes with nvidia.com/gpu: 1")
         c.expect("--pool-memory-fraction" not in flags,
                  "no --pool-memory-fraction on a GPU (kvbankd refuses it)")
     # Files named by flags lie on mounted volumes; secret volumes name rendered Secrets.
@@ -165,7 +167,8 @@ def check(rendered, dashboard_path):
             c.expect(p["targetPort"] in ports, "Service %s port %s targets a container port"
                      % (name, p["name"]))
     for pdb in by_kind.get("PodDisruptionBudget", []):
-        c.expect(selects(pdb["spec"]["selector"]["matchLabels"], pod_labels), "PDB selects the pods")
+        c.expect(selects(pdb["spec"]["selector"]["matchLabels"], pod_labels),
+                 "PDB selects the pods")
     c.expect(len(by_kind.get("PodDisruptionBudget", [])) == 1, "one PodDisruptionBudget")
     for np in by_kind.get("NetworkPolicy", []):
         c.expect(selects(np["spec"]["podSelector"]["matchLabels"], pod_labels),
