@@ -293,15 +293,25 @@ class MemoryCgroup:
         name = "kvbank-manifest-%d" % os.getpid()
         with open("/proc/self/cgroup") as f:
             entries = [line.rstrip("\n").split(":", 2) for line in f]
+        # Own cgroup first, then the root of the mount (a container whose cgroup namespace
+        # starts at its own cgroup shows the host's path in /proc/self/cgroup).
         candidates = []
         for hierarchy, controllers, path in entries:
             if hierarchy == "0" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-                candidates.append(("/sys/fs/cgroup" + path, "memory.max"))
+                candidates += [("/sys/fs/cgroup" + path, "memory.max"),
+                               ("/sys/fs/cgroup", "memory.max")]
             elif "memory" in controllers.split(","):
-                candidates.append(("/sys/fs/cgroup/memory" + path, "memory.limit_in_bytes"))
+                candidates += [("/sys/fs/cgroup/memory" + path, "memory.limit_in_bytes"),
+                               ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")]
         self.errors = []
         for base, limit_file in candidates:
             d = os.path.join(base, name)
+            if limit_file == "memory.max":
+                try:  # cgroup v2: the parent must hand the memory controller to its children
+                    with open(os.path.join(base, "cgroup.subtree_control"), "w") as f:
+                        f.write("+memory")
+                except OSError:
+                    pass
             try:
                 os.mkdir(d)
             except OSError as e:
