@@ -30,6 +30,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "google/protobuf/text_format.h"
+#include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "server/core/memory_limit.h"
@@ -180,6 +181,17 @@ int Fail(const std::string& what) {
   return 2;
 }
 
+// gRPC's own log lines, as kvbankd's records (event "grpc"), so that a JSON log stays JSON.
+void GrpcLogToRecords(gpr_log_func_args* args) {
+  const char* level = args->severity == GPR_LOG_SEVERITY_ERROR   ? "error"
+                      : args->severity == GPR_LOG_SEVERITY_DEBUG ? "debug"
+                                                                 : "info";
+  log::Record(level, "grpc")
+          .Field("file", args->file != nullptr ? args->file : "")
+          .Field("line", args->line)
+      << "grpc: " << (args->message != nullptr ? args->message : "");
+}
+
 // Writes `port` to `path` (when set) so that readers never see a half-written file.
 void WritePortFile(const std::string& path, int port) {
   if (path.empty()) return;
@@ -236,6 +248,7 @@ int Main(int argc, char** argv) {
   }
   if (log::Format format; log::ParseFormat(absl::GetFlag(FLAGS_log_format), &format)) {
     log::SetFormat(format);
+    if (format == log::Format::kJson) gpr_set_log_function(&GrpcLogToRecords);
   } else {
     return Fail("--log-format must be text or json");
   }
