@@ -19,9 +19,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvbank/client.h"
 #include "kvbank/fleet.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
 #include "tests/integration/prefix_support.h"
 #include "tests/integration/server_fixture.h"
 
@@ -412,6 +414,68 @@ TEST_F(FleetTest, RestartedReplicaComesBackUnderItsName) {
     ASSERT_TRUE(c.ok()) << c.status();  // the model was ensured on the new process
     EXPECT_EQ(replica, "kvbank-1");
   }
+}
+
+TEST_F(FleetTest, DrainingReplicaIsSkippedForNewSequences) {
+  // kvbank-1 drains for up to 5 s, held open by an append its client never ends: meanwhile it
+  // answers UNAVAILABLE naming the drain and health NOT_SERVING, and the fleet places its keys
+  // on kvbank-0 instead.
+  ASSERT_NO_FATAL_FAILURE(StartReplicas(2, {"--drain-timeout-ms=5000"}));
+  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  auto m = (*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<std::vector<uint32_t>> prompts;
+  for (int i = 0; prompts.size() < 8 && i < 1000; ++i) {
+    auto prompt = Tokens(70000 + i, 2 * kBt);
+    auto key = (*fleet)->PlacementKey(kModel, prompt);
+    ASSERT_TRUE(key.ok());
+    if (*(*fleet)->ReplicaFor(*key) == "kvbank-1") prompts.push_back(prompt);
+  }
+  ASSERT_EQ(prompts.size(), 8u);
+  Client::CreateArgs held_args;
+  held_args.prompt = prompts[0];
+  auto held = (*fleet)->CreateSequence(kModel, held_args);
+  ASSERT_TRUE(held.ok()) << held.status();
+  ASSERT_EQ(held->replica, "kvbank-1");
+  auto stub = v1::KvBank::NewStub(
+      grpc::CreateChannel(servers_[1]->target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+  v1::AppendResponse resp;
+  auto writer = stub->Append(&ctx, &resp);
+  v1::AppendRequest header;
+  header.mutable_header()->set_model(kModel);
+  header.mutable_header()->set_sequence_id(held->id);
+  header.mutable_header()->set_num_tokens(kBt);
+  ASSERT_TRUE(writer->Write(header));
+  auto direct = Client::Connect(servers_[1]->target());
+  ASSERT_TRUE(direct.ok());
+  ASSERT_TRUE(
+      WaitUntil([&] { return StatsOf(**direct, kModel).blocks_used >= 1; }, absl::Seconds(5)));
+
+  servers_[1]->SendSignal(SIGTERM);
+  // The signal is taken asynchronously: wait until kvbank-1 refuses calls for its drain (a
+  // sequence created just before would be its own, and its append would fail naming it).
+  ASSERT_TRUE(WaitUntil([&] {
+    auto s = (*direct)->ListModels();
+    return s.status().code() == absl::StatusCode::kUnavailable &&
+           absl::StrContains(s.status().message(), "draining");
+  }));
+  // Placed while kvbank-1 drains: on kvbank-0, every one.
+  for (size_t i = 1; i < prompts.size(); ++i) {
+    std::string replica;
+    auto c = Serve(**fleet, *m, prompts[i], &replica);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(replica, "kvbank-0") << "prompt " << i;
+  }
+  EXPECT_FALSE(servers_[1]->exited()) << "the drain ended before the placements were checked";
+  // The held sequence's replica is draining: calls on it fail naming it, never go elsewhere.
+  auto info = (*fleet)->GetSequence(*held);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kUnavailable) << info.status();
+  EXPECT_TRUE(absl::StrContains(info.status().message(), "kvbank-1")) << info.status();
+  ctx.TryCancel();
+  EXPECT_TRUE(servers_[1]->WaitForExit(absl::Seconds(20)).ok()) << servers_[1]->Log();
 }
 
 TEST_F(FleetTest, AddedReplicaTakesAQuarterAndRemovedOneLeaves) {
