@@ -1,13 +1,14 @@
 // kvbank._kvbank: the C++ SDK (kvbank::Client, layouts, prefix hashes) for Python.
 //
 // Thin on purpose: the Pythonic surface (keyword arguments, dicts, typed exceptions, futures)
-// lives in kvbank/*.py; this module converts types and moves bytes. Every RPC runs with the GIL
+// lives in kvbank/*.py; this module moves bytes and calls convert.h to convert types (the same
+// converters serve the Fleet in fleet.cc). Every RPC runs with the GIL
 // released, so other Python threads run while a call waits on the network. Payloads go through
 // the buffer protocol in both directions: Append reads the caller's buffer in place, FetchInto
 // writes straight into it, and Fetch hands the SDK's vector to numpy without a copy.
 //
-// Errors: a non-OK absl::Status becomes StatusError, which the translator registered below turns
-// into kvbank.Error's subclass for the gRPC code (kvbank/_errors.py), message unchanged.
+// Errors: a non-OK absl::Status raises through convert.h's RaiseStatus, whose translator
+// (registered below) turns it into kvbank.Error's subclass for the gRPC code (kvbank/_errors.py).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -33,352 +34,13 @@
 #include "kvbank/client.h"
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
+#include "src/convert.h"
 #include "src/fleet.h"
 
 namespace py = pybind11;
 
 namespace kvbank::python {
 namespace {
-
-// A failed call: the gRPC code and the server's (or the SDK's) message.
-struct StatusError {
-  int code;
-  std::string message;
-};
-
-[[noreturn]] void Raise(const absl::Status& s) {
-  throw StatusError{static_cast<int>(s.code()), std::string(s.message())};
-}
-[[noreturn]] void RaiseInvalid(std::string message) {
-  throw StatusError{static_cast<int>(absl::StatusCode::kInvalidArgument), std::move(message)};
-}
-void Check(const absl::Status& s) {
-  if (!s.ok()) Raise(s);
-}
-template <typename T>
-T Unwrap(absl::StatusOr<T> r) {
-  if (!r.ok()) Raise(r.status());
-  return *std::move(r);
-}
-
-DType ToDType(const std::string& s) {
-  DType d;
-  if (!ParseDType(s, &d)) {
-    RaiseInvalid("unknown dtype '" + s + "' (fp32, fp16, bf16, int8, fp8_e4m3, fp8_e5m2)");
-  }
-  return d;
-}
-std::optional<DType> ToDType(const std::optional<std::string>& s) {
-  if (!s.has_value()) return std::nullopt;
-  return ToDType(*s);
-}
-AttentionKind ToKind(const std::string& s) {
-  for (AttentionKind k :
-       {AttentionKind::kMha, AttentionKind::kGqa, AttentionKind::kMqa, AttentionKind::kMla}) {
-    if (s == AttentionKindName(k)) return k;
-  }
-  RaiseInvalid("unknown attention kind '" + s + "' (mha, gqa, mqa, mla)");
-}
-HashAlgorithm ToAlgorithm(const std::string& s) {
-  HashAlgorithm a;
-  if (!ParseHashAlgorithm(s, &a))
-    RaiseInvalid("unknown hash algorithm '" + s + "' (sha256, xxh3_128)");
-  return a;
-}
-ExtraKeyKind ToExtraKind(const std::string& s) {
-  if (s == "lora") return ExtraKeyKind::kLora;
-  if (s == "multimodal") return ExtraKeyKind::kMultimodal;
-  if (s == "prompt_embeds") return ExtraKeyKind::kPromptEmbeds;
-  if (s == "custom") return ExtraKeyKind::kCustom;
-  RaiseInvalid("unknown extra key kind '" + s + "' (lora, multimodal, prompt_embeds, custom)");
-}
-// Extra keys from Python: (kind, value) pairs; value is str or bytes.
-std::vector<ExtraKey> ToExtraKeys(const std::vector<std::pair<std::string, py::bytes>>& keys) {
-  std::vector<ExtraKey> out;
-  out.reserve(keys.size());
-  for (const auto& [kind, value] : keys) out.push_back({ToExtraKind(kind), std::string(value)});
-  return out;
-}
-BlockHash ToHash(const py::bytes& b) {
-  const std::string s(b);
-  if (s.size() != 32) RaiseInvalid("a block hash is 32 bytes, not " + std::to_string(s.size()));
-  BlockHash h;
-  std::memcpy(h.data(), s.data(), 32);
-  return h;
-}
-std::vector<BlockHash> ToHashes(const std::vector<py::bytes>& v) {
-  std::vector<BlockHash> out;
-  out.reserve(v.size());
-  for (const py::bytes& b : v) out.push_back(ToHash(b));
-  return out;
-}
-py::bytes FromHash(const BlockHash& h) {
-  return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
-}
-py::list FromHashes(const std::vector<BlockHash>& v) {
-  py::list out;
-  for (const BlockHash& h : v) out.append(FromHash(h));
-  return out;
-}
-std::optional<absl::Duration> ToDuration(std::optional<double> seconds) {
-  if (!seconds.has_value()) return std::nullopt;
-  if (!(*seconds >= 0)) RaiseInvalid("a duration must be >= 0 seconds");
-  return absl::Seconds(*seconds);
-}
-
-// A C-contiguous view of a Python buffer (bytes, bytearray, memoryview, numpy array, ...),
-// held for the duration of one call. REQUIRES: the GIL is held at construction and destruction.
-class BufferView {
- public:
-  BufferView(const py::handle& obj, bool writable) {
-    const int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) throw py::error_already_set();
-  }
-  ~BufferView() { PyBuffer_Release(&view_); }
-  BufferView(const BufferView&) = delete;
-  BufferView& operator=(const BufferView&) = delete;
-
-  uint8_t* data() const { return static_cast<uint8_t*>(view_.buf); }
-  size_t size() const { return static_cast<size_t>(view_.len); }
-
- private:
-  Py_buffer view_{};
-};
-
-// A numpy uint8 array that owns `bytes` (no copy: the vector moves into the array's base).
-py::array_t<uint8_t> ToArray(std::vector<uint8_t> bytes) {
-  auto* owned = new std::vector<uint8_t>(std::move(bytes));
-  py::capsule base(owned, [](void* p) { delete static_cast<std::vector<uint8_t>*>(p); });
-  return py::array_t<uint8_t>({static_cast<py::ssize_t>(owned->size())}, {py::ssize_t{1}},
-                              owned->data(), base);
-}
-py::array_t<float> ToFloatArray(const std::vector<float>& v) {
-  py::array_t<float> out(static_cast<py::ssize_t>(v.size()));
-  if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(float));
-  return out;
-}
-
-py::dict LayoutToDict(const ModelLayout& m) {
-  py::dict d;
-  d["name"] = m.name;
-  d["num_layers"] = m.num_layers;
-  d["num_q_heads"] = m.num_q_heads;
-  d["num_kv_heads"] = m.num_kv_heads;
-  d["head_dim"] = m.head_dim;
-  d["head_dim_v"] = m.head_dim_v;
-  d["block_tokens"] = m.block_tokens;
-  d["kind"] = AttentionKindName(m.kind);
-  d["kv_lora_rank"] = m.kv_lora_rank;
-  d["rope_dim"] = m.rope_dim;
-  d["input_dtype"] = DTypeName(m.input_dtype);
-  py::list dtypes;
-  for (DType t : m.layer_dtypes) dtypes.append(DTypeName(t));
-  d["layer_dtypes"] = dtypes;
-  return d;
-}
-
-// The layout from the dict LayoutToDict writes; "dtype" fills layer_dtypes (and the input
-// dtype) when they are absent. Unknown keys are refused: a misspelt field is not a default.
-ModelLayout LayoutFromDict(const py::dict& d) {
-  static const char* const kKeys[] = {"name",         "num_layers", "num_q_heads",  "num_kv_heads",
-                                      "head_dim",     "head_dim_v", "block_tokens", "kind",
-                                      "kv_lora_rank", "rope_dim",   "input_dtype",  "layer_dtypes",
-                                      "dtype"};
-  for (const auto& item : d) {
-    const std::string key = py::str(item.first);
-    bool known = false;
-    for (const char* k : kKeys) known = known || key == k;
-    if (!known) RaiseInvalid("unknown layout field '" + key + "'");
-  }
-  ModelLayout m;
-  auto u32 = [&](const char* key, uint32_t* out) {
-    if (d.contains(key)) *out = d[key].cast<uint32_t>();
-  };
-  if (d.contains("name")) m.name = d["name"].cast<std::string>();
-  u32("num_layers", &m.num_layers);
-  u32("num_q_heads", &m.num_q_heads);
-  u32("num_kv_heads", &m.num_kv_heads);
-  u32("head_dim", &m.head_dim);
-  u32("head_dim_v", &m.head_dim_v);
-  u32("block_tokens", &m.block_tokens);
-  u32("kv_lora_rank", &m.kv_lora_rank);
-  u32("rope_dim", &m.rope_dim);
-  if (d.contains("kind")) m.kind = ToKind(d["kind"].cast<std::string>());
-  std::optional<DType> dtype;
-  if (d.contains("dtype")) dtype = ToDType(d["dtype"].cast<std::string>());
-  if (d.contains("input_dtype")) {
-    m.input_dtype = ToDType(d["input_dtype"].cast<std::string>());
-  } else if (dtype.has_value() && !IsQuantized(*dtype)) {
-    m.input_dtype = *dtype;
-  }
-  if (d.contains("layer_dtypes")) {
-    for (const auto& t : d["layer_dtypes"])
-      m.layer_dtypes.push_back(ToDType(t.cast<std::string>()));
-  } else {
-    m.layer_dtypes.assign(m.num_layers, dtype.value_or(m.input_dtype));
-  }
-  if (m.head_dim_v == 0 && m.kind != AttentionKind::kMla) m.head_dim_v = m.head_dim;
-  return m;
-}
-
-py::dict ModelInfoToDict(const Client::ModelInfo& i) {
-  py::dict d;
-  d["name"] = i.layout.name;
-  d["layout"] = LayoutToDict(i.layout);
-  d["fingerprint"] = i.fingerprint;
-  d["block_bytes"] = i.block_bytes;
-  d["num_blocks"] = i.num_blocks;
-  d["pool_bytes"] = i.pool_bytes;
-  d["payload_bytes_per_token"] = i.payload_bytes_per_token;
-  d["device"] = i.device;
-  d["max_sequences"] = i.max_sequences;
-  d["max_tokens_per_sequence"] = i.max_tokens_per_sequence;
-  d["created"] = i.created;
-  return d;
-}
-
-py::dict SequenceToDict(const Client::SequenceInfo& s) {
-  py::dict d;
-  d["model"] = s.model;
-  d["id"] = s.id;
-  d["length"] = s.length;
-  d["layer_lengths"] = s.layer_lengths;
-  d["num_blocks"] = s.num_blocks;
-  d["cached_tokens"] = s.cached_tokens;
-  d["lease_ttl_s"] = absl::ToDoubleSeconds(s.lease_ttl);
-  d["compactions"] = s.compactions;
-  return d;
-}
-
-py::dict FetchToDict(const Client::FetchResult& r) {
-  py::dict d;
-  d["token_begin"] = r.token_begin;
-  d["num_tokens"] = r.num_tokens;
-  d["layer_begin"] = r.layer_begin;
-  d["layer_end"] = r.layer_end;
-  d["kv_head_begin"] = r.kv_head_begin;
-  d["kv_head_end"] = r.kv_head_end;
-  d["dtype"] = DTypeName(r.dtype);
-  d["payload_bytes"] = r.payload_bytes;
-  return d;
-}
-
-py::dict StatsToDict(const Client::ModelStats& s) {
-  py::dict d;
-  d["model"] = s.model;
-#define KVBANK_STAT(f) d[#f] = s.f
-  KVBANK_STAT(blocks_total);
-  KVBANK_STAT(blocks_free);
-  KVBANK_STAT(blocks_used);
-  KVBANK_STAT(block_bytes);
-  KVBANK_STAT(pool_bytes);
-  KVBANK_STAT(sequences);
-  KVBANK_STAT(tokens_stored);
-  KVBANK_STAT(bytes_used);
-  KVBANK_STAT(capacity_tokens);
-  KVBANK_STAT(appends);
-  KVBANK_STAT(fetches);
-  KVBANK_STAT(bytes_appended);
-  KVBANK_STAT(bytes_fetched);
-  KVBANK_STAT(leases_expired);
-  KVBANK_STAT(blocks_cached);
-  KVBANK_STAT(blocks_pinned);
-  KVBANK_STAT(evictions);
-  KVBANK_STAT(prefix_query_tokens);
-  KVBANK_STAT(prefix_hit_tokens);
-  KVBANK_STAT(fetches_waiting);
-#undef KVBANK_STAT
-  py::list tenants;
-  for (const auto& t : s.tenants) {
-    py::dict td;
-    td["tenant"] = t.tenant;
-    td["prefix_query_tokens"] = t.prefix_query_tokens;
-    td["prefix_hit_tokens"] = t.prefix_hit_tokens;
-    td["blocks_referenced"] = t.blocks_referenced;
-    td["sequences"] = t.sequences;
-    td["tokens_stored"] = t.tokens_stored;
-    td["appends"] = t.appends;
-    td["fetches"] = t.fetches;
-    td["bytes_appended"] = t.bytes_appended;
-    td["bytes_fetched"] = t.bytes_fetched;
-    td["leases_expired"] = t.leases_expired;
-    td["max_blocks"] = t.max_blocks;
-    td["max_sequences"] = t.max_sequences;
-    tenants.append(td);
-  }
-  d["tenants"] = tenants;
-  d["tenant_view"] = s.tenant_view;
-  return d;
-}
-
-py::dict EventToDict(const Client::Event& e) {
-  py::dict d;
-  switch (e.type) {
-    case Client::Event::Type::kStored:
-      d["type"] = "stored";
-      break;
-    case Client::Event::Type::kRemoved:
-      d["type"] = "removed";
-      break;
-    case Client::Event::Type::kAllCleared:
-      d["type"] = "all_cleared";
-      break;
-  }
-  d["sequence"] = e.sequence;
-  d["tenant"] = e.tenant;
-  d["hashes"] = FromHashes(e.hashes);
-  d["parent"] = e.parent.has_value() ? py::object(FromHash(*e.parent)) : py::object(py::none());
-  d["token_ids"] = e.token_ids;
-  d["block_size"] = e.block_size;
-  d["lora"] = e.lora;
-  return d;
-}
-
-Client::AppendArgs MakeAppendArgs(uint64_t num_tokens, uint32_t layer_begin,
-                                  std::optional<uint32_t> layer_end,
-                                  const std::optional<std::string>& dtype,
-                                  std::vector<uint32_t> token_ids, uint32_t kv_head_begin,
-                                  std::optional<uint32_t> kv_head_end) {
-  Client::AppendArgs a;
-  a.num_tokens = num_tokens;
-  a.layer_begin = layer_begin;
-  a.layer_end = layer_end;
-  a.dtype = ToDType(dtype);
-  a.token_ids = std::move(token_ids);
-  a.kv_head_begin = kv_head_begin;
-  a.kv_head_end = kv_head_end;
-  return a;
-}
-
-Client::FetchArgs MakeFetchArgs(uint64_t token_begin, std::optional<uint64_t> token_end,
-                                uint32_t layer_begin, std::optional<uint32_t> layer_end,
-                                const std::optional<std::string>& dtype, uint32_t kv_head_begin,
-                                std::optional<uint32_t> kv_head_end, double wait_s = 0) {
-  Client::FetchArgs a;
-  a.token_begin = token_begin;
-  a.token_end = token_end;
-  a.layer_begin = layer_begin;
-  a.layer_end = layer_end;
-  a.dtype = ToDType(dtype);
-  a.kv_head_begin = kv_head_begin;
-  a.kv_head_end = kv_head_end;
-  if (!(wait_s >= 0 && wait_s <= 600)) {
-    throw py::value_error("wait_s must be within [0, 600] seconds");
-  }
-  a.wait = absl::Seconds(wait_s);
-  return a;
-}
-
-Client::MatchQuery MakeQuery(std::vector<uint32_t> tokens, const std::vector<py::bytes>& hashes,
-                             std::string cache_salt,
-                             const std::vector<std::pair<std::string, py::bytes>>& extra_keys) {
-  Client::MatchQuery q;
-  q.tokens = std::move(tokens);
-  q.hashes = ToHashes(hashes);
-  q.cache_salt = std::move(cache_salt);
-  q.extra_keys = ToExtraKeys(extra_keys);
-  return q;
-}
 
 // One connection to kvbankd. Thread-safe like kvbank::Client: calls from several Python threads
 // run concurrently (each releases the GIL for its RPC).
@@ -399,30 +61,7 @@ class PyClient {
     o.stream_deadline = absl::Seconds(stream_deadline_s);
     o.chunk_bytes = chunk_bytes;
     o.bearer_token = token;
-    if (tls.has_value()) {
-      ClientTlsOptions t;
-      for (const auto& item : *tls) {
-        const std::string key = py::str(item.first);
-        const std::string value = py::str(item.second);
-        if (key == "root_ca_pem")
-          t.root_ca_pem = value;
-        else if (key == "root_ca_path")
-          t.root_ca_path = value;
-        else if (key == "cert_chain_pem")
-          t.cert_chain_pem = value;
-        else if (key == "cert_chain_path")
-          t.cert_chain_path = value;
-        else if (key == "private_key_pem")
-          t.private_key_pem = value;
-        else if (key == "private_key_path")
-          t.private_key_path = value;
-        else if (key == "server_name_override")
-          t.server_name_override = value;
-        else
-          RaiseInvalid("unknown tls option '" + key + "'");
-      }
-      o.tls = std::move(t);
-    }
+    if (tls.has_value()) o.tls = TlsOptionsFromDict(*tls);
     absl::StatusOr<std::unique_ptr<Client>> c;
     {
       py::gil_scoped_release release;
@@ -549,21 +188,6 @@ class PyClient {
     return d;
   }
 
-  // Runs `f` (one SDK call) with the GIL released; raises its error.
-  template <typename F>
-  auto Call(F&& f) {
-    decltype(f()) r;
-    {
-      py::gil_scoped_release release;
-      r = f();
-    }
-    if constexpr (std::is_same_v<decltype(r), absl::Status>) {
-      Check(r);
-    } else {
-      return Unwrap(std::move(r));
-    }
-  }
-
   Client& c() { return *client_; }
 
  private:
@@ -658,7 +282,7 @@ void BindClient(py::module_& m) {
           "ensure_model",
           [](PyClient& self, const py::dict& layout, uint64_t pool_bytes) {
             const ModelLayout m = LayoutFromDict(layout);
-            return ModelInfoToDict(self.Call([&] { return self.c().EnsureModel(m, pool_bytes); }));
+            return ModelInfoToDict(CallWithoutGil([&] { return self.c().EnsureModel(m, pool_bytes); }));
           },
           py::arg("layout"), py::arg("pool_bytes") = 0)
       .def(
@@ -667,32 +291,32 @@ void BindClient(py::module_& m) {
              const std::optional<std::string>& storage, uint64_t pool_bytes,
              uint32_t block_tokens) {
             const std::optional<DType> st = ToDType(storage);
-            return ModelInfoToDict(self.Call(
+            return ModelInfoToDict(CallWithoutGil(
                 [&] { return self.c().EnsurePreset(name, preset, st, pool_bytes, block_tokens); }));
           },
           py::arg("name"), py::arg("preset"), py::arg("storage") = py::none(),
           py::arg("pool_bytes") = 0, py::arg("block_tokens") = 0)
       .def("drop_model",
            [](PyClient& self, const std::string& name) {
-             self.Call([&] { return self.c().DropModel(name); });
+             CallWithoutGil([&] { return self.c().DropModel(name); });
            })
       .def("list_models",
            [](PyClient& self) {
              py::list out;
-             for (const auto& i : self.Call([&] { return self.c().ListModels(); })) {
+             for (const auto& i : CallWithoutGil([&] { return self.c().ListModels(); })) {
                out.append(ModelInfoToDict(i));
              }
              return out;
            })
       .def("get_model",
            [](PyClient& self, const std::string& name) {
-             return ModelInfoToDict(self.Call([&] { return self.c().GetModel(name); }));
+             return ModelInfoToDict(CallWithoutGil([&] { return self.c().GetModel(name); }));
            })
       .def(
           "stats",
           [](PyClient& self, const std::string& model) {
             py::list out;
-            for (const auto& s : self.Call([&] { return self.c().GetStats(model); })) {
+            for (const auto& s : CallWithoutGil([&] { return self.c().GetStats(model); })) {
               out.append(StatsToDict(s));
             }
             return out;
@@ -705,17 +329,10 @@ void BindClient(py::module_& m) {
              const std::vector<std::pair<std::string, py::bytes>>& extra_keys,
              std::optional<uint32_t> priority, uint32_t retention_kind, uint32_t window,
              uint32_t sinks, uint32_t budget) {
-            Client::CreateArgs a;
-            a.lease = ToDuration(lease_s);
-            a.prompt = std::move(prompt);
-            a.cache_salt = std::move(cache_salt);
-            a.extra_keys = ToExtraKeys(extra_keys);
-            a.priority = priority;
-            a.retention_kind = retention_kind;
-            a.window = window;
-            a.sinks = sinks;
-            a.budget = budget;
-            return SequenceToDict(self.Call([&] { return self.c().CreateSequence(model, a); }));
+            const Client::CreateArgs a =
+                MakeCreateArgs(lease_s, std::move(prompt), std::move(cache_salt), extra_keys, priority,
+                               retention_kind, window, sinks, budget);
+            return SequenceToDict(CallWithoutGil([&] { return self.c().CreateSequence(model, a); }));
           },
           py::arg("model"), py::arg("lease_s") = py::none(),
           py::arg("prompt") = std::vector<uint32_t>{}, py::arg("cache_salt") = "",
@@ -732,8 +349,8 @@ void BindClient(py::module_& m) {
                 MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
                                kv_head_begin, kv_head_end);
             BufferView view(payload, /*writable=*/false);
-            const absl::Span<const uint8_t> bytes(view.data(), view.size());
-            return SequenceToDict(self.Call([&] { return self.Append(model, id, a, bytes); }));
+            const absl::Span<const uint8_t> bytes = view.span();
+            return SequenceToDict(CallWithoutGil([&] { return self.Append(model, id, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("payload"), py::arg("num_tokens"),
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
@@ -754,11 +371,11 @@ void BindClient(py::module_& m) {
             absl::Span<const uint8_t> vbytes;
             if (!v.is_none()) {
               vview.emplace(v, false);
-              vbytes = absl::Span<const uint8_t>(vview->data(), vview->size());
+              vbytes = vview->span();
             }
-            const absl::Span<const uint8_t> kbytes(kview.data(), kview.size());
+            const absl::Span<const uint8_t> kbytes = kview.span();
             return SequenceToDict(
-                self.Call([&] { return self.c().AppendTensors(model, id, a, kbytes, vbytes); }));
+                CallWithoutGil([&] { return self.c().AppendTensors(model, id, a, kbytes, vbytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("num_tokens"),
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
@@ -773,7 +390,7 @@ void BindClient(py::module_& m) {
             const Client::FetchArgs a =
                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
                               kv_head_end, wait_s);
-            Client::FetchResult r = self.Call([&] { return self.c().Fetch(model, id, a); });
+            Client::FetchResult r = CallWithoutGil([&] { return self.c().Fetch(model, id, a); });
             py::dict meta = FetchToDict(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
@@ -792,9 +409,9 @@ void BindClient(py::module_& m) {
                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
                               kv_head_end, wait_s);
             BufferView view(out, /*writable=*/true);
-            const absl::Span<uint8_t> bytes(view.data(), view.size());
+            const absl::Span<uint8_t> bytes = view.span();
             return FetchToDict(
-                self.Call([&] { return self.FetchInto(model, id, nullptr, a, bytes); }));
+                CallWithoutGil([&] { return self.FetchInto(model, id, nullptr, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
@@ -816,10 +433,10 @@ void BindClient(py::module_& m) {
             absl::Span<uint8_t> vbytes;
             if (!v.is_none()) {
               vview.emplace(v, true);
-              vbytes = absl::Span<uint8_t>(vview->data(), vview->size());
+              vbytes = vview->span();
             }
-            const absl::Span<uint8_t> kbytes(kview.data(), kview.size());
-            self.Call([&] { return self.c().FetchTensors(model, id, a, kbytes, vbytes); });
+            const absl::Span<uint8_t> kbytes = kview.span();
+            CallWithoutGil([&] { return self.c().FetchTensors(model, id, a, kbytes, vbytes); });
           },
           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("token_begin") = 0,
           py::arg("token_end") = py::none(), py::arg("layer_begin") = 0,
@@ -830,36 +447,30 @@ void BindClient(py::module_& m) {
           "fork",
           [](PyClient& self, const std::string& model, uint64_t id, std::optional<double> lease_s) {
             const auto lease = ToDuration(lease_s);
-            return SequenceToDict(self.Call([&] { return self.c().Fork(model, id, lease); }));
+            return SequenceToDict(CallWithoutGil([&] { return self.c().Fork(model, id, lease); }));
           },
           py::arg("model"), py::arg("id"), py::arg("lease_s") = py::none())
       .def("truncate",
            [](PyClient& self, const std::string& model, uint64_t id, uint64_t num_tokens) {
              return SequenceToDict(
-                 self.Call([&] { return self.c().Truncate(model, id, num_tokens); }));
+                 CallWithoutGil([&] { return self.c().Truncate(model, id, num_tokens); }));
            })
       .def("free", [](PyClient& self, const std::string& model,
-                      uint64_t id) { return self.Call([&] { return self.c().Free(model, id); }); })
+                      uint64_t id) { return CallWithoutGil([&] { return self.c().Free(model, id); }); })
       .def("renew_lease",
            [](PyClient& self, const std::string& model, uint64_t id) {
-             return SequenceToDict(self.Call([&] { return self.c().RenewLease(model, id); }));
+             return SequenceToDict(CallWithoutGil([&] { return self.c().RenewLease(model, id); }));
            })
       .def("get_sequence",
            [](PyClient& self, const std::string& model, uint64_t id) {
-             return SequenceToDict(self.Call([&] { return self.c().GetSequence(model, id); }));
+             return SequenceToDict(CallWithoutGil([&] { return self.c().GetSequence(model, id); }));
            })
       .def("match",
            [](PyClient& self, const std::string& model, const py::list& queries) {
              // Each query: (tokens, hashes, cache_salt, extra_keys).
              std::vector<Client::MatchQuery> qs;
-             for (const auto& q : queries) {
-               auto t =
-                   q.cast<std::tuple<std::vector<uint32_t>, std::vector<py::bytes>, std::string,
-                                     std::vector<std::pair<std::string, py::bytes>>>>();
-               qs.push_back(MakeQuery(std::move(std::get<0>(t)), std::get<1>(t),
-                                      std::move(std::get<2>(t)), std::get<3>(t)));
-             }
-             return self.Call([&] { return self.c().Match(model, qs); });
+             for (const auto& q : queries) qs.push_back(QueryFromTuple(q));
+             return CallWithoutGil([&] { return self.c().Match(model, qs); });
            })
       .def(
           "fetch_blocks",
@@ -870,7 +481,7 @@ void BindClient(py::module_& m) {
             const std::vector<BlockHash> hs = ToHashes(hashes);
             const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
                                                       dtype, kv_head_begin, kv_head_end);
-            Client::FetchResult r = self.Call([&] { return self.c().FetchBlocks(model, hs, a); });
+            Client::FetchResult r = CallWithoutGil([&] { return self.c().FetchBlocks(model, hs, a); });
             py::dict meta = FetchToDict(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
@@ -881,21 +492,17 @@ void BindClient(py::module_& m) {
           "register_device_region",
           [](PyClient& self, const py::bytes& handle, uint64_t offset, uint64_t size) {
             const std::string h = handle;
-            const auto r = self.Call([&] {
+            const auto r = CallWithoutGil([&] {
               return self.c().RegisterDeviceRegion(
                   absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(h.data()), h.size()),
                   offset, size);
             });
-            py::dict d;
-            d["region_id"] = r.region_id;
-            d["size"] = r.size;
-            d["device"] = r.device;
-            return d;
+            return DeviceRegionToDict(r);
           },
           py::arg("handle"), py::arg("offset"), py::arg("size"))
       .def("unregister_device_region",
            [](PyClient& self, uint64_t region_id) {
-             self.Call([&] { return self.c().UnregisterDeviceRegion(region_id); });
+             CallWithoutGil([&] { return self.c().UnregisterDeviceRegion(region_id); });
            })
       .def(
           "append_from_device",
@@ -909,7 +516,7 @@ void BindClient(py::module_& m) {
                                kv_head_begin, kv_head_end);
             const RegionSlice slice{region_id, offset, length};
             return SequenceToDict(
-                self.Call([&] { return self.c().AppendFromDevice(model, id, a, slice); }));
+                CallWithoutGil([&] { return self.c().AppendFromDevice(model, id, a, slice); }));
           },
           py::arg("model"), py::arg("id"), py::arg("region_id"), py::arg("offset"),
           py::arg("length"), py::arg("num_tokens"), py::arg("layer_begin") = 0,
@@ -928,7 +535,7 @@ void BindClient(py::module_& m) {
                                                       kv_head_end, wait_s);
             const RegionSlice slice{region_id, offset, length};
             return FetchToDict(
-                self.Call([&] { return self.c().FetchToDevice(model, id, a, slice); }));
+                CallWithoutGil([&] { return self.c().FetchToDevice(model, id, a, slice); }));
           },
           py::arg("model"), py::arg("id"), py::arg("region_id"), py::arg("offset"),
           py::arg("length"), py::arg("token_begin") = 0, py::arg("token_end") = py::none(),
@@ -945,8 +552,8 @@ void BindClient(py::module_& m) {
             const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
                                                       dtype, kv_head_begin, kv_head_end);
             BufferView view(out, /*writable=*/true);
-            const absl::Span<uint8_t> bytes(view.data(), view.size());
-            return FetchToDict(self.Call([&] { return self.FetchInto(model, 0, &hs, a, bytes); }));
+            const absl::Span<uint8_t> bytes = view.span();
+            return FetchToDict(CallWithoutGil([&] { return self.FetchInto(model, 0, &hs, a, bytes); }));
           },
           py::arg("model"), py::arg("hashes"), py::arg("out"), py::arg("layer_begin") = 0,
           py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
@@ -958,21 +565,15 @@ void BindClient(py::module_& m) {
              const std::vector<std::pair<std::string, py::bytes>>& extra_keys, bool pin) {
             const Client::MatchQuery q =
                 MakeQuery(std::move(tokens), hashes, std::move(cache_salt), extra_keys);
-            return self.Call([&] { return self.c().Pin(model, q, pin); });
+            return CallWithoutGil([&] { return self.c().Pin(model, q, pin); });
           },
           py::arg("model"), py::arg("tokens"), py::arg("hashes"), py::arg("cache_salt"),
           py::arg("extra_keys"), py::arg("pin"))
       .def(
           "get_prefix_root",
           [](PyClient& self, const std::string& model, const std::string& cache_salt) {
-            const auto r = self.Call([&] { return self.c().GetPrefixRoot(model, cache_salt); });
-            py::dict d;
-            d["root"] = FromHash(r.root);
-            d["algorithm"] = HashAlgorithmName(r.algorithm);
-            d["block_tokens"] = r.block_tokens;
-            d["layout_fingerprint"] = r.layout_fingerprint;
-            d["tenant"] = r.tenant;
-            return d;
+            const auto r = CallWithoutGil([&] { return self.c().GetPrefixRoot(model, cache_salt); });
+            return PrefixRootToDict(r);
           },
           py::arg("model"), py::arg("cache_salt") = "")
       .def(
@@ -1025,7 +626,7 @@ void BindClient(py::module_& m) {
             args.softmax_scale = softmax_scale;
             args.window = window;
             args.sinks = sinks;
-            const auto outs = self.Call([&] { return self.c().Attend(model, qs, args); });
+            const auto outs = CallWithoutGil([&] { return self.c().Attend(model, qs, args); });
             py::list out;
             for (const auto& o : outs) {
               out.append(py::make_tuple(ToFloatArray(o.output), ToFloatArray(o.lse)));
@@ -1037,7 +638,7 @@ void BindClient(py::module_& m) {
       .def(
           "check_serving",
           [](PyClient& self, double deadline_s) {
-            self.Call([&] { return self.c().CheckServing(absl::Seconds(deadline_s)); });
+            CallWithoutGil([&] { return self.c().CheckServing(absl::Seconds(deadline_s)); });
           },
           py::arg("deadline_s"));
 }
@@ -1120,22 +721,8 @@ void BindFunctions(py::module_& m) {
 }  // namespace kvbank::python
 
 PYBIND11_MODULE(_kvbank, m) {
-  using kvbank::python::StatusError;
   m.doc() = "kvbank C++ SDK bindings (use the kvbank package, not this module)";
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const StatusError& e) {
-      // kvbank._errors builds the typed exception; fall back to RuntimeError should it fail.
-      try {
-        py::object exc =
-            py::module_::import("kvbank._errors").attr("from_status")(e.code, e.message);
-        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-      } catch (py::error_already_set& inner) {
-        inner.restore();
-      }
-    }
-  });
+  kvbank::python::RegisterStatusTranslator();
   kvbank::python::BindClient(m);
   kvbank::python::BindFunctions(m);
   kvbank::python::BindFleet(m);

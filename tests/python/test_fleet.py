@@ -141,3 +141,44 @@ def test_fleet_bad_target():
         kvbank.Fleet("127.0.0.1")
     with pytest.raises(kvbank.InvalidArgumentError):
         kvbank.Fleet("dns://authority/name:1")
+
+
+def test_fleet_and_client_refuse_bad_arguments_alike(replicas):
+    """The Fleet and the Client share one set of converters: the same bad argument raises the
+    same InvalidArgumentError, with the same message, before any RPC."""
+    fleet = kvbank.Fleet(",".join(s.target for s in replicas), probe_interval_s=0.1)
+    client = kvbank.Client(replicas[0].target)
+    fleet.ensure_model(LAYOUT, pool_bytes=4 << 20)
+    seq = fleet.create_sequence("fleet", prompt=tokens(7, BT))
+    client_seq = client.create_sequence("fleet")
+
+    cases = [
+        ("unknown dtype 'fp64' (fp32, fp16, bf16, int8, fp8_e4m3, fp8_e5m2)",
+         lambda: fleet.fetch(seq, dtype="fp64"),
+         lambda: client.fetch("fleet", client_seq.id, dtype="fp64")),
+        ("wait_s must be within [0, 600] seconds",
+         lambda: fleet.fetch(seq, wait_s=601.0),
+         lambda: client.fetch("fleet", client_seq.id, wait_s=601.0)),
+        ("a block hash is 32 bytes, not 3",
+         lambda: fleet.fetch_blocks("fleet", [b"abc"]),
+         lambda: client.fetch_blocks("fleet", [b"abc"])),
+        ("unknown layout field 'heads'",
+         lambda: fleet.ensure_model({"name": "y", "heads": 2}),
+         lambda: client.ensure_model({"name": "y", "heads": 2})),
+    ]
+    for message, via_fleet, via_client in cases:
+        for call in (via_fleet, via_client):
+            with pytest.raises(kvbank.InvalidArgumentError) as e:
+                call()
+            assert e.value.message == message
+            assert isinstance(e.value, ValueError)
+
+    # A layout dict that leaves fields out gets the same defaults from both (head_dim_v from
+    # head_dim, layer dtypes from "dtype"), so both register the same model.
+    partial = {"name": "partial", "num_layers": 3, "num_q_heads": 2, "num_kv_heads": 1,
+               "head_dim": 8, "dtype": "bf16"}
+    via_fleet = fleet.ensure_model(partial, pool_bytes=1 << 20)
+    assert via_fleet.layout["head_dim_v"] == 8
+    assert via_fleet.layout["layer_dtypes"] == ["bf16"] * 3
+    assert client.get_model("partial").fingerprint == via_fleet.fingerprint
+    fleet.free(seq)
