@@ -184,6 +184,15 @@ def cuda_ipc_handle(tensor: Any) -> Tuple[bytes, int, int]:
     return bytes(handle), offset, tensor.numel() * tensor.element_size()
 
 
+def _cuda_span(tensor: Any) -> Tuple[int, int]:
+    """(device address, size in bytes) of a contiguous CUDA torch tensor."""
+    if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
+        raise InvalidArgumentError("a CUDA tensor is needed for the NCCL plane")
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError("the tensor is not contiguous")
+    return int(tensor.data_ptr()), tensor.numel() * tensor.element_size()
+
+
 class Client:
     """A connection to kvbankd. Thread-safe: share one per process.
 
@@ -287,6 +296,41 @@ class Client:
         return FetchInfo(**self._c.fetch_to_device(
             model, seq_id, region.region_id, offset, n, token_begin, token_end, layer_begin,
             layer_end, dtype, kv_head_begin, kv_head_end, wait_s))
+
+    def nccl_connect(self, device: int = 0) -> None:
+        """Forms an NCCL communicator with kvbankd (this process rank 0 on CUDA device `device`,
+        the server rank 1; the unique id crosses gRPC): append_over_nccl / fetch_over_nccl then
+        move payloads GPU to GPU with ncclSend / ncclRecv. FailedPreconditionError when the
+        server has no cuda:N pool or no NCCL; UnimplementedError when this SDK was built
+        without CUDA and NCCL. Connecting again replaces the communicator."""
+        self._c.nccl_connect(device)
+
+    def nccl_disconnect(self) -> None:
+        """Drops the communicator (the server's too); a no-op without one."""
+        self._c.nccl_disconnect()
+
+    def append_over_nccl(self, model: str, seq_id: int, tensor: Any, *, num_tokens: int,
+                         layer_begin: int = 0, layer_end: Optional[int] = None,
+                         dtype: Optional[str] = None, token_ids: Optional[Sequence[int]] = None,
+                         kv_head_begin: int = 0,
+                         kv_head_end: Optional[int] = None) -> SequenceInfo:
+        """append whose payload (a contiguous CUDA tensor on the communicator's device, the
+        payload's exact size; fp32 / fp16 / bf16) crosses NCCL. Atomic as append."""
+        ptr, nbytes = _cuda_span(tensor)
+        return SequenceInfo(**self._c.append_over_nccl(
+            model, seq_id, ptr, nbytes, num_tokens, layer_begin, layer_end, dtype,
+            list(token_ids or []), kv_head_begin, kv_head_end))
+
+    def fetch_over_nccl(self, model: str, seq_id: int, out: Any, *, token_begin: int = 0,
+                        token_end: Optional[int] = None, layer_begin: int = 0,
+                        layer_end: Optional[int] = None, dtype: Optional[str] = None,
+                        kv_head_begin: int = 0, kv_head_end: Optional[int] = None) -> FetchInfo:
+        """fetch_into a contiguous CUDA tensor over NCCL; payload_bytes says how much arrived
+        (InvalidArgumentError, nothing sent, when it does not fit)."""
+        ptr, capacity = _cuda_span(out)
+        return FetchInfo(**self._c.fetch_over_nccl(
+            model, seq_id, ptr, capacity, token_begin, token_end, layer_begin, layer_end,
+            dtype, kv_head_begin, kv_head_end))
 
     # ---- lifetime -------------------------------------------------------------------------
 

@@ -542,6 +542,56 @@ void BindClient(py::module_& m) {
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
           py::arg("dtype") = py::none(), py::arg("kv_head_begin") = 0,
           py::arg("kv_head_end") = py::none(), py::arg("wait_s") = 0.0)
+      .def("nccl_connect",
+           [](PyClient& self, int device) {
+             CallWithoutGil([&] { return self.c().NcclConnect(device); });
+           })
+      .def("nccl_disconnect",
+           [](PyClient& self) {
+             py::gil_scoped_release release;
+             self.c().NcclDisconnect();
+           })
+      .def(
+          "append_over_nccl",
+          // `ptr`: a device address on the communicator's GPU, `nbytes` long (the Python layer
+          // takes it from a CUDA tensor).
+          [](PyClient& self, const std::string& model, uint64_t id, uintptr_t ptr,
+             uint64_t nbytes, uint64_t num_tokens, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             std::vector<uint32_t> token_ids, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const Client::AppendArgs a =
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
+                               kv_head_begin, kv_head_end);
+            return SequenceToDict(CallWithoutGil([&] {
+              return self.c().AppendOverNccl(model, id, a, reinterpret_cast<const void*>(ptr),
+                                             nbytes);
+            }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("ptr"), py::arg("nbytes"),
+          py::arg("num_tokens"), py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{},
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
+      .def(
+          "fetch_over_nccl",
+          [](PyClient& self, const std::string& model, uint64_t id, uintptr_t ptr,
+             uint64_t capacity, uint64_t token_begin, std::optional<uint64_t> token_end,
+             uint32_t layer_begin, std::optional<uint32_t> layer_end,
+             const std::optional<std::string>& dtype, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const Client::FetchArgs a =
+                MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype,
+                              kv_head_begin, kv_head_end, /*wait_s=*/0.0);
+            return FetchToDict(CallWithoutGil([&] {
+              return self.c().FetchOverNccl(model, id, a, reinterpret_cast<void*>(ptr),
+                                            capacity);
+            }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("ptr"), py::arg("capacity"),
+          py::arg("token_begin") = 0, py::arg("token_end") = py::none(),
+          py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("kv_head_begin") = 0,
+          py::arg("kv_head_end") = py::none())
       .def(
           "fetch_blocks_into",
           [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,

@@ -103,3 +103,26 @@ def test_cuda_ipc_calls_reach_the_server_without_a_gpu(server):
             c.fetch_to_device("ipc-py", seq.id, region)
         with pytest.raises(kvbank.InvalidArgumentError, match="CUDA tensor"):
             kvbank.cuda_ipc_handle(np.zeros(4))
+
+
+def test_nccl_calls_reach_the_sdk_without_a_gpu(server):
+    """The NCCL plane's calls on a server with a host pool (CI has no GPU): with no communicator
+    nothing is sent (the address is never read); connecting is refused by the SDK (built without
+    NCCL, or no device) or by the server (no cuda:N pool); a host array is refused in the client;
+    the sequence is as before."""
+    refused = (kvbank.FailedPreconditionError, kvbank.UnimplementedError)
+    with kvbank.Client(server.target) as c:
+        c.ensure_model(layout("nccl-py"))
+        seq = c.create_sequence("nccl-py")
+        with pytest.raises(refused):
+            c._c.append_over_nccl("nccl-py", seq.id, 0x1000, 4096, 2)
+        with pytest.raises(refused):
+            c._c.fetch_over_nccl("nccl-py", seq.id, 0x1000, 4096)
+        with pytest.raises(refused):
+            c.nccl_connect(0)
+        c.nccl_disconnect()  # a no-op without a communicator
+        with pytest.raises(kvbank.InvalidArgumentError, match="CUDA tensor"):
+            c.append_over_nccl("nccl-py", seq.id, np.zeros(4), num_tokens=2)
+        with pytest.raises(kvbank.InvalidArgumentError, match="CUDA tensor"):
+            c.fetch_over_nccl("nccl-py", seq.id, np.zeros(4))
+        assert c.get_sequence("nccl-py", seq.id).length == 0
