@@ -67,8 +67,8 @@ step() {  # step NAME COMMAND...: runs one check, records a failure, goes on
   fi
 }
 
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+render_dir=$(mktemp -d)
+trap 'rm -rf "$render_dir"' EXIT
 
 step "yamllint deploy/" "$bin/yamllint" --strict -c "$root/deploy/.yamllint" "$root/deploy"
 step "hadolint deploy/images/Containerfile.*" \
@@ -92,16 +92,16 @@ validate() {  # validate FILE: kubernetes-validate --strict; any warning counts 
 
 for overlay_dir in "$root"/deploy/overlays/*/; do
   overlay=$(basename "$overlay_dir")
-  rendered="$out/$overlay.yaml"
+  rendered="$render_dir/$overlay.yaml"
   step "render overlays/$overlay" sh -c '"$1" kustomize "$2" >"$3"' _ "$bin/kubectl" \
     "$overlay_dir" "$rendered"
   [ -s "$rendered" ] || continue
   "$bin/python" "$root/tests/deploy/check_rendered.py" split "$rendered" "$crd_groups" \
-    "$out/$overlay.core.yaml" "$out/$overlay.crd.yaml"
+    "$render_dir/$overlay.core.yaml" "$render_dir/$overlay.crd.yaml"
   echo "   not schema-validated (custom resources, no schema in kubernetes-validate):" \
-    "$(grep -c '^kind:' "$out/$overlay.crd.yaml" || true) object(s) of $crd_groups"
+    "$(grep -c '^kind:' "$render_dir/$overlay.crd.yaml" || true) object(s) of $crd_groups"
   step "kubernetes-validate --strict $k8s_version overlays/$overlay" \
-    validate "$out/$overlay.core.yaml"
+    validate "$render_dir/$overlay.core.yaml"
   # --skip-download: no policy metadata from the vendor's service (no network needed).
   step "checkov overlays/$overlay" env BC_SKIP_MAPPING=TRUE "$bin/checkov" --quiet --compact \
     --skip-download --framework kubernetes -f "$rendered"
