@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "client/client_internal.h"
 #include "client/fetch_decoder.h"
 #include "client/nccl_link.h"
 #include "client/shm_handshake.h"
@@ -31,15 +32,97 @@
 
 namespace kvbank {
 
-namespace {
-
-// Matches the server's limit (server/rpc/service.h): a few chunks per message at most.
-constexpr int kMaxMessageBytes = 4 << 20;
+namespace internal {
 
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
+
+Client::SequenceInfo FromProto(const v1::SequenceInfo& p) {
+  Client::SequenceInfo s;
+  s.model = p.model();
+  s.id = p.sequence_id();
+  s.length = p.length();
+  s.layer_lengths.assign(p.layer_lengths().begin(), p.layer_lengths().end());
+  s.num_blocks = p.num_blocks();
+  s.cached_tokens = p.cached_tokens();
+  s.lease_ttl = absl::Milliseconds(static_cast<int64_t>(p.lease_ttl_ms()));
+  s.compactions = p.compactions();
+  return s;
+}
+
+v1::AppendHeader MakeHeader(const std::string& model, uint64_t id, const Client::AppendArgs& a,
+                            uint64_t payload_bytes) {
+  v1::AppendHeader h;
+  h.set_model(model);
+  h.set_sequence_id(id);
+  h.set_layer_begin(a.layer_begin);
+  if (a.layer_end.has_value()) h.set_layer_end(*a.layer_end);
+  h.set_num_tokens(a.num_tokens);
+  if (a.dtype.has_value()) h.set_dtype(proto::DTypeToProto(*a.dtype));
+  for (uint32_t t : a.token_ids) h.add_token_ids(t);
+  h.set_payload_bytes(payload_bytes);
+  h.set_kv_head_begin(a.kv_head_begin);
+  if (a.kv_head_end.has_value()) h.set_kv_head_end(*a.kv_head_end);
+  return h;
+}
+
+// A RegionSlice of the SDK as the proto message.
+void SetSlice(const RegionSlice& slice, v1::RegionSlice* out) {
+  out->set_region_id(slice.region_id);
+  out->set_offset(slice.offset);
+  out->set_length(slice.length);
+}
+
+v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
+                                  const Client::FetchArgs& args) {
+  v1::FetchRequest req;
+  req.set_model(model);
+  req.set_sequence_id(id);
+  req.set_token_begin(args.token_begin);
+  if (args.token_end.has_value()) req.set_token_end(*args.token_end);
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  req.set_kv_head_begin(args.kv_head_begin);
+  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  if (args.wait > absl::ZeroDuration()) {
+    req.set_wait_ms(static_cast<uint32_t>(std::min<int64_t>(
+        absl::ToInt64Milliseconds(absl::Ceil(args.wait, absl::Milliseconds(1))), UINT32_MAX)));
+  }
+  return req;
+}
+
+Client::FetchResult ResultFromHeader(const v1::FetchHeader& h, bool* dtype_ok) {
+  Client::FetchResult r;
+  r.token_begin = h.token_begin();
+  r.num_tokens = h.num_tokens();
+  r.layer_begin = h.layer_begin();
+  r.layer_end = h.layer_end();
+  r.kv_head_begin = h.kv_head_begin();
+  r.kv_head_end = h.kv_head_end();
+  std::optional<DType> dtype;
+  *dtype_ok = proto::DTypeFromProto(h.dtype(), &dtype) && dtype.has_value();
+  if (*dtype_ok) r.dtype = *dtype;
+  r.payload_bytes = h.payload_bytes();
+  return r;
+}
+
+std::string HashBytes(const BlockHash& h) { return std::string(h.begin(), h.end()); }
+
+}  // namespace internal
+
+using internal::FromGrpc;
+using internal::FromProto;
+using internal::HashBytes;
+using internal::MakeFetchRequest;
+using internal::MakeHeader;
+
+namespace {
+
+// Matches the server's limit (server/rpc/service.h): a few chunks per message at most.
+constexpr int kMaxMessageBytes = 4 << 20;
 
 // `pem` when set, else the contents of `path` ("" when both are empty). `what` names the option in
 // errors; a file must hold at least one PEM block.
@@ -79,19 +162,6 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
   return grpc::SslCredentials(ssl);
 }
 
-Client::SequenceInfo FromProto(const v1::SequenceInfo& p) {
-  Client::SequenceInfo s;
-  s.model = p.model();
-  s.id = p.sequence_id();
-  s.length = p.length();
-  s.layer_lengths.assign(p.layer_lengths().begin(), p.layer_lengths().end());
-  s.num_blocks = p.num_blocks();
-  s.cached_tokens = p.cached_tokens();
-  s.lease_ttl = absl::Milliseconds(static_cast<int64_t>(p.lease_ttl_ms()));
-  s.compactions = p.compactions();
-  return s;
-}
-
 absl::StatusOr<Client::ModelInfo> FromProto(const v1::ModelInfo& p) {
   Client::ModelInfo m;
   if (!proto::LayoutFromResolvedSpec(p.spec(), &m.layout)) {
@@ -119,49 +189,6 @@ void SetLease(std::optional<absl::Duration> lease, uint64_t* ms, bool* none) {
 }
 
 }  // namespace
-
-struct Client::Impl {
-  ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::KvBank::Stub> stub;
-  absl::Mutex mu;
-  absl::flat_hash_map<std::string, ModelInfo> models ABSL_GUARDED_BY(mu);
-  // The NCCL communicator (NcclConnect); the link runs one transfer at a time itself.
-  absl::Mutex nccl_mu;
-  std::shared_ptr<internal::NcclLink> nccl ABSL_GUARDED_BY(nccl_mu);
-
-  // Every call: a deadline, and the bearer token when there is one.
-  void Deadline(grpc::ClientContext* ctx, bool stream) const {
-    ctx->set_deadline(absl::ToChronoTime(
-        absl::Now() + (stream ? options.stream_deadline : options.call_deadline)));
-    if (!options.bearer_token.empty()) {
-      ctx->AddMetadata("authorization", "Bearer " + options.bearer_token);
-    }
-  }
-  // One unary call with the deadline and token every call carries.
-  template <typename Req, typename Resp>
-  absl::Status Call(grpc::Status (v1::KvBank::Stub::*method)(grpc::ClientContext*, const Req&,
-                                                             Resp*),
-                    const Req& req, Resp* resp) {
-    grpc::ClientContext ctx;
-    Deadline(&ctx, false);
-    return FromGrpc((stub.get()->*method)(&ctx, req, resp));
-  }
-
-  void Remember(const ModelInfo& m) {
-    absl::MutexLock lock(&mu);
-    models[m.layout.name] = m;
-  }
-  void Forget(const std::string& name) {
-    absl::MutexLock lock(&mu);
-    models.erase(name);
-  }
-
-  // Streams `pieces` (concatenated, in order) as the data of append messages of at most
-  // chunk_bytes each; the first message carries the header.
-  absl::StatusOr<SequenceInfo> StreamAppend(const v1::AppendHeader& header,
-                                            absl::Span<const absl::Span<const uint8_t>> pieces);
-};
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
@@ -358,7 +385,6 @@ void AddExtraKeys(const std::vector<ExtraKey>& keys,
     p->set_value(k.value);
   }
 }
-std::string HashBytes(const BlockHash& h) { return std::string(h.begin(), h.end()); }
 BlockHash HashFromBytes(const std::string& b) {
   BlockHash h{};
   std::memcpy(h.data(), b.data(), std::min(b.size(), h.size()));
@@ -440,24 +466,6 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::StreamAppend(
   return FromProto(resp.sequence());
 }
 
-namespace {
-v1::AppendHeader MakeHeader(const std::string& model, uint64_t id, const Client::AppendArgs& a,
-                            uint64_t payload_bytes) {
-  v1::AppendHeader h;
-  h.set_model(model);
-  h.set_sequence_id(id);
-  h.set_layer_begin(a.layer_begin);
-  if (a.layer_end.has_value()) h.set_layer_end(*a.layer_end);
-  h.set_num_tokens(a.num_tokens);
-  if (a.dtype.has_value()) h.set_dtype(proto::DTypeToProto(*a.dtype));
-  for (uint32_t t : a.token_ids) h.add_token_ids(t);
-  h.set_payload_bytes(payload_bytes);
-  h.set_kv_head_begin(a.kv_head_begin);
-  if (a.kv_head_end.has_value()) h.set_kv_head_end(*a.kv_head_end);
-  return h;
-}
-}  // namespace
-
 absl::StatusOr<Client::SequenceInfo> Client::Append(const std::string& model, uint64_t id,
                                                     const AppendArgs& args,
                                                     absl::Span<const uint8_t> payload) {
@@ -537,31 +545,6 @@ absl::StatusOr<Client::FetchResult> RawFetch(grpc::Channel* channel, const char*
   return std::move(decoder).Finish();
 }
 
-// A RegionSlice of the SDK as the proto message.
-void SetSlice(const RegionSlice& slice, v1::RegionSlice* out) {
-  out->set_region_id(slice.region_id);
-  out->set_offset(slice.offset);
-  out->set_length(slice.length);
-}
-
-v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
-                                  const Client::FetchArgs& args) {
-  v1::FetchRequest req;
-  req.set_model(model);
-  req.set_sequence_id(id);
-  req.set_token_begin(args.token_begin);
-  if (args.token_end.has_value()) req.set_token_end(*args.token_end);
-  req.set_layer_begin(args.layer_begin);
-  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
-  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
-  req.set_kv_head_begin(args.kv_head_begin);
-  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
-  if (args.wait > absl::ZeroDuration()) {
-    req.set_wait_ms(static_cast<uint32_t>(std::min<int64_t>(
-        absl::ToInt64Milliseconds(absl::Ceil(args.wait, absl::Milliseconds(1))), UINT32_MAX)));
-  }
-  return req;
-}
 }  // namespace
 
 absl::StatusOr<Client::FetchResult> Client::Fetch(const std::string& model, uint64_t id,
@@ -869,216 +852,5 @@ absl::Status Client::CheckServing(absl::Duration deadline) {
 }
 
 bool Client::WaitForServing(absl::Duration deadline) { return CheckServing(deadline).ok(); }
-
-// The shared-memory plane: the memfd and socket step in shm_region.cc, the gRPC step here.
-absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size) {
-  if (impl_->options.shm_socket.empty()) {
-    return absl::FailedPreconditionError(
-        "ClientOptions::shm_socket is not set (kvbankd's --shm-socket path)");
-  }
-  std::unique_ptr<ShmRegion> region(new ShmRegion());
-  auto fd = internal::CreateSealedMemfd(size);
-  if (!fd.ok()) return fd.status();
-  region->memfd_ = *fd;
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
-  if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map a ", size, "-byte region: ", std::strerror(errno)));
-  }
-  region->data_ = static_cast<uint8_t*>(p);
-  region->size_ = size;
-  auto handoff = internal::HandOver(impl_->options.shm_socket, *fd);
-  if (!handoff.ok()) return handoff.status();
-  region->conn_ = handoff->conn;
-  v1::RegisterRegionRequest req;
-  req.set_handle(handoff->handle);
-  v1::RegisterRegionResponse resp;
-  if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterRegion, req, &resp); !s.ok()) return s;
-  region->id_ = resp.region_id();
-  return region;
-}
-
-absl::Status Client::UnregisterRegion(uint64_t region_id) {
-  v1::UnregisterRegionRequest req;
-  req.set_region_id(region_id);
-  v1::UnregisterRegionResponse resp;
-  return impl_->Call(&v1::KvBank::Stub::UnregisterRegion, req, &resp);
-}
-
-absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string& model, uint64_t id,
-                                                              const AppendArgs& args,
-                                                              const RegionSlice& source) {
-  // payload_bytes 0: the server checks source.length against the payload and names that field.
-  v1::AppendHeader header = MakeHeader(model, id, args, 0);
-  SetSlice(source, header.mutable_source());
-  return impl_->StreamAppend(header, {});
-}
-
-namespace {
-// The one message of a fetch into a region: its header (the payload is in the region).
-template <typename Reader>
-absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
-  v1::FetchResponse resp;
-  bool got = false;
-  while (reader.Read(&resp)) got = true;
-  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
-  if (!got || !resp.has_header() || !resp.data().empty()) {
-    return absl::InternalError("a fetch into a region answered with no header, or with data");
-  }
-  const v1::FetchHeader& h = resp.header();
-  Client::FetchResult r;
-  r.token_begin = h.token_begin();
-  r.num_tokens = h.num_tokens();
-  r.layer_begin = h.layer_begin();
-  r.layer_end = h.layer_end();
-  r.kv_head_begin = h.kv_head_begin();
-  r.kv_head_end = h.kv_head_end();
-  std::optional<DType> dtype;
-  if (!proto::DTypeFromProto(h.dtype(), &dtype) || !dtype.has_value()) {
-    return absl::InternalError("a fetch into a region answered with no payload dtype");
-  }
-  r.dtype = *dtype;
-  r.payload_bytes = h.payload_bytes();
-  return r;
-}
-
-}  // namespace
-
-absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
-                                                          const FetchArgs& args,
-                                                          const RegionSlice& dest) {
-  v1::FetchRequest req = MakeFetchRequest(model, id, args);
-  SetSlice(dest, req.mutable_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  auto reader = impl_->stub->Fetch(&ctx, req);
-  return ReadRegionHeader(*reader);
-}
-
-absl::StatusOr<Client::DeviceRegion> Client::RegisterDeviceRegion(
-    absl::Span<const uint8_t> ipc_handle, uint64_t offset, uint64_t size) {
-  v1::RegisterDeviceRegionRequest req;
-  req.set_handle(std::string(ipc_handle.begin(), ipc_handle.end()));
-  req.set_offset(offset);
-  req.set_size(size);
-  v1::RegisterDeviceRegionResponse resp;
-  if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterDeviceRegion, req, &resp); !s.ok()) {
-    return s;
-  }
-  return DeviceRegion{resp.region_id(), resp.size(), resp.device()};
-}
-
-absl::Status Client::UnregisterDeviceRegion(uint64_t region_id) {
-  v1::UnregisterDeviceRegionRequest req;
-  req.set_region_id(region_id);
-  v1::UnregisterDeviceRegionResponse resp;
-  return impl_->Call(&v1::KvBank::Stub::UnregisterDeviceRegion, req, &resp);
-}
-
-absl::StatusOr<Client::SequenceInfo> Client::AppendFromDevice(const std::string& model, uint64_t id,
-                                                              const AppendArgs& args,
-                                                              const RegionSlice& source) {
-  v1::AppendHeader header = MakeHeader(model, id, args, 0);
-  SetSlice(source, header.mutable_device_source());
-  return impl_->StreamAppend(header, {});
-}
-
-absl::StatusOr<Client::FetchResult> Client::FetchToDevice(const std::string& model, uint64_t id,
-                                                          const FetchArgs& args,
-                                                          const RegionSlice& dest) {
-  v1::FetchRequest req = MakeFetchRequest(model, id, args);
-  SetSlice(dest, req.mutable_device_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  auto reader = impl_->stub->Fetch(&ctx, req);
-  return ReadRegionHeader(*reader);
-}
-
-absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
-    const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
-    const RegionSlice& dest) {
-  v1::FetchBlocksRequest req;
-  req.set_model(model);
-  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
-  req.set_layer_begin(args.layer_begin);
-  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
-  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
-  req.set_kv_head_begin(args.kv_head_begin);
-  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
-  SetSlice(dest, req.mutable_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  auto reader = impl_->stub->FetchBlocks(&ctx, req);
-  return ReadRegionHeader(*reader);
-}
-
-absl::Status Client::NcclConnect(int device) {
-  NcclDisconnect();
-  auto link = internal::NcclLink::Connect(
-      impl_->stub.get(),
-      [impl = impl_.get()](grpc::ClientContext* ctx, bool stream) { impl->Deadline(ctx, stream); },
-      device, impl_->options.call_deadline);
-  if (!link.ok()) return link.status();
-  absl::MutexLock lock(&impl_->nccl_mu);
-  impl_->nccl = *std::move(link);
-  return absl::OkStatus();
-}
-
-void Client::NcclDisconnect() {
-  std::shared_ptr<internal::NcclLink> link;
-  absl::MutexLock lock(&impl_->nccl_mu);
-  link = std::move(impl_->nccl);
-}
-
-absl::StatusOr<Client::SequenceInfo> Client::AppendOverNccl(const std::string& model, uint64_t id,
-                                                            const AppendArgs& args,
-                                                            const void* device_ptr,
-                                                            uint64_t bytes) {
-  std::shared_ptr<internal::NcclLink> link;
-  {
-    absl::MutexLock lock(&impl_->nccl_mu);
-    link = impl_->nccl;
-  }
-  if (link == nullptr) {
-    return internal::NcclInSdk()
-               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
-               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
-  }
-  if (bytes == 0) return absl::InvalidArgumentError("an append over NCCL of 0 bytes");
-  auto resp = link->Append(MakeHeader(model, id, args, bytes), device_ptr);
-  if (!resp.ok()) return resp.status();
-  return FromProto(resp->sequence());
-}
-
-absl::StatusOr<Client::FetchResult> Client::FetchOverNccl(const std::string& model, uint64_t id,
-                                                          const FetchArgs& args, void* device_ptr,
-                                                          uint64_t capacity) {
-  std::shared_ptr<internal::NcclLink> link;
-  {
-    absl::MutexLock lock(&impl_->nccl_mu);
-    link = impl_->nccl;
-  }
-  if (link == nullptr) {
-    return internal::NcclInSdk()
-               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
-               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
-  }
-  auto h = link->Fetch(MakeFetchRequest(model, id, args), device_ptr, capacity);
-  if (!h.ok()) return h.status();
-  FetchResult r;
-  r.token_begin = h->token_begin();
-  r.num_tokens = h->num_tokens();
-  r.layer_begin = h->layer_begin();
-  r.layer_end = h->layer_end();
-  r.kv_head_begin = h->kv_head_begin();
-  r.kv_head_end = h->kv_head_end();
-  std::optional<DType> dtype;
-  if (!proto::DTypeFromProto(h->dtype(), &dtype) || !dtype.has_value()) {
-    return absl::InternalError("a fetch over NCCL answered with no payload dtype");
-  }
-  r.dtype = *dtype;
-  r.payload_bytes = h->payload_bytes();
-  return r;
-}
 
 }  // namespace kvbank

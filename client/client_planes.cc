@@ -1,0 +1,215 @@
+// The C++ SDK's data planes: shared-memory regions, CUDA IPC device regions and the NCCL
+// communicator (kvbank/client.h). The memfd and socket steps are in shm_region.cc, the NCCL
+// link in nccl_link.cc; the gRPC steps are here.
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/client_internal.h"
+#include "client/nccl_link.h"
+#include "client/shm_handshake.h"
+#include "kvbank/client.h"
+#include "proto/convert.h"
+#include "proto/wire.h"
+
+namespace kvbank {
+
+using internal::FromGrpc;
+using internal::FromProto;
+using internal::HashBytes;
+using internal::MakeFetchRequest;
+using internal::MakeHeader;
+using internal::SetSlice;
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size) {
+  if (impl_->options.shm_socket.empty()) {
+    return absl::FailedPreconditionError(
+        "ClientOptions::shm_socket is not set (kvbankd's --shm-socket path)");
+  }
+  std::unique_ptr<ShmRegion> region(new ShmRegion());
+  auto fd = internal::CreateSealedMemfd(size);
+  if (!fd.ok()) return fd.status();
+  region->memfd_ = *fd;
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map a ", size, "-byte region: ", std::strerror(errno)));
+  }
+  region->data_ = static_cast<uint8_t*>(p);
+  region->size_ = size;
+  auto handoff = internal::HandOver(impl_->options.shm_socket, *fd);
+  if (!handoff.ok()) return handoff.status();
+  region->conn_ = handoff->conn;
+  v1::RegisterRegionRequest req;
+  req.set_handle(handoff->handle);
+  v1::RegisterRegionResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterRegion, req, &resp); !s.ok()) return s;
+  region->id_ = resp.region_id();
+  return region;
+}
+
+absl::Status Client::UnregisterRegion(uint64_t region_id) {
+  v1::UnregisterRegionRequest req;
+  req.set_region_id(region_id);
+  v1::UnregisterRegionResponse resp;
+  return impl_->Call(&v1::KvBank::Stub::UnregisterRegion, req, &resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string& model, uint64_t id,
+                                                              const AppendArgs& args,
+                                                              const RegionSlice& source) {
+  // payload_bytes 0: the server checks source.length against the payload and names that field.
+  v1::AppendHeader header = MakeHeader(model, id, args, 0);
+  SetSlice(source, header.mutable_source());
+  return impl_->StreamAppend(header, {});
+}
+
+namespace {
+// The one message of a fetch into a region: its header (the payload is in the region).
+template <typename Reader>
+absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
+  v1::FetchResponse resp;
+  bool got = false;
+  while (reader.Read(&resp)) got = true;
+  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
+  if (!got || !resp.has_header() || !resp.data().empty()) {
+    return absl::InternalError("a fetch into a region answered with no header, or with data");
+  }
+  bool dtype_ok = false;
+  Client::FetchResult r = internal::ResultFromHeader(resp.header(), &dtype_ok);
+  if (!dtype_ok) return absl::InternalError("a fetch into a region answered with no payload dtype");
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args,
+                                                          const RegionSlice& dest) {
+  v1::FetchRequest req = MakeFetchRequest(model, id, args);
+  SetSlice(dest, req.mutable_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  auto reader = impl_->stub->Fetch(&ctx, req);
+  return ReadRegionHeader(*reader);
+}
+
+absl::StatusOr<Client::DeviceRegion> Client::RegisterDeviceRegion(
+    absl::Span<const uint8_t> ipc_handle, uint64_t offset, uint64_t size) {
+  v1::RegisterDeviceRegionRequest req;
+  req.set_handle(std::string(ipc_handle.begin(), ipc_handle.end()));
+  req.set_offset(offset);
+  req.set_size(size);
+  v1::RegisterDeviceRegionResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterDeviceRegion, req, &resp); !s.ok()) {
+    return s;
+  }
+  return DeviceRegion{resp.region_id(), resp.size(), resp.device()};
+}
+
+absl::Status Client::UnregisterDeviceRegion(uint64_t region_id) {
+  v1::UnregisterDeviceRegionRequest req;
+  req.set_region_id(region_id);
+  v1::UnregisterDeviceRegionResponse resp;
+  return impl_->Call(&v1::KvBank::Stub::UnregisterDeviceRegion, req, &resp);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendFromDevice(const std::string& model, uint64_t id,
+                                                              const AppendArgs& args,
+                                                              const RegionSlice& source) {
+  v1::AppendHeader header = MakeHeader(model, id, args, 0);
+  SetSlice(source, header.mutable_device_source());
+  return impl_->StreamAppend(header, {});
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchToDevice(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args,
+                                                          const RegionSlice& dest) {
+  v1::FetchRequest req = MakeFetchRequest(model, id, args);
+  SetSlice(dest, req.mutable_device_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  auto reader = impl_->stub->Fetch(&ctx, req);
+  return ReadRegionHeader(*reader);
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
+    const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
+    const RegionSlice& dest) {
+  v1::FetchBlocksRequest req;
+  req.set_model(model);
+  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  req.set_kv_head_begin(args.kv_head_begin);
+  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  SetSlice(dest, req.mutable_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  auto reader = impl_->stub->FetchBlocks(&ctx, req);
+  return ReadRegionHeader(*reader);
+}
+
+absl::Status Client::NcclConnect(int device) {
+  NcclDisconnect();
+  auto link = internal::NcclLink::Connect(
+      impl_->stub.get(),
+      [impl = impl_.get()](grpc::ClientContext* ctx, bool stream) { impl->Deadline(ctx, stream); },
+      device, impl_->options.call_deadline);
+  if (!link.ok()) return link.status();
+  absl::MutexLock lock(&impl_->nccl_mu);
+  impl_->nccl = *std::move(link);
+  return absl::OkStatus();
+}
+
+void Client::NcclDisconnect() {
+  std::shared_ptr<internal::NcclLink> link;
+  absl::MutexLock lock(&impl_->nccl_mu);
+  link = std::move(impl_->nccl);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::AppendOverNccl(const std::string& model, uint64_t id,
+                                                            const AppendArgs& args,
+                                                            const void* device_ptr,
+                                                            uint64_t bytes) {
+  std::shared_ptr<internal::NcclLink> link;
+  {
+    absl::MutexLock lock(&impl_->nccl_mu);
+    link = impl_->nccl;
+  }
+  if (link == nullptr) {
+    return internal::NcclInSdk()
+               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
+               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
+  }
+  if (bytes == 0) return absl::InvalidArgumentError("an append over NCCL of 0 bytes");
+  auto resp = link->Append(MakeHeader(model, id, args, bytes), device_ptr);
+  if (!resp.ok()) return resp.status();
+  return FromProto(resp->sequence());
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchOverNccl(const std::string& model, uint64_t id,
+                                                          const FetchArgs& args, void* device_ptr,
+                                                          uint64_t capacity) {
+  std::shared_ptr<internal::NcclLink> link;
+  {
+    absl::MutexLock lock(&impl_->nccl_mu);
+    link = impl_->nccl;
+  }
+  if (link == nullptr) {
+    return internal::NcclInSdk()
+               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
+               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
+  }
+  auto h = link->Fetch(MakeFetchRequest(model, id, args), device_ptr, capacity);
+  if (!h.ok()) return h.status();
+  bool dtype_ok = false;
+  FetchResult r = internal::ResultFromHeader(*h, &dtype_ok);
+  if (!dtype_ok) return absl::InternalError("a fetch over NCCL answered with no payload dtype");
+  return r;
+}
+
+}  // namespace kvbank
