@@ -111,11 +111,26 @@ Client::FetchResult ResultFromHeader(const v1::FetchHeader& h, bool* dtype_ok) {
 
 std::string HashBytes(const BlockHash& h) { return std::string(h.begin(), h.end()); }
 
+v1::FetchBlocksRequest MakeFetchBlocksRequest(const std::string& model,
+                                              const std::vector<BlockHash>& hashes,
+                                              const Client::FetchArgs& args) {
+  v1::FetchBlocksRequest req;
+  req.set_model(model);
+  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
+  req.set_layer_begin(args.layer_begin);
+  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
+  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
+  req.set_kv_head_begin(args.kv_head_begin);
+  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  return req;
+}
+
 }  // namespace internal
 
 using internal::FromGrpc;
 using internal::FromProto;
 using internal::HashBytes;
+using internal::MakeFetchBlocksRequest;
 using internal::MakeFetchRequest;
 using internal::MakeHeader;
 
@@ -581,14 +596,7 @@ absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model
 absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model,
                                                         const std::vector<BlockHash>& hashes,
                                                         const FetchArgs& args) {
-  v1::FetchBlocksRequest req;
-  req.set_model(model);
-  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
-  req.set_layer_begin(args.layer_begin);
-  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
-  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
-  req.set_kv_head_begin(args.kv_head_begin);
-  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  const v1::FetchBlocksRequest req = MakeFetchBlocksRequest(model, hashes, args);
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
   return RawFetch(impl_->channel.get(), "/kvbank.v1.KvBank/FetchBlocks", &ctx, req);

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -27,6 +28,10 @@ v1::AppendHeader MakeHeader(const std::string& model, uint64_t id, const Client:
                             uint64_t payload_bytes);
 v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,
                                   const Client::FetchArgs& args);
+// FetchBlocks of `hashes` with args' layer, dtype and head fields (its token fields do not apply).
+v1::FetchBlocksRequest MakeFetchBlocksRequest(const std::string& model,
+                                              const std::vector<BlockHash>& hashes,
+                                              const Client::FetchArgs& args);
 // A RegionSlice of the SDK as the proto message.
 void SetSlice(const RegionSlice& slice, v1::RegionSlice* out);
 // A block hash as the bytes of a proto field.

@@ -18,7 +18,6 @@ namespace kvbank {
 
 using internal::FromGrpc;
 using internal::FromProto;
-using internal::HashBytes;
 using internal::MakeFetchRequest;
 using internal::MakeHeader;
 using internal::SetSlice;
@@ -83,6 +82,15 @@ absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
   return r;
 }
 
+// A Fetch whose payload the server writes into a region (`req` names it): only the header
+// comes back.
+absl::StatusOr<Client::FetchResult> FetchIntoRegion(v1::KvBank::Stub* stub,
+                                                    grpc::ClientContext* ctx,
+                                                    const v1::FetchRequest& req) {
+  auto reader = stub->Fetch(ctx, req);
+  return ReadRegionHeader(*reader);
+}
+
 }  // namespace
 
 absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
@@ -92,8 +100,7 @@ absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& mod
   SetSlice(dest, req.mutable_dest());
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
-  auto reader = impl_->stub->Fetch(&ctx, req);
-  return ReadRegionHeader(*reader);
+  return FetchIntoRegion(impl_->stub.get(), &ctx, req);
 }
 
 absl::StatusOr<Client::DeviceRegion> Client::RegisterDeviceRegion(
@@ -131,21 +138,13 @@ absl::StatusOr<Client::FetchResult> Client::FetchToDevice(const std::string& mod
   SetSlice(dest, req.mutable_device_dest());
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
-  auto reader = impl_->stub->Fetch(&ctx, req);
-  return ReadRegionHeader(*reader);
+  return FetchIntoRegion(impl_->stub.get(), &ctx, req);
 }
 
 absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
     const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
     const RegionSlice& dest) {
-  v1::FetchBlocksRequest req;
-  req.set_model(model);
-  for (const BlockHash& h : hashes) req.add_block_hashes(HashBytes(h));
-  req.set_layer_begin(args.layer_begin);
-  if (args.layer_end.has_value()) req.set_layer_end(*args.layer_end);
-  if (args.dtype.has_value()) req.set_dtype(proto::DTypeToProto(*args.dtype));
-  req.set_kv_head_begin(args.kv_head_begin);
-  if (args.kv_head_end.has_value()) req.set_kv_head_end(*args.kv_head_end);
+  v1::FetchBlocksRequest req = internal::MakeFetchBlocksRequest(model, hashes, args);
   SetSlice(dest, req.mutable_dest());
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
