@@ -14,7 +14,6 @@ bool ModelLayout::operator==(const ModelLayout& o) const {
 
 namespace {
 // Limits that keep every offset far from overflow: one block stays under 4 GiB.
-constexpr uint32_t kMaxLayers = 1024;
 constexpr uint32_t kMaxHeads = 1024;
 constexpr uint32_t kMaxHeadDim = 4096;
 constexpr uint32_t kMaxBlockTokens = 4096;

@@ -81,7 +81,19 @@ ABSL_FLAG(std::string, staging_bytes, "64MiB",
           "pools on a GPU: host (pinned) bytes one append or fetch stages at a time; payloads move "
           "in pieces of whole layers, a larger layer alone");
 ABSL_FLAG(int64_t, drain_timeout_ms, 10000,
-          "how long calls in flight may finish (and their answers reach the clients) at shutdown");
+          "how long calls in flight may finish (and their answers reach the clients) at shutdown, "
+          "and then the pools' cached blocks go to the disk tier, within the same time");
+ABSL_FLAG(std::string, host_tier_bytes, "",
+          "per model: host memory below the pool that evicted cached blocks move to (e.g. 8GiB; "
+          "default none)");
+ABSL_FLAG(std::string, disk_tier_path, "",
+          "folder for a disk tier below the pool (and host tier), one file per model; its blocks "
+          "survive restarts (default none)");
+ABSL_FLAG(std::string, disk_tier_bytes, "64GiB", "per model: the disk tier's file size at most");
+ABSL_FLAG(bool, disk_tier_direct_io, true,
+          "disk tier I/O with O_DIRECT where the filesystem takes it (false: through the page "
+          "cache)");
+ABSL_FLAG(uint32_t, tier_io_threads, 4, "per model: disk tier reads and writes in flight at once");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "bearer tokens: one '<token> <tenant> [admin] [max_blocks_fraction=F]' a line");
 ABSL_FLAG(bool, no_auth, false, "serve without authentication: every caller is one tenant");
@@ -337,6 +349,23 @@ int Main(int argc, char** argv) {
   auto staging = ParseBytes(absl::GetFlag(FLAGS_staging_bytes));
   if (!staging.ok() || *staging == 0) return Fail("--staging-bytes must be a byte size above 0");
   options.defaults.staging_bytes = *staging;
+  if (std::string b = absl::GetFlag(FLAGS_host_tier_bytes); !b.empty()) {
+    auto host_tier = ParseBytes(b);
+    if (!host_tier.ok()) {
+      return Fail(absl::StrCat("--host-tier-bytes: ", host_tier.status().message()));
+    }
+    options.defaults.tiers.host_bytes = *host_tier;
+  }
+  if (std::string path = absl::GetFlag(FLAGS_disk_tier_path); !path.empty()) {
+    auto disk_tier = ParseBytes(absl::GetFlag(FLAGS_disk_tier_bytes));
+    if (!disk_tier.ok() || *disk_tier == 0) {
+      return Fail("--disk-tier-bytes must be a byte size above 0");
+    }
+    options.defaults.tiers.disk_path = path;
+    options.defaults.tiers.disk_bytes = *disk_tier;
+  }
+  options.defaults.tiers.direct_io = absl::GetFlag(FLAGS_disk_tier_direct_io);
+  options.defaults.tiers.io_threads = std::max<uint32_t>(1, absl::GetFlag(FLAGS_tier_io_threads));
   StoreOptions& store = options.defaults.store;
   store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   store.max_tokens_per_sequence = absl::GetFlag(FLAGS_max_tokens_per_sequence);
@@ -378,6 +407,21 @@ int Main(int argc, char** argv) {
         << r->model->block_layout().block_bytes << " bytes ("
         << blocks * r->model->layout().block_tokens << " tokens), "
         << r->model->pool().memory().name() << " memory";
+    if (const TierCache* t = r->model->tiers(); t != nullptr) {
+      const TierStats ts = t->Stats();
+      log::Info("tiers_opened")
+              .Field("model", s.name())
+              .Field("host_blocks", ts.host_capacity)
+              .Field("disk_blocks", ts.disk_capacity)
+              .Field("disk_file", t->disk_file())
+              .Field("direct_io", ts.direct_io)
+              .Field("loaded", ts.loaded)
+              .Field("load_invalid", ts.load_invalid)
+          << "model '" << s.name() << "': host tier " << ts.host_capacity << " blocks, disk tier "
+          << ts.disk_capacity << " blocks" << (ts.direct_io ? " (O_DIRECT)" : "") << "; "
+          << ts.loaded << " block(s) found on the disk, " << ts.load_invalid
+          << " torn or corrupt slot(s) skipped";
+    }
   }
 
   auto grpc_memory = ParseBytes(absl::GetFlag(FLAGS_grpc_memory_bytes));
@@ -600,6 +644,21 @@ int Main(int argc, char** argv) {
   // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
   // is left and close the connections now.
   (*serving)->Stop();
+  // Warm restart: the pools' cached blocks go to the disk tier, in what is left of the drain's
+  // time, so the next start serves them.
+  for (const auto& model : registry->List()) {
+    if (model->tiers() == nullptr || !model->tiers()->has_disk()) continue;
+    const absl::Time flush_start = absl::Now();
+    const size_t written = model->FlushToDisk(deadline);
+    const TierStats t = model->tiers()->Stats();
+    log::Info("tier_flush")
+            .Field("model", model->layout().name)
+            .Field("blocks_written", uint64_t(written))
+            .Field("disk_blocks", t.disk_blocks)
+            .Field("ms", absl::ToInt64Milliseconds(absl::Now() - flush_start))
+        << "model " << model->layout().name << ": " << written
+        << " cached block(s) written to the disk tier (" << t.disk_blocks << " there in all)";
+  }
   if (shm_regions != nullptr) unlink(shm_regions->options().socket_path.c_str());
   log::Info("stopped") << "stopped";
   // Every call is done and every pool is quiescent; skip the library teardown, in which gRPC 1.51

@@ -50,7 +50,8 @@ BlockPool::BlockPool(BlockLayout layout, std::unique_ptr<PoolMemory> memory, uin
     : layout_(std::move(layout)),
       memory_(std::move(memory)),
       num_blocks_(num_blocks),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      medium_(memory_->kind() == MemoryKind::kCuda ? "gpu" : "cpu") {
   records_.resize(num_blocks);
   free_list_.reserve(num_blocks);
   // Lowest ids on top of the stack, so a fresh pool hands out blocks in address order.
@@ -123,6 +124,23 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t ten
       removed.clear();
     }
     removed_tenant = records_[victim].tenant;
+    if (options_.eviction_sink != nullptr && records_[victim].info != nullptr) {
+      // One tier down instead of forgotten: the sink copies the bytes before the block is reused.
+      options_.eviction_sink->Evicted(*records_[victim].info, tenant_names_[removed_tenant],
+                                      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> const uint8_t* {
+                                        if (memory_->kind() != MemoryKind::kCuda) {
+                                          return BlockData(victim);
+                                        }
+                                        evict_buffer_.resize(layout_.block_bytes);
+                                        const int32_t id[] = {victim};
+                                        if (!memory_->CopyBlocksToHost(id, layout_.block_bytes,
+                                                                       evict_buffer_.data())
+                                                 .ok()) {
+                                          return nullptr;
+                                        }
+                                        return evict_buffer_.data();
+                                      });
+    }
     DropLocked(victim, &removed);
     ++evictions_;
   }
@@ -189,6 +207,7 @@ bool BlockPool::Publish(const BlockRef& ref, const PublishInfo& info, uint32_t t
   r.tenant = tenant;
   r.priority = info.priority;
   r.last_used = options_.clock();
+  if (options_.eviction_sink != nullptr) r.info = std::make_shared<const PublishInfo>(info);
   if (options_.events != nullptr) {
     // Under mu_, so the log's order is the index's order (a block's Stored precedes its Removed).
     KvEvent e;
@@ -201,6 +220,7 @@ bool BlockPool::Publish(const BlockRef& ref, const PublishInfo& info, uint32_t t
     e.token_ids = info.token_ids;
     e.block_tokens = layout_.block_tokens;
     e.lora = info.lora;
+    e.medium = medium_;
     options_.events->Append(std::move(e));
   }
   return true;
@@ -279,6 +299,7 @@ void BlockPool::DropLocked(int32_t id, std::vector<BlockHash>* removed) {
   index_.erase(r.hash);
   removed->push_back(r.hash);
   r.published = false;
+  r.info.reset();
   --cached_;
   free_list_.push_back(id);
 }
@@ -290,6 +311,7 @@ void BlockPool::EmitRemovedLocked(uint32_t tenant, std::vector<BlockHash> hashes
   e.time = options_.clock();
   e.tenant = tenant_names_[tenant];
   e.hashes = std::move(hashes);
+  e.medium = medium_;
   options_.events->Append(std::move(e));
 }
 
@@ -318,6 +340,40 @@ size_t BlockPool::ClearCache() {
     options_.events->Append(std::move(e));
   }
   return n;
+}
+
+size_t BlockPool::ForEachCached(
+    const std::function<bool(const PublishInfo&, const std::string&, const uint8_t*)>& fn) {
+  absl::MutexLock lock(&mu_);
+  std::vector<int32_t> ids;  // evictable ones coldest first, then the pinned ones
+  for (const EvictKey& k : evictable_) ids.push_back(std::get<2>(k));
+  for (uint64_t id = 0; id < num_blocks_; ++id) {
+    const Record& r = records_[id];
+    if (r.published && r.refcount == 0 && r.pins > 0) ids.push_back(int32_t(id));
+  }
+  size_t n = 0;
+  for (int32_t id : ids) {
+    const Record& r = records_[id];
+    if (r.info == nullptr) continue;
+    const uint8_t* data = BlockData(id);
+    if (memory_->kind() == MemoryKind::kCuda) {
+      evict_buffer_.resize(layout_.block_bytes);
+      const int32_t one[] = {id};
+      if (!memory_->CopyBlocksToHost(one, layout_.block_bytes, evict_buffer_.data()).ok()) break;
+      data = evict_buffer_.data();
+    }
+    ++n;
+    if (!fn(*r.info, tenant_names_[r.tenant], data)) break;
+  }
+  return n;
+}
+
+absl::Status BlockPool::CopyOut(absl::Span<const int32_t> ids, uint8_t* host) const {
+  return memory_->CopyBlocksToHost(ids, layout_.block_bytes, host);
+}
+
+absl::Status BlockPool::CopyIn(absl::Span<const int32_t> ids, const uint8_t* host) {
+  return memory_->CopyBlocksFromHost(ids, layout_.block_bytes, host);
 }
 
 PoolStats BlockPool::Stats() const {

@@ -70,8 +70,23 @@ struct PoolStats {
   uint64_t evictions = 0;
 };
 
+struct PublishInfo;
+
+// Where a cached block goes when the pool evicts it: a lower tier (server/core/tiers.h) keeps it
+// instead of the block being forgotten.
+class EvictionSink {
+ public:
+  virtual ~EvictionSink() = default;
+  // A cached block is being evicted. `data` answers its block_bytes bytes in host memory (the
+  // pool copies them off a device only when asked); they stay valid only during the call. Called
+  // under the pool's lock: must not call into the pool.
+  virtual void Evicted(const PublishInfo& info, const std::string& tenant,
+                       const std::function<const uint8_t*()>& data) = 0;
+};
+
 struct PoolOptions {
   bool enable_prefix_caching = true;
+  EvictionSink* eviction_sink = nullptr;  // not owned; may be null (evicted blocks are dropped)
   KvEventLog* events = nullptr;  // not owned; may be null
   std::function<absl::Time()> clock = absl::Now;
   // Touch every page at creation: the pool is a reservation, and first-touch faults would
@@ -156,6 +171,17 @@ class BlockPool {
   size_t DropCachedBefore(absl::Time cutoff);
   // Drops every cached, unpinned block; an AllCleared event when all cached blocks went.
   size_t ClearCache();
+  // Calls fn for every cached block (published, unreferenced; pinned ones included) with what
+  // publishing it recorded, its tenant and its bytes in host memory, coldest first. Under the
+  // pool's lock: fn must not call into the pool. Stops when fn answers false. Returns how many
+  // blocks fn saw.
+  size_t ForEachCached(
+      const std::function<bool(const PublishInfo&, const std::string&, const uint8_t*)>& fn);
+  // Copies whole blocks to / from host memory (n * block_bytes at `host`), on any memory kind.
+  absl::Status CopyOut(absl::Span<const int32_t> ids, uint8_t* host) const;
+  absl::Status CopyIn(absl::Span<const int32_t> ids, const uint8_t* host);
+  // The KV events' medium of this pool's blocks: "gpu" on a CUDA device, else "cpu".
+  const std::string& medium() const { return medium_; }
 
   // Start of block `id`'s bytes (a device pointer on cuda:N memory). Stable for
   // the pool's lifetime.
@@ -185,6 +211,9 @@ class BlockPool {
     uint64_t tick = 0;     // last use, for LRU
     absl::Time last_used;  // published, released or looked up: what the prefix-cache TTL ages
     BlockHash hash{};
+    // What publishing recorded (parent, token ids, LoRA): what a lower tier keeps with the
+    // block. Only with an eviction sink.
+    std::shared_ptr<const PublishInfo> info;
   };
   using EvictKey = std::tuple<uint8_t, uint64_t, int32_t>;  // priority, tick, id
 
@@ -204,8 +233,10 @@ class BlockPool {
   const std::unique_ptr<PoolMemory> memory_;
   const uint64_t num_blocks_;
   const PoolOptions options_;
+  const std::string medium_;
 
   mutable absl::Mutex mu_;
+  std::vector<uint8_t> evict_buffer_ ABSL_GUARDED_BY(mu_);  // an evicted block off a device
   std::vector<Record> records_ ABSL_GUARDED_BY(mu_);     // block records, apart from the data
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed blocks are warm
   std::set<EvictKey> evictable_ ABSL_GUARDED_BY(mu_);

@@ -329,6 +329,15 @@ class CudaMemory final : public PoolMemory {
     return Finish(lane, "copying blocks");
   }
 
+  absl::Status CopyBlocksToHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
+                                uint8_t* host) override {
+    return CopyWholeBlocks(ids, block_bytes, host, /*to_host=*/true);
+  }
+  absl::Status CopyBlocksFromHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
+                                  const uint8_t* host) override {
+    return CopyWholeBlocks(ids, block_bytes, const_cast<uint8_t*>(host), /*to_host=*/false);
+  }
+
   absl::Status CopyRows(const BlockLayout& layout,
                         absl::Span<const kernels::RowCopy> copies) override {
     if (copies.empty()) return absl::OkStatus();
@@ -626,6 +635,27 @@ class CudaMemory final : public PoolMemory {
     d.scale_offset = m.scale_offset ? At<const uint64_t>(*s, at_scales) : nullptr;
     if (dev_payload != nullptr) *dev_payload = *s + at_payload;
     return d;
+  }
+
+  // Whole blocks between the pool and pageable host memory, one async copy per block on a lane's
+  // stream, then one wait.
+  absl::Status CopyWholeBlocks(absl::Span<const int32_t> ids, uint64_t block_bytes, uint8_t* host,
+                               bool to_host) {
+    if (ids.empty() || block_bytes == 0) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");
+    LaneHold hold(this);
+    Lane& lane = hold.lane();
+    const char* what = to_host ? "copying blocks to a lower tier" : "promoting blocks from a tier";
+    for (size_t i = 0; i < ids.size(); ++i) {
+      uint8_t* dev = base() + uint64_t(ids[i]) * block_bytes;
+      uint8_t* h = host + i * block_bytes;
+      KVBANK_CUDA_TRY(cudaMemcpyAsync(to_host ? h : dev, to_host ? dev : h, block_bytes,
+                                      to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                                      lane.stream),
+                      what);
+    }
+    return Finish(lane, what);
   }
 
   // One call at a time per lane. A lane's fields belong to whoever holds its mutex (LaneHold).

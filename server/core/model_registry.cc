@@ -61,13 +61,28 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
                                                      " bytes left of the server's pool budget"));
   }
   auto events = std::make_unique<KvEventLog>(config.event_capacity);
+  const BlockLayout block_layout = ComputeBlockLayout(config.layout);
+  std::unique_ptr<TierCache> tiers;
+  if (config.tiers.host_bytes > 0 || !config.tiers.disk_path.empty()) {
+    if (!config.enable_prefix_caching) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model '", name, "': tiers keep cached prefix blocks; prefix caching is off"));
+    }
+    auto opened = TierCache::Open(block_layout, name, LayoutFingerprint(config.layout),
+                                  config.tiers, events.get());
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(),
+                          absl::StrCat("model '", name, "': ", opened.status().message()));
+    }
+    tiers = *std::move(opened);
+  }
   PoolOptions pool_options;
+  pool_options.eviction_sink = tiers.get();
   pool_options.enable_prefix_caching = config.enable_prefix_caching;
   pool_options.events = events.get();
   pool_options.clock = config.store.clock;
   pool_options.staging_bytes = config.staging_bytes;
-  auto pool = BlockPool::Create(ComputeBlockLayout(config.layout), config.pool_bytes, config.device,
-                                pool_options);
+  auto pool = BlockPool::Create(block_layout, config.pool_bytes, config.device, pool_options);
   if (!pool.ok()) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("model '", name, "': ", pool.status().message()));
@@ -77,7 +92,7 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   // The bytes return to the budget once the store (and with it the pool) is destroyed.
   std::shared_ptr<SequenceStore> store(
       new SequenceStore(config.layout, *std::move(pool), std::move(config.store),
-                        std::move(events)),
+                        std::move(events), std::move(tiers)),
       [used = pool_bytes_used_, bytes](SequenceStore* s) {
         delete s;
         used->fetch_sub(bytes);

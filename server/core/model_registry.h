@@ -26,6 +26,9 @@ struct ModelConfig {
   StoreOptions store;
   bool enable_prefix_caching = true;
   size_t event_capacity = 65536;  // KV events kept for watchers to resume from
+  // The tiers below the pool (none by default). A disk tier's file is named for the model and
+  // its layout, so a restarted server with the same model finds its blocks again.
+  TierOptions tiers;
 };
 
 struct EnsureResult {

@@ -32,6 +32,23 @@ absl::Status PoolMemory::ReadPayloadToDevice(const PayloadJob& job, uint8_t* pay
   return WritePayloadFromDevice(job, payload);
 }
 
+// Host memory (both host kinds): base() is a host pointer.
+absl::Status PoolMemory::CopyBlocksToHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
+                                          uint8_t* host) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::memcpy(host + i * block_bytes, base() + uint64_t(ids[i]) * block_bytes, block_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PoolMemory::CopyBlocksFromHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
+                                            const uint8_t* host) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::memcpy(base() + uint64_t(ids[i]) * block_bytes, host + i * block_bytes, block_bytes);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> PoolMemory::FindNonFiniteOnDevice(const uint8_t*, DType, uint64_t) {
   return WritePayloadFromDevice(PayloadJob{}, nullptr);
 }

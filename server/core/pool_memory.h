@@ -114,6 +114,13 @@ class PoolMemory {
   // dst[i] <- src[i], whole blocks of `block_bytes`.
   virtual absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                                   uint64_t block_bytes) = 0;
+  // Whole blocks of `block_bytes` to host memory (ids[i] -> host + i * block_bytes) and back:
+  // what a lower tier keeps and promotes (server/core/tiers.h). On host memory a memcpy; on
+  // cuda:N copies on the memory's stream. `host` need not be page-locked.
+  virtual absl::Status CopyBlocksToHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
+                                        uint8_t* host);
+  virtual absl::Status CopyBlocksFromHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
+                                          const uint8_t* host);
   // kernels::CopyRowsCpu's semantics; `layers` are the block layout's.
   virtual absl::Status CopyRows(const BlockLayout& layout,
                                 absl::Span<const kernels::RowCopy> copies) = 0;

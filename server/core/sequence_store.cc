@@ -14,9 +14,11 @@
 namespace kvbank {
 
 SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool,
-                             StoreOptions options, std::unique_ptr<KvEventLog> events)
+                             StoreOptions options, std::unique_ptr<KvEventLog> events,
+                             std::unique_ptr<TierCache> tiers)
     : layout_(std::move(layout)),
       events_(std::move(events)),
+      tiers_(std::move(tiers)),
       pool_(std::move(pool)),
       options_(std::move(options)),
       fingerprint_(LayoutFingerprint(layout_)) {
@@ -189,6 +191,9 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   if (pool_->prefix_caching()) {
     hashes = PrefixHashes(options_.hash, root, o.prompt, layout_.block_tokens, o.extra_keys);
   }
+  // Blocks of the prompt found in a tier come back into the pool first (off the lock: disk
+  // reads); held until the look-up below attaches them.
+  const std::vector<BlockRef> promoted = PromoteFromTiers(o.tenant, hashes);
   absl::MutexLock lock(&mu_);
   if (absl::Status a = AdmitSequence(o.tenant); !a.ok()) return a;
   SeqPtr s = Insert(*ttl, o.tenant);
@@ -427,6 +432,7 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
   std::sort(st.tenants.begin(), st.tenants.end(),
             [](const TenantStats& a, const TenantStats& b) { return a.tenant < b.tenant; });
   st.pool = pool_->Stats();
+  if (tiers_ != nullptr) st.tiers = tiers_->Stats();
   st.appends = appends_.load(std::memory_order_relaxed);
   st.fetches = fetches_.load(std::memory_order_relaxed);
   st.bytes_appended = bytes_appended_.load(std::memory_order_relaxed);

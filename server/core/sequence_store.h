@@ -24,6 +24,7 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool_memory.h"
+#include "server/core/tiers.h"
 
 namespace kvbank {
 
@@ -66,6 +67,13 @@ struct CreateOptions {
   std::vector<ExtraKey> extra_keys;  // go into every block's hash (LoRA name, ...)
   std::optional<uint8_t> priority;   // of the blocks this sequence publishes
   RetentionPolicy retention;
+};
+
+// Where a prompt's leading cached tokens are: the pool, then the tiers below it (in that order
+// along the prompt). tokens = pool + host + disk: what a Create with the prompt attaches.
+struct MatchResult {
+  uint64_t tokens = 0;
+  uint64_t pool_tokens = 0, host_tokens = 0, disk_tokens = 0;
 };
 
 // A batched, side-effect-free look-up: how many leading tokens of a prompt are cached.
@@ -124,6 +132,7 @@ struct StoreStats : Activity {
   bool tenant_view = false;
   uint64_t fetches_waiting = 0;  // WhenCommitted waiters now (0 in a tenant view)
   PoolStats pool;
+  std::optional<TierStats> tiers;  // the tiers below the pool, if any (not in a tenant view)
   std::vector<TenantStats> tenants;  // tenants with any activity or limit, by name
 };
 
@@ -276,8 +285,11 @@ class SequenceStore {
  public:
   // `layout` must be valid (ValidateLayout) and match the pool's block layout. `events` is the
   // log the pool was created with (may be null); the store keeps it alive past the pool.
+  // `tiers` (may be null) is the pool's eviction sink, if it has one: the store keeps it alive
+  // past the pool, and promotes blocks from it.
   SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool, StoreOptions options,
-                std::unique_ptr<KvEventLog> events = nullptr);
+                std::unique_ptr<KvEventLog> events = nullptr,
+                std::unique_ptr<TierCache> tiers = nullptr);
   ~SequenceStore();
 
   const ModelLayout& layout() const { return layout_; }
@@ -346,8 +358,18 @@ class SequenceStore {
   absl::Status Attend(const AttendOptions& options, absl::Span<const AttendItem> items,
                       absl::Span<float> out, absl::Span<float> lse);
 
-  // Cached tokens at the start of each prompt, for `tenant`. No side effects.
+  // Cached tokens at the start of each prompt, for `tenant`, in the pool or a tier below it. No
+  // side effects.
   std::vector<uint64_t> Match(const std::string& tenant, const std::vector<MatchQuery>& queries);
+  // The same, with where the tokens are.
+  std::vector<MatchResult> MatchTiers(const std::string& tenant,
+                                      const std::vector<MatchQuery>& queries);
+  TierCache* tiers() const { return tiers_.get(); }
+  // Warm restart: writes every cached block of the pool (then the host tier's) that the disk
+  // tier lacks to it, until `deadline`, waits for queued writes and syncs the file. Returns how
+  // many blocks were written; 0 without a disk tier. Meant for after a drain: appends and
+  // promotions still running may or may not make it.
+  size_t FlushToDisk(absl::Time deadline);
   // The root hash of `tenant`'s prompts with this salt (what a router computes hashes from).
   BlockHash Root(const std::string& tenant, const std::string& cache_salt) const;
   // A reader over the longest run of leading `hashes` that `tenant` has cached: full blocks,
@@ -397,6 +419,15 @@ class SequenceStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes and publishes every block that became full in all layers with known token ids.
   void PublishFullBlocks(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Brings the blocks of `hashes` that follow its leading run in the pool and sit in a tier
+  // below back into the pool, published (one allocation, disk reads in parallel), stopping at
+  // the first block in neither. Answers references on the whole leading run now in the pool,
+  // which the caller holds until it attached them. Outside mu_: it reads disks.
+  // touch false: the run already in the pool keeps its place in the eviction order (a read by
+  // hash, not a reuse).
+  std::vector<BlockRef> PromoteFromTiers(const std::string& tenant,
+                                         absl::Span<const BlockHash> hashes, bool touch = true)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Heavy-hitter retention's move of the kept tokens into fresh blocks: planned under mu_, the
   // rows copied outside it, applied under it again (sequence_store_retention.cc).
   struct Compaction {
@@ -471,6 +502,7 @@ class SequenceStore {
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it
+  const std::unique_ptr<TierCache> tiers_;    // the pool's eviction sink: outlives it too
   const std::unique_ptr<BlockPool> pool_;
   const StoreOptions options_;
   const std::string fingerprint_;

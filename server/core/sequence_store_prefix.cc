@@ -36,27 +36,106 @@ void SequenceStore::PublishFullBlocks(Sequence& s) {
 
 std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
                                            const std::vector<MatchQuery>& queries) {
-  const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::vector<uint64_t> out;
+  out.reserve(queries.size());
+  for (const MatchResult& r : MatchTiers(tenant, queries)) out.push_back(r.tokens);
+  return out;
+}
+
+std::vector<MatchResult> SequenceStore::MatchTiers(const std::string& tenant,
+                                                   const std::vector<MatchQuery>& queries) {
+  const uint32_t tenant_id = pool_->InternTenant(tenant);
+  std::vector<MatchResult> out;
   out.reserve(queries.size());
   const uint32_t bt = layout_.block_tokens;
   for (const MatchQuery& q : queries) {
-    uint64_t hits = 0;
-    if (!q.hashes.empty()) {
-      while (hits < q.hashes.size() && pool_->Contains(q.hashes[hits], tenant_id)) ++hits;
-    } else if (q.tokens.size() >= bt) {
-      // Block by block, stopping at the first miss: a miss costs one hash, not the prompt's.
-      const uint64_t full = q.tokens.size() / bt;
-      BlockHash parent = Root(tenant, q.cache_salt);
-      while (hits < full) {
-        parent = ChainHash(options_.hash, parent, q.tokens.data() + hits * bt, bt, q.extra_keys);
-        if (!pool_->Contains(parent, tenant_id)) break;
-        ++hits;
+    // Block by block, stopping at the first miss in every tier: a miss costs one hash (and one
+    // look-up per tier), not the prompt's.
+    MatchResult r;
+    const uint64_t full = !q.hashes.empty() ? q.hashes.size() : q.tokens.size() / bt;
+    BlockHash h = q.hashes.empty() ? Root(tenant, q.cache_salt) : BlockHash{};
+    for (uint64_t i = 0; i < full; ++i) {
+      if (q.hashes.empty()) {
+        h = ChainHash(options_.hash, h, q.tokens.data() + i * bt, bt, q.extra_keys);
+      } else {
+        h = q.hashes[i];
+      }
+      if (pool_->Contains(h, tenant_id)) {
+        r.pool_tokens += bt;
+      } else if (std::optional<Tier> t = tiers_ ? tiers_->Find(h, tenant) : std::nullopt) {
+        (*t == Tier::kHost ? r.host_tokens : r.disk_tokens) += bt;
+      } else {
+        break;
       }
     }
-    out.push_back(hits * bt);
+    r.tokens = r.pool_tokens + r.host_tokens + r.disk_tokens;
+    out.push_back(r);
   }
   return out;
+}
+
+std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
+                                                      absl::Span<const BlockHash> hashes,
+                                                      bool touch) {
+  std::vector<BlockRef> held;
+  if (tiers_ == nullptr || hashes.empty()) return held;
+  const uint32_t tenant_id = pool_->InternTenant(tenant);
+  // The run already in the pool: held, so the allocation below cannot evict it.
+  size_t i = 0;
+  for (; i < hashes.size(); ++i) {
+    BlockRef b = touch ? pool_->Lookup(hashes[i], tenant_id) : pool_->Peek(hashes[i], tenant_id);
+    if (!b.valid()) break;
+    held.push_back(std::move(b));
+  }
+  const size_t n = tiers_->CountChain(hashes.subspan(i), tenant);
+  if (n == 0) return held;
+  // As many as the pool can give now: a promotion never fails the call that asked for it.
+  auto blocks = pool_->Allocate(n, tenant_id);
+  for (size_t want = n / 2; !blocks.ok() && want > 0; want /= 2) {
+    blocks = pool_->Allocate(want, tenant_id);
+  }
+  if (!blocks.ok()) return held;
+  const uint64_t bb = block_layout().block_bytes;
+  const bool on_host = pool_->memory().kind() != MemoryKind::kCuda;
+  std::vector<uint8_t> staging(on_host ? 0 : blocks->size() * bb);
+  std::vector<uint8_t*> dst;
+  std::vector<int32_t> ids;
+  for (size_t k = 0; k < blocks->size(); ++k) {
+    ids.push_back((*blocks)[k].id());
+    dst.push_back(on_host ? pool_->BlockData(ids.back()) : staging.data() + k * bb);
+  }
+  std::vector<TierBlock> got = tiers_->ReadChain(hashes.subspan(i, blocks->size()), tenant, dst);
+  if (!on_host && !got.empty() &&
+      !pool_->CopyIn(absl::MakeSpan(ids).subspan(0, got.size()), staging.data()).ok()) {
+    return held;
+  }
+  for (size_t k = 0; k < got.size(); ++k) {
+    // False when another caller promoted (or wrote) the same block meanwhile: its copy is the
+    // one the look-up finds, and this one goes back to the free list.
+    if (pool_->Publish((*blocks)[k], got[k].info, tenant_id)) {
+      held.push_back(std::move((*blocks)[k]));
+    } else {
+      BlockRef b = pool_->Lookup(got[k].info.hash, tenant_id);
+      if (!b.valid()) break;
+      held.push_back(std::move(b));
+    }
+  }
+  return held;
+}
+
+size_t SequenceStore::FlushToDisk(absl::Time deadline) {
+  if (tiers_ == nullptr || !tiers_->has_disk()) return 0;
+  size_t n = 0;
+  // Under the pool's lock (ForEachCached): fine after a drain, when nothing else is running.
+  pool_->ForEachCached([&](const PublishInfo& info, const std::string& tenant, const uint8_t* d) {
+    if (absl::Now() >= deadline) return false;
+    n += tiers_->WriteToDisk(info, tenant, d);
+    return true;
+  });
+  n += tiers_->FlushHostToDisk(deadline);
+  tiers_->WaitForWrites(deadline);
+  tiers_->Sync().IgnoreError();
+  return n;
 }
 
 absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
@@ -71,6 +150,8 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   auto heads = ResolveHeads(kv_head_begin, kv_head_end);
   if (!heads.ok()) return heads.status();
   const uint32_t tenant_id = pool_->InternTenant(tenant);
+  // Blocks in a tier below come back into the pool first; held until the reader holds them.
+  const std::vector<BlockRef> promoted = PromoteFromTiers(tenant, hashes, /*touch=*/false);
   std::unique_ptr<FetchReader> r(new FetchReader());
   std::vector<int32_t> table;
   for (const BlockHash& h : hashes) {

@@ -68,6 +68,11 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
   } else {
     m.kind = kind.value_or(AttentionKind::kGqa);
     m.num_layers = spec.num_layers();
+    // Refused before layer_dtypes is sized by it: a remote spec must not size an allocation.
+    if (m.num_layers == 0 || m.num_layers > kMaxLayers) {
+      return absl::InvalidArgumentError(absl::StrCat("spec: num_layers must be in [1, ",
+                                                     kMaxLayers, "], got ", m.num_layers));
+    }
     m.num_kv_heads = spec.num_kv_heads();
     m.kv_lora_rank = spec.kv_lora_rank();
     m.rope_dim = spec.rope_dim();
@@ -126,6 +131,7 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
   c.enable_prefix_caching = spec.has_enable_prefix_caching() ? spec.enable_prefix_caching()
                                                              : defaults.enable_prefix_caching;
   c.store = defaults.store;
+  c.tiers = defaults.tiers;
   if (spec.max_sequences()) c.store.max_sequences = spec.max_sequences();
   if (spec.max_tokens_per_sequence()) {
     if (spec.max_tokens_per_sequence() > (uint64_t{1} << 32)) {
@@ -191,6 +197,25 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
   out->set_prefix_hit_tokens(st.prefix_hit_tokens);
   out->set_tenant_view(st.tenant_view);
   out->set_fetches_waiting(st.fetches_waiting);
+  if (st.tiers.has_value()) {
+    const TierStats& t = *st.tiers;
+    v1::TierStats* p = out->mutable_tiers();
+    p->set_host_blocks(t.host_blocks);
+    p->set_host_capacity(t.host_capacity);
+    p->set_disk_blocks(t.disk_blocks);
+    p->set_disk_capacity(t.disk_capacity);
+    p->set_spilled_to_host(t.spilled_to_host);
+    p->set_spilled_to_disk(t.spilled_to_disk);
+    p->set_promoted_from_host(t.promoted_from_host);
+    p->set_promoted_from_disk(t.promoted_from_disk);
+    p->set_corrupt(t.corrupt);
+    p->set_spill_dropped(t.spill_dropped);
+    p->set_disk_bytes_written(t.disk_bytes_written);
+    p->set_disk_bytes_read(t.disk_bytes_read);
+    p->set_loaded(t.loaded);
+    p->set_load_invalid(t.load_invalid);
+    p->set_direct_io(t.direct_io);
+  }
   for (const TenantStats& t : st.tenants) {
     v1::TenantStats* p = out->add_tenants();
     p->set_tenant(t.tenant);

@@ -19,6 +19,7 @@ struct ModelDefaults {
   uint64_t staging_bytes = PoolOptions().staging_bytes;
   bool enable_prefix_caching = true;
   StoreOptions store;
+  TierOptions tiers;  // every model's tiers below its pool
 };
 
 grpc::Status ToGrpcStatus(const absl::Status& s);

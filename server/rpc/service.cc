@@ -145,40 +145,77 @@ grpc::ServerUnaryReactor* KvBankService::GetStats(Ctx* ctx, const Raw* raw, Raw*
       });
 }
 
+namespace {
+
+// A CreateSequenceRequest as the store takes it; INVALID_ARGUMENT naming the field.
+absl::StatusOr<CreateOptions> ToCreateOptions(const v1::CreateSequenceRequest& req,
+                                              const std::string& tenant) {
+  auto lease = LeaseFromProto(req.lease_ttl_ms(), req.no_lease());
+  if (!lease.ok()) return lease.status();
+  CreateOptions o;
+  o.lease = *lease;
+  o.tenant = tenant;
+  o.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
+  o.cache_salt = req.cache_salt();
+  auto keys = ExtraKeysFromProto(req.extra_keys());
+  if (!keys.ok()) return keys.status();
+  o.extra_keys = *std::move(keys);
+  if (req.has_priority()) {
+    if (req.priority() > 100) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("priority ", req.priority(), " is outside [0, 100]"));
+    }
+    o.priority = static_cast<uint8_t>(req.priority());
+  }
+  const v1::Retention& rt = req.retention();
+  if (!v1::Retention::Kind_IsValid(rt.kind())) {
+    return absl::InvalidArgumentError("retention.kind is unknown");
+  }
+  o.retention.kind = static_cast<RetentionPolicy::Kind>(rt.kind());
+  o.retention.window = rt.window();
+  o.retention.sinks = rt.sinks();
+  o.retention.budget = rt.budget();
+  return o;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* KvBankService::CreateSequence(Ctx* ctx, const Raw* raw, Raw* out) {
-  return Serve<v1::CreateSequenceRequest, v1::SequenceInfo>(
-      ctx, raw, out,
-      [this](const Caller& caller, const v1::CreateSequenceRequest& req,
-             v1::SequenceInfo* resp) -> absl::Status {
-        auto model = FindModel(*registry_, req.model());
-        if (!model.ok()) return model.status();
-        auto lease = LeaseFromProto(req.lease_ttl_ms(), req.no_lease());
-        if (!lease.ok()) return lease.status();
-        CreateOptions o;
-        o.lease = *lease;
-        o.tenant = caller.tenant;
-        o.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
-        o.cache_salt = req.cache_salt();
-        auto keys = ExtraKeysFromProto(req.extra_keys());
-        if (!keys.ok()) return keys.status();
-        o.extra_keys = *std::move(keys);
-        if (req.has_priority()) {
-          if (req.priority() > 100) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("priority ", req.priority(), " is outside [0, 100]"));
-          }
-          o.priority = static_cast<uint8_t>(req.priority());
-        }
-        const v1::Retention& rt = req.retention();
-        if (!v1::Retention::Kind_IsValid(rt.kind())) {
-          return absl::InvalidArgumentError("retention.kind is unknown");
-        }
-        o.retention.kind = static_cast<RetentionPolicy::Kind>(rt.kind());
-        o.retention.window = rt.window();
-        o.retention.sinks = rt.sinks();
-        o.retention.budget = rt.budget();
-        return Reply((*model)->Create(o), req.model(), resp);
-      });
+  // A prompt's blocks may come back from a disk tier (or be copied to a device): such a create
+  // runs on a worker, not in this reaction.
+  auto* call = new UnaryCall<v1::CreateSequenceRequest, v1::SequenceInfo>(out);
+  auto caller = Admit(*ctx);
+  if (!caller.ok()) {
+    call->Reply(caller.status());
+    return call;
+  }
+  if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) {
+    call->Reply(s);
+    return call;
+  }
+  auto model = FindModel(*registry_, call->request.model());
+  if (!model.ok()) {
+    call->Reply(model.status());
+    return call;
+  }
+  auto options = ToCreateOptions(call->request, caller->tenant);
+  if (!options.ok()) {
+    call->Reply(options.status());
+    return call;
+  }
+  const TierCache* tiers = (*model)->tiers();
+  const bool blocking = !call->request.prompt_token_ids().empty() &&
+                        ((tiers != nullptr && tiers->has_disk()) ||
+                         ((*model)->pool().memory().waits_on_device() && tiers != nullptr));
+  auto run = [call, store = *std::move(model), o = *std::move(options)] {
+    call->Reply(Reply(store->Create(o), call->request.model(), &call->response));
+  };
+  if (blocking) {
+    device_work_->Submit(std::move(run));
+  } else {
+    run();
+  }
+  return call;
 }
 
 grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* out) {
@@ -210,7 +247,12 @@ grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* ou
           m.extra_keys = *std::move(keys);
           queries.push_back(std::move(m));
         }
-        for (uint64_t n : (*model)->Match(caller.tenant, queries)) resp->add_cached_tokens(n);
+        for (const MatchResult& r : (*model)->MatchTiers(caller.tenant, queries)) {
+          resp->add_cached_tokens(r.tokens);
+          resp->add_pool_tokens(r.pool_tokens);
+          resp->add_host_tokens(r.host_tokens);
+          resp->add_disk_tokens(r.disk_tokens);
+        }
         return absl::OkStatus();
       });
 }

@@ -594,7 +594,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
     if (req.has_kv_head_end()) head_end = req.kv_head_end();
     auto d = FromProto(req.dtype(), "dtype");
     if (!d.ok()) return d.status();
-    on_device = (*model)->pool().memory().waits_on_device();
+    // Blocks may come back from a disk tier first: then the open runs on a worker too.
+    const TierCache* tiers = (*model)->tiers();
+    on_device = (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
     return FetchReactor::Open([store = *std::move(model), tenant = caller->tenant,
                                hashes = *std::move(hashes), l0 = req.layer_begin(), layer_end,
                                dtype = *d, h0 = req.kv_head_begin(), head_end] {

@@ -172,6 +172,10 @@ bool ConfigSeeds(const std::string& dir) {
   ok &= Write(dir, "mla",
               "models { name: \"mla\" kind: ATTENTION_KIND_MLA num_layers: 2 kv_lora_rank: 512\n"
               "  rope_dim: 64 num_q_heads: 16 max_tokens_per_sequence: 4096 }\n");
+  // A layer count in the billions: refused before anything is sized by it.
+  ok &= Write(dir, "huge_layers",
+              "models { name: \"big\" num_layers: 3066666625 num_kv_heads: 1 head_dim: 8\n"
+              "  high_precision_layers: 1000000000 }\n");
   return ok;
 }
 

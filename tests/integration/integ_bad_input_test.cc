@@ -546,6 +546,16 @@ TEST_F(BadInputTest, EveryBadInputIsRefusedPreciselyAndChangesNothing) {
       // Model specs.
       {"model with zero layers", grpc::StatusCode::INVALID_ARGUMENT, "num_layers",
        [&] { return Of(raw.EnsureModel(Spec("z", 0, 8, 2, 64))); }},
+      {"model with billions of layers", grpc::StatusCode::INVALID_ARGUMENT,
+       "num_layers must be in [1, 1024], got 3066666625",
+       [&] { return Of(raw.EnsureModel(Spec("z", 3066666625u, 8, 2, 64))); }},
+      {"billions of layers, most of them high precision", grpc::StatusCode::INVALID_ARGUMENT,
+       "num_layers must be in [1, 1024]",
+       [&] {
+         v1::ModelSpec s = Spec("z", 4000000000u, 8, 2, 64, v1::DTYPE_INT8);
+         s.set_high_precision_layers(1000000000);
+         return Of(raw.EnsureModel(s));
+       }},
       {"q heads not a multiple of kv heads", grpc::StatusCode::INVALID_ARGUMENT,
        "num_q_heads (3) must be a multiple of num_kv_heads (2)",
        [&] { return Of(raw.EnsureModel(Spec("z", 4, 3, 2, 64))); }},

@@ -258,6 +258,10 @@ struct ModelLayout {
   bool operator!=(const ModelLayout& o) const { return !(*this == o); }
 };
 
+// The most layers a layout may have (ValidateLayout); a spec with more is refused before
+// anything is sized by its layer count.
+inline constexpr uint32_t kMaxLayers = 1024;
+
 // Returns an empty string when the layout is valid, else a message naming the bad field.
 std::string ValidateLayout(const ModelLayout& m);
 

@@ -1,0 +1,359 @@
+// The tiers below a model's pool (server/core/tiers.h) through the store, as kvbankd wires them
+// (ModelRegistry): evicted cached blocks move down to the host tier or the disk tier, Match
+// reports where a prompt's blocks are, Create and FetchBlocks promote them back byte for byte, a
+// disk tier survives a restart, and a torn or corrupt disk block is never served.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvbank/layout.h"
+#include "kvbank/prefix_hash.h"
+#include "server/core/model_registry.h"
+#include "server/core/sequence_store.h"
+#include "server/core/tiers.h"
+#include "tests/unit/test_memory.h"
+
+namespace kvbank {
+namespace {
+
+// 2 layers (fp16, int8: quantized bytes and scales move as stored), 2 kv heads, head_dim 8,
+// 4 tokens a block.
+ModelLayout TestLayout() {
+  ModelLayout m;
+  m.name = "tiny";
+  m.num_layers = 2;
+  m.num_q_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 8;
+  m.head_dim_v = 8;
+  m.block_tokens = 4;
+  m.input_dtype = DType::kFp16;
+  m.layer_dtypes = {DType::kFp16, DType::kInt8};
+  return m;
+}
+
+std::string TempDir() {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "kvbank-tiers-XXXXXX").string();
+  EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
+  return tmpl;
+}
+
+// Finite fp16 values (the int8 layer quantizes them), different for every prompt.
+std::vector<uint8_t> Payload(const BlockLayout& bl, uint64_t n, uint64_t seed) {
+  const PayloadLayout p = PayloadLayout::Make(bl, 0, bl.num_layers(), n, DType::kFp16);
+  std::vector<uint8_t> out(p.total_bytes);
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i + 1 < out.size(); i += 2) {
+    const uint16_t h = uint16_t(0x3000 + rng() % 0x0c00) | uint16_t(rng() % 2 ? 0x8000 : 0);
+    out[i] = uint8_t(h);
+    out[i + 1] = uint8_t(h >> 8);
+  }
+  return out;
+}
+
+class TiersTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    registry_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // A registry holding the model with a pool of `pool_blocks`, a host tier of `host_blocks`
+  // (0: none) and, when `disk`, a disk tier in dir_.
+  std::shared_ptr<SequenceStore> Open(uint64_t pool_blocks, uint64_t host_blocks, bool disk,
+                                      uint64_t disk_blocks = 256) {
+    registry_.reset();
+    registry_ = std::make_unique<ModelRegistry>(uint64_t{1} << 30);
+    ModelConfig c;
+    c.layout = TestLayout();
+    const BlockLayout bl = ComputeBlockLayout(c.layout);
+    c.pool_bytes = pool_blocks * bl.block_bytes;
+    c.device = testenv::TestDevice();
+    c.staging_bytes = 4096;
+    c.tiers.host_bytes = host_blocks * bl.block_bytes;
+    c.tiers.prefault_host = false;
+    if (disk) {
+      c.tiers.disk_path = dir_;
+      c.tiers.disk_bytes = disk_blocks * (8192 + AlignUp(bl.block_bytes, 4096));
+    }
+    auto r = registry_->Ensure(c);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->model : nullptr;
+  }
+
+  std::vector<uint32_t> Prompt(int i) const {
+    std::vector<uint32_t> p(kTokens);
+    for (uint32_t t = 0; t < kTokens; ++t) p[t] = 1000 * uint32_t(i) + t + 1;
+    return p;
+  }
+
+  // Writes prompt i (its KV from seed i), frees the sequence (its blocks stay cached), and
+  // returns what fetching it read back.
+  std::vector<uint8_t> Write(SequenceStore& store, int i, const std::string& tenant = "") {
+    CreateOptions o;
+    o.lease = absl::ZeroDuration();
+    o.tenant = tenant;
+    auto info = store.Create(o);
+    EXPECT_TRUE(info.ok()) << info.status();
+    AppendSpec a;
+    a.tenant = tenant;
+    a.sequence_id = info->id;
+    a.num_tokens = kTokens;
+    a.dtype = DType::kFp16;
+    a.token_ids = Prompt(i);
+    EXPECT_TRUE(store.Append(a, Payload(store.block_layout(), kTokens, uint64_t(i))).ok());
+    std::vector<uint8_t> got = Fetch(store, info->id, tenant);
+    EXPECT_TRUE(store.Free(info->id, tenant).ok());
+    return got;
+  }
+
+  std::vector<uint8_t> Fetch(SequenceStore& store, uint64_t id, const std::string& tenant = "") {
+    FetchSpec f;
+    f.tenant = tenant;
+    f.sequence_id = id;
+    f.dtype = DType::kFp16;
+    auto r = store.BeginFetch(f);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    std::vector<uint8_t> out((*r)->payload_bytes());
+    EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(out)).ok());
+    return out;
+  }
+
+  // Creates a sequence with prompt i: answers its cached tokens and (in *data) what it reads.
+  uint64_t Reuse(SequenceStore& store, int i, std::vector<uint8_t>* data,
+                 const std::string& tenant = "") {
+    CreateOptions o;
+    o.lease = absl::ZeroDuration();
+    o.tenant = tenant;
+    o.prompt = Prompt(i);
+    auto info = store.Create(o);
+    EXPECT_TRUE(info.ok()) << info.status();
+    if (!info.ok()) return 0;
+    if (data != nullptr && info->cached_tokens > 0) *data = Fetch(store, info->id, tenant);
+    EXPECT_TRUE(store.Free(info->id, tenant).ok());
+    return info->cached_tokens;
+  }
+
+  MatchResult Match(SequenceStore& store, int i, const std::string& tenant = "") {
+    MatchQuery q;
+    q.tokens = Prompt(i);
+    return store.MatchTiers(tenant, {q})[0];
+  }
+
+  std::vector<BlockHash> Hashes(SequenceStore& store, int i, const std::string& tenant = "") {
+    return PrefixHashes(store.options().hash, store.Root(tenant, ""), Prompt(i),
+                        store.layout().block_tokens);
+  }
+
+  static constexpr uint32_t kTokens = 8;  // two blocks a prompt
+  std::string dir_ = TempDir();
+  std::unique_ptr<ModelRegistry> registry_;
+};
+
+TEST_F(TiersTest, HostTierKeepsWhatThePoolEvicts) {
+  auto store = Open(/*pool_blocks=*/8, /*host_blocks=*/64, /*disk=*/false);
+  ASSERT_NE(store, nullptr);
+  std::vector<std::vector<uint8_t>> written;
+  for (int i = 0; i < 10; ++i) written.push_back(Write(*store, i));  // 20 blocks through 8
+  const TierStats before = store->tiers()->Stats();
+  EXPECT_EQ(before.spilled_to_host, 12u);
+  EXPECT_EQ(before.host_blocks, 12u);
+  // The oldest prompts are in the host tier only, the newest in the pool.
+  const MatchResult oldest = Match(*store, 0), newest = Match(*store, 9);
+  EXPECT_EQ(oldest.tokens, kTokens);
+  EXPECT_EQ(oldest.host_tokens, kTokens);
+  EXPECT_EQ(newest.pool_tokens, kTokens);
+  for (int i = 0; i < 10; ++i) {
+    std::vector<uint8_t> got;
+    EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
+    EXPECT_EQ(got, written[i]) << "prompt " << i << " came back different";
+  }
+  const TierStats after = store->tiers()->Stats();
+  EXPECT_GT(after.promoted_from_host, 0u);
+  // Inclusive: a block promoted and evicted again is not copied again.
+  EXPECT_LE(after.host_blocks, 20u);
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
+TEST_F(TiersTest, MatchSeesTiersPerTenantOnly) {
+  auto store = Open(4, 64, false);
+  ASSERT_NE(store, nullptr);
+  Write(*store, 0, "alice");
+  for (int i = 1; i < 4; ++i) Write(*store, i, "alice");  // prompt 0 leaves the pool
+  EXPECT_EQ(Match(*store, 0, "alice").host_tokens, kTokens);
+  EXPECT_EQ(Match(*store, 0, "bob").tokens, 0u);
+  EXPECT_EQ(Reuse(*store, 0, nullptr, "bob"), 0u);
+  EXPECT_EQ(store->tiers()->Stats().promoted_from_host, 0u);
+}
+
+TEST_F(TiersTest, DiskTierSurvivesARestart) {
+  std::vector<std::vector<uint8_t>> written;
+  {
+    auto store = Open(8, 0, true);
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 10; ++i) written.push_back(Write(*store, i));
+    // Warm restart: what the pool still caches goes down too.
+    EXPECT_EQ(store->FlushToDisk(absl::InfiniteFuture()), 8u);
+    EXPECT_EQ(store->tiers()->Stats().disk_blocks, 20u);
+  }
+  auto store = Open(8, 0, true);
+  ASSERT_NE(store, nullptr);
+  const TierStats loaded = store->tiers()->Stats();
+  EXPECT_EQ(loaded.loaded, 20u);
+  EXPECT_EQ(loaded.load_invalid, 0u);
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_EQ(Match(*store, i).disk_tokens, kTokens) << "prompt " << i;
+  }
+  for (int i = 0; i < 10; ++i) {
+    std::vector<uint8_t> got;
+    EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
+    EXPECT_EQ(got, written[i]) << "prompt " << i << " came back different";
+  }
+  EXPECT_GT(store->tiers()->Stats().promoted_from_disk, 0u);
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
+TEST_F(TiersTest, FetchBlocksReadsFromTheDisk) {
+  std::vector<uint8_t> written;
+  {
+    auto store = Open(8, 0, true);
+    ASSERT_NE(store, nullptr);
+    written = Write(*store, 3);
+    store->FlushToDisk(absl::InfiniteFuture());
+  }
+  auto store = Open(8, 0, true);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->pool().Stats().cached, 0u);
+  auto r = store->FetchBlocks("", Hashes(*store, 3), 0, std::nullopt, DType::kFp16);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->num_tokens(), kTokens);
+  std::vector<uint8_t> got((*r)->payload_bytes());
+  ASSERT_TRUE((*r)->Read(0, absl::MakeSpan(got)).ok());
+  EXPECT_EQ(got, written);
+}
+
+// Flips one byte of a block's bytes in the disk file.
+void Corrupt(const std::string& file, uint64_t offset) {
+  const int fd = open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  uint8_t b = 0;
+  ASSERT_EQ(pread(fd, &b, 1, off_t(offset)), 1);
+  b ^= 0x40;
+  ASSERT_EQ(pwrite(fd, &b, 1, off_t(offset)), 1);
+  fsync(fd);
+  close(fd);
+}
+
+TEST_F(TiersTest, CorruptBlockIsAMissCountedAndRemoved) {
+  {
+    auto store = Open(8, 0, true);
+    ASSERT_NE(store, nullptr);
+    Write(*store, 0);
+    store->FlushToDisk(absl::InfiniteFuture());
+  }
+  auto store = Open(8, 0, true);
+  ASSERT_NE(store, nullptr);
+  TierCache& t = *store->tiers();
+  const std::vector<BlockHash> h = Hashes(*store, 0);
+  auto slot = t.DiskSlotOf(h[1], "");
+  ASSERT_TRUE(slot.has_value());
+  Corrupt(t.disk_file(), *slot * t.slot_bytes() + t.header_bytes() + 17);
+  // The first block comes back; the second fails its checksum: never served.
+  EXPECT_EQ(Reuse(*store, 0, nullptr), 4u);
+  EXPECT_EQ(t.Stats().corrupt, 1u);
+  EXPECT_FALSE(t.DiskSlotOf(h[1], "").has_value()) << "a corrupt block stays indexed";
+  EXPECT_EQ(Match(*store, 0).tokens, 4u);
+}
+
+TEST_F(TiersTest, TornSlotsAreSkippedAtStart) {
+  std::string file;
+  uint64_t slot_bytes = 0, header_bytes = 0;
+  std::vector<uint64_t> slots;
+  {
+    auto store = Open(8, 0, true);
+    ASSERT_NE(store, nullptr);
+    for (int i = 0; i < 3; ++i) Write(*store, i);
+    store->FlushToDisk(absl::InfiniteFuture());
+    TierCache& t = *store->tiers();
+    file = t.disk_file();
+    slot_bytes = t.slot_bytes();
+    header_bytes = t.header_bytes();
+    for (int i = 0; i < 2; ++i) slots.push_back(*t.DiskSlotOf(Hashes(*store, i)[1], ""));
+  }
+  // One record's bytes torn (a kill mid-write), another's header torn.
+  Corrupt(file, slots[0] * slot_bytes + header_bytes + 3);
+  Corrupt(file, slots[1] * slot_bytes + 70);
+  auto store = Open(8, 0, true);
+  ASSERT_NE(store, nullptr);
+  const TierStats s = store->tiers()->Stats();
+  EXPECT_EQ(s.loaded, 4u);
+  EXPECT_EQ(s.load_invalid, 2u);
+  EXPECT_EQ(Match(*store, 0).tokens, 4u);
+  EXPECT_EQ(Match(*store, 1).tokens, 4u);
+  EXPECT_EQ(Match(*store, 2).tokens, kTokens);
+}
+
+TEST_F(TiersTest, HostVictimsGoToTheDisk) {
+  std::vector<std::vector<uint8_t>> written;
+  auto store = Open(4, 4, true);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 8; ++i) written.push_back(Write(*store, i));  // 16 blocks: 4 + 4 + disk
+  ASSERT_TRUE(store->tiers()->WaitForWrites(absl::Now() + absl::Seconds(30)));
+  const TierStats s = store->tiers()->Stats();
+  EXPECT_EQ(s.host_blocks, 4u);
+  EXPECT_EQ(s.spilled_to_disk, 8u);
+  EXPECT_EQ(Match(*store, 0).disk_tokens, kTokens);
+  for (int i = 0; i < 8; ++i) {
+    std::vector<uint8_t> got;
+    EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
+    EXPECT_EQ(got, written[i]) << "prompt " << i;
+  }
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
+TEST_F(TiersTest, EventsCarryTheTier) {
+  auto store = Open(2, 8, false);
+  ASSERT_NE(store, nullptr);
+  Write(*store, 0);
+  Write(*store, 1);  // prompt 0's blocks go to the host tier
+  auto batch = store->events()->Read(0, 1000, "", true);
+  ASSERT_TRUE(batch.ok());
+  int pool_stored = 0, host_stored = 0, pool_removed = 0;
+  const std::string pool_medium = store->pool().medium();
+  for (const KvEvent& e : batch->events) {
+    if (e.type == KvEvent::Type::kBlockStored && e.medium == pool_medium) ++pool_stored;
+    if (e.type == KvEvent::Type::kBlockStored && e.medium == "host") {
+      ++host_stored;
+      EXPECT_EQ(e.token_ids.size(), 4u);
+    }
+    if (e.type == KvEvent::Type::kBlockRemoved && e.medium == pool_medium) {
+      pool_removed += int(e.hashes.size());
+    }
+  }
+  EXPECT_EQ(pool_stored, 4);
+  EXPECT_EQ(host_stored, 2);
+  EXPECT_EQ(pool_removed, 2);
+}
+
+TEST_F(TiersTest, TiersNeedPrefixCaching) {
+  ModelRegistry registry(uint64_t{1} << 30);
+  ModelConfig c;
+  c.layout = TestLayout();
+  c.pool_bytes = 1 << 20;
+  c.enable_prefix_caching = false;
+  c.tiers.host_bytes = 1 << 20;
+  auto r = registry.Ensure(c);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("prefix caching is off"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvbank
