@@ -362,6 +362,25 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
     m.prefix_query_tokens = p.prefix_query_tokens();
     m.prefix_hit_tokens = p.prefix_hit_tokens();
     m.fetches_waiting = p.fetches_waiting();
+    if (p.has_tiers()) {
+      const v1::TierStats& t = p.tiers();
+      ModelStats::Tiers& o = m.tiers.emplace();
+      o.host_blocks = t.host_blocks();
+      o.host_capacity = t.host_capacity();
+      o.disk_blocks = t.disk_blocks();
+      o.disk_capacity = t.disk_capacity();
+      o.spilled_to_host = t.spilled_to_host();
+      o.spilled_to_disk = t.spilled_to_disk();
+      o.promoted_from_host = t.promoted_from_host();
+      o.promoted_from_disk = t.promoted_from_disk();
+      o.corrupt = t.corrupt();
+      o.spill_dropped = t.spill_dropped();
+      o.disk_bytes_written = t.disk_bytes_written();
+      o.disk_bytes_read = t.disk_bytes_read();
+      o.loaded = t.loaded();
+      o.load_invalid = t.load_invalid();
+      o.direct_io = t.direct_io();
+    }
     m.tenant_view = p.tenant_view();
     for (const auto& t : p.tenants()) {
       ModelStats::Tenant& r = m.tenants.emplace_back();
@@ -604,6 +623,15 @@ absl::StatusOr<Client::FetchResult> Client::FetchBlocks(const std::string& model
 
 absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
                                                     const std::vector<MatchQuery>& queries) {
+  auto r = MatchTiers(model, queries);
+  if (!r.ok()) return r.status();
+  std::vector<uint64_t> out;
+  for (const MatchTiersResult& m : *r) out.push_back(m.tokens);
+  return out;
+}
+
+absl::StatusOr<std::vector<Client::MatchTiersResult>> Client::MatchTiers(
+    const std::string& model, const std::vector<MatchQuery>& queries) {
   v1::MatchRequest req;
   req.set_model(model);
   for (const MatchQuery& q : queries) {
@@ -615,7 +643,15 @@ absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
   }
   v1::MatchResponse resp;
   if (auto s = impl_->Call(&v1::KvBank::Stub::Match, req, &resp); !s.ok()) return s;
-  return std::vector<uint64_t>(resp.cached_tokens().begin(), resp.cached_tokens().end());
+  std::vector<MatchTiersResult> out(resp.cached_tokens_size());
+  for (int i = 0; i < resp.cached_tokens_size(); ++i) {
+    out[i].tokens = resp.cached_tokens(i);
+    // A server without tiers (or an older one) sends cached_tokens only: all in its pool.
+    out[i].pool_tokens = i < resp.pool_tokens_size() ? resp.pool_tokens(i) : out[i].tokens;
+    out[i].host_tokens = i < resp.host_tokens_size() ? resp.host_tokens(i) : 0;
+    out[i].disk_tokens = i < resp.disk_tokens_size() ? resp.disk_tokens(i) : 0;
+  }
+  return out;
 }
 
 absl::StatusOr<uint64_t> Client::Pin(const std::string& model, const MatchQuery& blocks, bool pin) {

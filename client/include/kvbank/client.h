@@ -126,6 +126,16 @@ class Client {
     uint64_t blocks_cached = 0, blocks_pinned = 0, evictions = 0;
     uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
     uint64_t fetches_waiting = 0;  // fetches waiting for their tokens (FetchArgs::wait)
+    // The tiers below the pool (v1::TierStats); unset when the model has none.
+    struct Tiers {
+      uint64_t host_blocks = 0, host_capacity = 0, disk_blocks = 0, disk_capacity = 0;
+      uint64_t spilled_to_host = 0, spilled_to_disk = 0;
+      uint64_t promoted_from_host = 0, promoted_from_disk = 0;
+      uint64_t corrupt = 0, spill_dropped = 0, disk_bytes_written = 0, disk_bytes_read = 0;
+      uint64_t loaded = 0, load_invalid = 0;
+      bool direct_io = false;
+    };
+    std::optional<Tiers> tiers;
     struct Tenant {
       std::string tenant;
       uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0, blocks_referenced = 0;
@@ -155,6 +165,11 @@ class Client {
     std::vector<BlockHash> hashes;  // ... or block hashes
     std::string cache_salt;
     std::vector<ExtraKey> extra_keys;
+  };
+  // Where a query's leading cached tokens are: the server's pool, then the tiers below it.
+  struct MatchTiersResult {
+    uint64_t tokens = 0;  // pool + host + disk: what a CreateSequence with the prompt attaches
+    uint64_t pool_tokens = 0, host_tokens = 0, disk_tokens = 0;
   };
   struct PrefixRootInfo {
     BlockHash root{};
@@ -360,6 +375,9 @@ class Client {
   // Prefix cache (the caller's tenant only). Leading cached tokens per query; no side effects.
   absl::StatusOr<std::vector<uint64_t>> Match(const std::string& model,
                                               const std::vector<MatchQuery>& queries);
+  // The same, with the tier each query's tokens are in.
+  absl::StatusOr<std::vector<MatchTiersResult>> MatchTiers(const std::string& model,
+                                                           const std::vector<MatchQuery>& queries);
   // The longest cached run of leading `hashes`: full blocks, in the payload layout.
   absl::StatusOr<FetchResult> FetchBlocks(const std::string& model,
                                           const std::vector<BlockHash>& hashes,
