@@ -164,6 +164,67 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
       blocks->samples.push_back({"", {{"model", row.model()}, {"state", state}}, double(n)});
     }
   }
+  // The tiers below the pools (models that have them), labelled by medium (host, disk) as the
+  // KV events are.
+  struct TierFigure {
+    const char* name;
+    const char* help;
+    MetricType type;
+    uint64_t (*host)(const v1::TierStats&);
+    uint64_t (*disk)(const v1::TierStats&);
+  };
+  const TierFigure tier_figures[] = {
+      {"kvbank_tier_blocks", "Blocks held in a tier below the pool.", MetricType::kGauge,
+       [](const v1::TierStats& t) { return t.host_blocks(); },
+       [](const v1::TierStats& t) { return t.disk_blocks(); }},
+      {"kvbank_tier_capacity_blocks", "Blocks a tier below the pool can hold.", MetricType::kGauge,
+       [](const v1::TierStats& t) { return t.host_capacity(); },
+       [](const v1::TierStats& t) { return t.disk_capacity(); }},
+      {"kvbank_tier_spilled_total", "Evicted cached blocks written into a tier.",
+       MetricType::kCounter, [](const v1::TierStats& t) { return t.spilled_to_host(); },
+       [](const v1::TierStats& t) { return t.spilled_to_disk(); }},
+      {"kvbank_tier_promoted_total", "Blocks promoted from a tier back into the pool.",
+       MetricType::kCounter, [](const v1::TierStats& t) { return t.promoted_from_host(); },
+       [](const v1::TierStats& t) { return t.promoted_from_disk(); }},
+  };
+  for (const TierFigure& f : tier_figures) {
+    FamilySnapshot* fam = AddFamily(out, f.name, f.help, f.type);
+    for (const v1::ModelStats& row : rows) {
+      if (!row.has_tiers()) continue;
+      const v1::TierStats& t = row.tiers();
+      if (t.host_capacity() > 0) {
+        fam->samples.push_back({"", {{"model", row.model()}, {"medium", "host"}}, double(f.host(t))});
+      }
+      if (t.disk_capacity() > 0) {
+        fam->samples.push_back({"", {{"model", row.model()}, {"medium", "disk"}}, double(f.disk(t))});
+      }
+    }
+  }
+  const Figure<v1::TierStats> disk_figures[] = {
+      {"kvbank_tier_disk_corrupt_total",
+       "Disk tier blocks that failed their checksum on a read: never served, removed.",
+       MetricType::kCounter, [](const v1::TierStats& t) { return double(t.corrupt()); }},
+      {"kvbank_tier_disk_spill_dropped_total",
+       "Spills to the disk tier dropped because its write queue was full.", MetricType::kCounter,
+       [](const v1::TierStats& t) { return double(t.spill_dropped()); }},
+      {"kvbank_tier_disk_bytes_written_total", "Bytes written to the disk tier.",
+       MetricType::kCounter, [](const v1::TierStats& t) { return double(t.disk_bytes_written()); }},
+      {"kvbank_tier_disk_bytes_read_total", "Bytes read from the disk tier.", MetricType::kCounter,
+       [](const v1::TierStats& t) { return double(t.disk_bytes_read()); }},
+      {"kvbank_tier_disk_loaded_blocks", "Valid blocks found on the disk tier at start.",
+       MetricType::kGauge, [](const v1::TierStats& t) { return double(t.loaded()); }},
+      {"kvbank_tier_disk_load_invalid_slots",
+       "Torn or corrupt disk tier slots skipped at start.", MetricType::kGauge,
+       [](const v1::TierStats& t) { return double(t.load_invalid()); }},
+  };
+  for (const auto& f : disk_figures) {
+    FamilySnapshot* fam = AddFamily(out, f.name, f.help, f.type);
+    for (const v1::ModelStats& row : rows) {
+      if (row.has_tiers() && row.tiers().disk_capacity() > 0) {
+        fam->samples.push_back({"", {{"model", row.model()}}, f.value(row.tiers())});
+      }
+    }
+  }
   for (const auto& f : kTenantFigures) {
     FamilySnapshot* fam = AddFamily(out, f.name, f.help, f.type);
     for (const v1::ModelStats& row : rows) {

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -20,6 +21,7 @@
 #include "kvbank/client.h"
 #include "kvbank/prefix_hash.h"
 #include "tests/integration/prefix_support.h"
+#include "tests/metrics_http.h"
 #include "tests/integration/server_fixture.h"
 
 namespace kvbank::integ {
@@ -146,9 +148,19 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
         << server_->Log();
     server_.reset();
   }
-  ASSERT_NO_FATAL_FAILURE(StartServer(Flags("4MiB", "16MiB")));
+  std::vector<std::string> flags = Flags("4MiB", "16MiB");
+  flags.push_back("--metrics-listen=127.0.0.1:0");
+  flags.push_back("--metrics-port-file=" + dir_ + "/metrics_port");
+  ASSERT_NO_FATAL_FAILURE(StartServer(flags));
+  int metrics_port = 0;
+  std::ifstream(dir_ + "/metrics_port") >> metrics_port;  // written before the gRPC port file
+  ASSERT_GT(metrics_port, 0);
   auto c = NewClient();
   ASSERT_TRUE(c->EnsureModel(m).ok());
+  const std::string scraped = testing_http::Body(testing_http::Request(metrics_port, "/metrics"));
+  EXPECT_NE(scraped.find("kvbank_tier_blocks{model=\"m\",medium=\"disk\"} 80\n"),
+            std::string::npos)
+      << scraped;
   Client::ModelStats st = StatsOf(*c, "m");
   ASSERT_TRUE(st.tiers.has_value());
   EXPECT_EQ(st.tiers->loaded, uint64_t{4 * kPrompts});
@@ -172,6 +184,10 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
   }
   st = StatsOf(*c, "m");
   EXPECT_EQ(st.tiers->promoted_from_disk, uint64_t{4 * kPrompts});
+  const std::string after = testing_http::Body(testing_http::Request(metrics_port, "/metrics"));
+  EXPECT_NE(after.find("kvbank_tier_promoted_total{model=\"m\",medium=\"disk\"} 80\n"),
+            std::string::npos)
+      << after;
   EXPECT_EQ(st.tiers->corrupt, 0u);
 }
 
