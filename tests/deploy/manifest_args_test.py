@@ -209,10 +209,13 @@ def make_tls(dir_path):
     return {"tls.crt": cert, "tls.key": key_pem}
 
 
-def fill_volumes(spec, container, objects, tmp):
-    """Returns {mountPath: temp dir} and the CA (the self-signed certificate) for the client."""
+def fill_volumes(spec, container, objects, tmp, claims=()):
+    """Returns {mountPath: temp dir} and the CA (the self-signed certificate) for the client.
+    claims: the StatefulSet's volumeClaimTemplates names (a fresh claim is an empty folder)."""
     secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for name in claims:
+        volumes.setdefault(name, {"persistentVolumeClaim": {"claimName": name}})
     tls_files = make_tls(tmp)
     tokens = ("%s %s admin\n" % (TOKEN, TENANT)).encode()
     mounts = {}
@@ -237,8 +240,9 @@ def fill_volumes(spec, container, objects, tmp):
                 with open(path, "wb") as f:
                     f.write(content)
                 os.chmod(path, vol["secret"].get("defaultMode", 0o644))
-        elif "emptyDir" not in vol:
-            raise Failure("volume %s: the test maps only Secrets and emptyDirs" % m["name"])
+        elif "emptyDir" not in vol and "persistentVolumeClaim" not in vol:
+            raise Failure("volume %s: the test maps only Secrets, emptyDirs and claims"
+                          % m["name"])
         if m.get("readOnly"):
             os.chmod(local, 0o555)
         mounts[m["mountPath"].rstrip("/")] = local
@@ -263,7 +267,7 @@ def rewrite_args(args, mounts):
             out.append("%s=127.0.0.1:%d" % (name, port))
             continue
         for mount, local in mounts.items():
-            if eq and value.startswith(mount + "/"):
+            if eq and (value == mount or value.startswith(mount + "/")):
                 a = "%s=%s%s" % (name, local, value[len(mount):])
                 break
         out.append(a)
@@ -428,7 +432,8 @@ def run(a):
     args = [expand(x, env) for x in container.get("args", [])]
     check("--replica-name=kvbank-0" in args, "--replica-name=$(POD_NAME) expands to kvbank-0")
     with tempfile.TemporaryDirectory(prefix="kvbank-manifest-") as tmp:
-        mounts, ca = fill_volumes(spec, container, objects, tmp)
+        claims = [c["metadata"]["name"] for c in sts["spec"].get("volumeClaimTemplates", [])]
+        mounts, ca = fill_volumes(spec, container, objects, tmp, claims)
         args, ports = rewrite_args(args, mounts)
         for flag in ("--auth-tokens-file", "--tls-cert", "--tls-key"):
             value = next((x.split("=", 1)[1] for x in args if x.startswith(flag + "=")), None)
@@ -526,6 +531,14 @@ def run(a):
             bad = [x for x in lines if not is_json_object(x)]
             check(lines and not bad, "--log-format=json: %d log lines, all JSON objects%s"
                   % (len(lines), (" (not: %r)" % bad[0]) if bad else ""))
+            # The disk tier on the replica's claim: its file is there for the next start.
+            for flag_value in (x.split("=", 1)[1] for x in args
+                               if x.startswith("--disk-tier-path=")):
+                files = [f for f in os.listdir(flag_value) if f.endswith(".kvbank-tier")]
+                flushed = [json.loads(x) for x in lines
+                           if is_json_object(x) and json.loads(x).get("event") == "tier_flush"]
+                check(files and flushed, "--disk-tier-path: %s in the claim's folder, flushed at "
+                      "SIGTERM (%s)" % (files, [f.get("msg") for f in flushed]))
         finally:
             server.stop()
             cgroup.remove()

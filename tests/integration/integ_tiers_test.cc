@@ -21,8 +21,8 @@
 #include "kvbank/client.h"
 #include "kvbank/prefix_hash.h"
 #include "tests/integration/prefix_support.h"
-#include "tests/metrics_http.h"
 #include "tests/integration/server_fixture.h"
+#include "tests/metrics_http.h"
 
 namespace kvbank::integ {
 namespace {
@@ -62,7 +62,8 @@ std::vector<uint8_t> PayloadOf(const ModelLayout& m, const std::vector<BlockHash
 }
 
 std::string TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "kvbank-integ-tiers-XXXXXX").string();
+  std::string tmpl =
+      (std::filesystem::temp_directory_path() / "kvbank-integ-tiers-XXXXXX").string();
   EXPECT_NE(mkdtemp(tmpl.data()), nullptr);
   return tmpl;
 }
@@ -75,7 +76,7 @@ class TiersIntegTest : public KvbankdTest {
   }
 
   std::vector<std::string> Flags(const std::string& pool, const std::string& disk) const {
-    return {"--models=",           "--pool-bytes=" + pool, "--disk-tier-path=" + dir_,
+    return {"--models=", "--pool-bytes=" + pool, "--disk-tier-path=" + dir_,
             "--disk-tier-bytes=" + disk, "--drain-timeout-ms=20000"};
   }
 
@@ -143,8 +144,7 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
     EXPECT_EQ((*before)[0].pool_tokens, 4 * kBt) << "the pool holds every prompt before";
     // SIGTERM: drain, then the pool's cached blocks go to the disk tier.
     ASSERT_TRUE(server_->Stop().ok()) << server_->Log();
-    EXPECT_NE(server_->Log().find("80 cached block(s) written to the disk tier"),
-              std::string::npos)
+    EXPECT_NE(server_->Log().find("80 cached block(s) written to the disk tier"), std::string::npos)
         << server_->Log();
     server_.reset();
   }
@@ -158,8 +158,7 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
   auto c = NewClient();
   ASSERT_TRUE(c->EnsureModel(m).ok());
   const std::string scraped = testing_http::Body(testing_http::Request(metrics_port, "/metrics"));
-  EXPECT_NE(scraped.find("kvbank_tier_blocks{model=\"m\",medium=\"disk\"} 80\n"),
-            std::string::npos)
+  EXPECT_NE(scraped.find("kvbank_tier_blocks{model=\"m\",medium=\"disk\"} 80\n"), std::string::npos)
       << scraped;
   Client::ModelStats st = StatsOf(*c, "m");
   ASSERT_TRUE(st.tiers.has_value());
@@ -195,8 +194,8 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
 // reused over and over): after each restart, every block a FetchBlocks serves holds the KV of
 // the hash it was asked for, and a served run follows the chain from its first block.
 TEST_F(TiersIntegTest, KillNineAnywhereServesOnlyValidBlocks) {
-  const int kills = std::getenv("KVBANK_TIER_KILLS") ? std::atoi(std::getenv("KVBANK_TIER_KILLS"))
-                                                     : 50;
+  const int kills =
+      std::getenv("KVBANK_TIER_KILLS") ? std::atoi(std::getenv("KVBANK_TIER_KILLS")) : 50;
   const ModelLayout m = SmallLayout("m");
   std::mt19937_64 rng(20261201);
   std::vector<std::vector<uint32_t>> written;  // every prompt a writer finished, all restarts
@@ -229,7 +228,8 @@ TEST_F(TiersIntegTest, KillNineAnywhereServesOnlyValidBlocks) {
       ASSERT_LE(blocks, want.size());
       const std::vector<BlockHash> served(want.begin(), want.begin() + blocks);
       ASSERT_TRUE(BytesEqual(got->payload, PayloadOf(m, served)))
-          << "restart " << k << ", prompt " << i << ": a served block is not the one its hash names";
+          << "restart " << k << ", prompt " << i
+          << ": a served block is not the one its hash names";
       served_blocks += blocks;
       ++checked_prompts;
     }
