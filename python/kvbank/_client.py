@@ -522,8 +522,19 @@ class Client:
 
     def match(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
               extra_keys: ExtraKeys = ()) -> List[int]:
-        """Leading cached tokens of each query: a sequence of token ids, a sequence of block
-        hashes (bytes), or a dict with tokens / hashes / cache_salt / extra_keys."""
+        """Leading cached tokens of each query (in the server's pool or a tier below it): a
+        sequence of token ids, a sequence of block hashes (bytes), or a dict with tokens /
+        hashes / cache_salt / extra_keys."""
+        return self._c.match(model, self._queries(queries, cache_salt, extra_keys))
+
+    def match_tiers(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
+                    extra_keys: ExtraKeys = ()) -> List[Dict[str, int]]:
+        """As match, with where the tokens are: a dict per query with tokens, pool_tokens,
+        host_tokens and disk_tokens (the last three add up to tokens)."""
+        return self._c.match_tiers(model, self._queries(queries, cache_salt, extra_keys))
+
+    @staticmethod
+    def _queries(queries: Sequence[Any], cache_salt: str, extra_keys: ExtraKeys) -> List[Any]:
         qs = []
         for q in queries:
             if isinstance(q, Mapping):
@@ -536,7 +547,7 @@ class Client:
                     qs.append(([], [bytes(h) for h in q], cache_salt, _extra_keys(extra_keys)))
                 else:
                     qs.append((q, [], cache_salt, _extra_keys(extra_keys)))
-        return self._c.match(model, qs)
+        return qs
 
     def fetch_blocks(self, model: str, hashes: Sequence[bytes], *, layer_begin: int = 0,
                      layer_end: Optional[int] = None, dtype: Optional[str] = None,

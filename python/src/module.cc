@@ -472,6 +472,22 @@ void BindClient(py::module_& m) {
              for (const auto& q : queries) qs.push_back(QueryFromTuple(q));
              return CallWithoutGil([&] { return self.c().Match(model, qs); });
            })
+      .def("match_tiers",
+           [](PyClient& self, const std::string& model, const py::list& queries) {
+             std::vector<Client::MatchQuery> qs;
+             for (const auto& q : queries) qs.push_back(QueryFromTuple(q));
+             auto r = CallWithoutGil([&] { return self.c().MatchTiers(model, qs); });
+             py::list out;
+             for (const Client::MatchTiersResult& m : r) {
+               py::dict d;
+               d["tokens"] = m.tokens;
+               d["pool_tokens"] = m.pool_tokens;
+               d["host_tokens"] = m.host_tokens;
+               d["disk_tokens"] = m.disk_tokens;
+               out.append(d);
+             }
+             return out;
+           })
       .def(
           "fetch_blocks",
           [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,

@@ -484,6 +484,9 @@ def test_prefix_cache_match_fetch_blocks_pin_and_watch(client, model_name):
     assert client.match(model_name, [prompt, hashes, prompt[:bt + 3], [1, 2, 3]]) == \
         [3 * bt, 3 * bt, bt, 0]
     assert client.match(model_name, [prompt], cache_salt="other") == [0]
+    # A server without tiers: everything in its pool.
+    assert client.match_tiers(model_name, [prompt]) == \
+        [{"tokens": 3 * bt, "pool_tokens": 3 * bt, "host_tokens": 0, "disk_tokens": 0}]
 
     second = client.create_sequence(model_name, prompt)
     assert second.cached_tokens == 3 * bt
