@@ -126,20 +126,19 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t ten
     removed_tenant = records_[victim].tenant;
     if (options_.eviction_sink != nullptr && records_[victim].info != nullptr) {
       // One tier down instead of forgotten: the sink copies the bytes before the block is reused.
-      options_.eviction_sink->Evicted(*records_[victim].info, tenant_names_[removed_tenant],
-                                      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> const uint8_t* {
-                                        if (memory_->kind() != MemoryKind::kCuda) {
-                                          return BlockData(victim);
-                                        }
-                                        evict_buffer_.resize(layout_.block_bytes);
-                                        const int32_t id[] = {victim};
-                                        if (!memory_->CopyBlocksToHost(id, layout_.block_bytes,
-                                                                       evict_buffer_.data())
-                                                 .ok()) {
-                                          return nullptr;
-                                        }
-                                        return evict_buffer_.data();
-                                      });
+      options_.eviction_sink->Evicted(
+          *records_[victim].info, tenant_names_[removed_tenant],
+          [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> const uint8_t* {
+            if (memory_->kind() != MemoryKind::kCuda) {
+              return BlockData(victim);
+            }
+            evict_buffer_.resize(layout_.block_bytes);
+            const int32_t id[] = {victim};
+            if (!memory_->CopyBlocksToHost(id, layout_.block_bytes, evict_buffer_.data()).ok()) {
+              return nullptr;
+            }
+            return evict_buffer_.data();
+          });
     }
     DropLocked(victim, &removed);
     ++evictions_;

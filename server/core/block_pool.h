@@ -87,7 +87,7 @@ class EvictionSink {
 struct PoolOptions {
   bool enable_prefix_caching = true;
   EvictionSink* eviction_sink = nullptr;  // not owned; may be null (evicted blocks are dropped)
-  KvEventLog* events = nullptr;  // not owned; may be null
+  KvEventLog* events = nullptr;           // not owned; may be null
   std::function<absl::Time()> clock = absl::Now;
   // Touch every page at creation: the pool is a reservation, and first-touch faults would
   // otherwise land on the append path (about 2 GB/s here instead of memcpy speed).
@@ -237,8 +237,8 @@ class BlockPool {
 
   mutable absl::Mutex mu_;
   std::vector<uint8_t> evict_buffer_ ABSL_GUARDED_BY(mu_);  // an evicted block off a device
-  std::vector<Record> records_ ABSL_GUARDED_BY(mu_);     // block records, apart from the data
-  std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed blocks are warm
+  std::vector<Record> records_ ABSL_GUARDED_BY(mu_);        // block records, apart from the data
+  std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);     // LIFO: recently freed blocks are warm
   std::set<EvictKey> evictable_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BlockHash, int32_t> index_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;

@@ -650,10 +650,10 @@ class CudaMemory final : public PoolMemory {
     for (size_t i = 0; i < ids.size(); ++i) {
       uint8_t* dev = base() + uint64_t(ids[i]) * block_bytes;
       uint8_t* h = host + i * block_bytes;
-      KVBANK_CUDA_TRY(cudaMemcpyAsync(to_host ? h : dev, to_host ? dev : h, block_bytes,
-                                      to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
-                                      lane.stream),
-                      what);
+      KVBANK_CUDA_TRY(
+          cudaMemcpyAsync(to_host ? h : dev, to_host ? dev : h, block_bytes,
+                          to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, lane.stream),
+          what);
     }
     return Finish(lane, what);
   }

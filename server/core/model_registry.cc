@@ -91,8 +91,8 @@ absl::StatusOr<EnsureResult> ModelRegistry::Ensure(ModelConfig config) {
   pool_bytes_used_->fetch_add(bytes);
   // The bytes return to the budget once the store (and with it the pool) is destroyed.
   std::shared_ptr<SequenceStore> store(
-      new SequenceStore(config.layout, *std::move(pool), std::move(config.store),
-                        std::move(events), std::move(tiers)),
+      new SequenceStore(config.layout, *std::move(pool), std::move(config.store), std::move(events),
+                        std::move(tiers)),
       [used = pool_bytes_used_, bytes](SequenceStore* s) {
         delete s;
         used->fetch_sub(bytes);

@@ -132,7 +132,7 @@ struct StoreStats : Activity {
   bool tenant_view = false;
   uint64_t fetches_waiting = 0;  // WhenCommitted waiters now (0 in a tenant view)
   PoolStats pool;
-  std::optional<TierStats> tiers;  // the tiers below the pool, if any (not in a tenant view)
+  std::optional<TierStats> tiers;    // the tiers below the pool, if any (not in a tenant view)
   std::vector<TenantStats> tenants;  // tenants with any activity or limit, by name
 };
 

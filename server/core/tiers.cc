@@ -114,8 +114,8 @@ absl::Status TierCache::OpenDisk(const std::string& model, const std::string& fi
                                                    " bytes (header and block, 4 KiB-aligned)"));
   }
   if (mkdir(o.disk_path.c_str(), 0750) != 0 && errno != EEXIST) {
-    return absl::FailedPreconditionError(absl::StrCat("disk tier folder ", o.disk_path, ": ",
-                                                      std::strerror(errno)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("disk tier folder ", o.disk_path, ": ", std::strerror(errno)));
   }
   const std::string fp_short =
       absl::StrFormat("%016x", XXH3_64bits(fingerprint.data(), fingerprint.size()));
@@ -385,7 +385,8 @@ void TierCache::IoLoop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](TierCache* t) ABSL_NO_THREAD_SAFETY_ANALYSIS { return t->stop_ || !t->queue_.empty(); },
+          +[](TierCache* t)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return t->stop_ || !t->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stop_ and nothing left
       const Key key = queue_.front();
@@ -409,7 +410,8 @@ void TierCache::IoLoop() {
     uint64_t done = 0;
     bool ok = true;
     while (done < slot_bytes_) {
-      const ssize_t n = pwrite(fd_, buf + done, slot_bytes_ - done, off_t(slot * slot_bytes_ + done));
+      const ssize_t n =
+          pwrite(fd_, buf + done, slot_bytes_ - done, off_t(slot * slot_bytes_ + done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         ok = false;
@@ -496,13 +498,12 @@ size_t TierCache::FlushHostToDisk(absl::Time deadline) {
 
 bool TierCache::WaitForWrites(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithDeadline(
-      absl::Condition(
-          +[](TierCache* t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return t->queue_.empty() && t->writing_ == 0;
-          },
-          this),
-      deadline);
+  return mu_.AwaitWithDeadline(absl::Condition(
+                                   +[](TierCache* t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                     return t->queue_.empty() && t->writing_ == 0;
+                                   },
+                                   this),
+                               deadline);
 }
 
 absl::Status TierCache::Sync() {
@@ -576,7 +577,8 @@ std::vector<TierBlock> TierCache::ReadChain(absl::Span<const BlockHash> hashes,
     }
   }
   if (!reads.empty()) {
-    const size_t threads = std::min<size_t>(std::max<uint32_t>(1, options_.io_threads), reads.size());
+    const size_t threads =
+        std::min<size_t>(std::max<uint32_t>(1, options_.io_threads), reads.size());
     std::vector<PublishInfo> infos(reads.size());
     auto work = [&](size_t first) {
       std::shared_ptr<uint8_t> buf = NewBuffer();

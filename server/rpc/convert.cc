@@ -70,8 +70,8 @@ absl::StatusOr<ModelConfig> ToModelConfig(const v1::ModelSpec& spec,
     m.num_layers = spec.num_layers();
     // Refused before layer_dtypes is sized by it: a remote spec must not size an allocation.
     if (m.num_layers == 0 || m.num_layers > kMaxLayers) {
-      return absl::InvalidArgumentError(absl::StrCat("spec: num_layers must be in [1, ",
-                                                     kMaxLayers, "], got ", m.num_layers));
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec: num_layers must be in [1, ", kMaxLayers, "], got ", m.num_layers));
     }
     m.num_kv_heads = spec.num_kv_heads();
     m.kv_lora_rank = spec.kv_lora_rank();

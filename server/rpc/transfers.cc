@@ -596,7 +596,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
     if (!d.ok()) return d.status();
     // Blocks may come back from a disk tier first: then the open runs on a worker too.
     const TierCache* tiers = (*model)->tiers();
-    on_device = (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
+    on_device =
+        (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
     return FetchReactor::Open([store = *std::move(model), tenant = caller->tenant,
                                hashes = *std::move(hashes), l0 = req.layer_begin(), layer_end,
                                dtype = *d, h0 = req.kv_head_begin(), head_end] {

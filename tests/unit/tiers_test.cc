@@ -2,6 +2,8 @@
 // (ModelRegistry): evicted cached blocks move down to the host tier or the disk tier, Match
 // reports where a prompt's blocks are, Create and FetchBlocks promote them back byte for byte, a
 // disk tier survives a restart, and a torn or corrupt disk block is never served.
+#include "server/core/tiers.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -17,7 +19,6 @@
 #include "kvbank/prefix_hash.h"
 #include "server/core/model_registry.h"
 #include "server/core/sequence_store.h"
-#include "server/core/tiers.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
