@@ -144,8 +144,8 @@ int Main(int argc, char** argv) {
   // evicted cached blocks move down, and a prompt that finds them there promotes them back.
   const BlockLayout tb = ComputeBlockLayout(bench::TraceLayout());
   const uint64_t small_pool = std::max<uint64_t>(uint64_t(unique_blocks * 0.25), 256);
-  std::printf("\n%-28s %12s %12s %10s %16s\n", "pool 0.25x + tier 1x", "hit rate", "÷ unbounded",
-              "written", "from the tier");
+  std::printf("\n%-34s %12s %12s %10s %16s\n", "pool 0.25x + tier 1x (blocks)", "hit rate",
+              "÷ unbounded", "written", "from the tier");
   {
     TierOptions to;
     to.host_bytes = unique_blocks * tb.block_bytes;
@@ -153,7 +153,7 @@ int Main(int argc, char** argv) {
     const TraceResult r = ReplayOn(*store, trace, 0, trace.size());
     const TierStats ts = store->tiers()->Stats();
     std::printf(
-        "%-28s %12.3f %12.3f %10llu %16llu\n",
+        "%-34s %12.3f %12.3f %10llu %16llu\n",
         (std::to_string(small_pool) + " + host " + std::to_string(ts.host_capacity)).c_str(),
         r.hit_rate(), r.hit_rate() / unbounded, (unsigned long long)r.blocks_written,
         (unsigned long long)ts.promoted_from_host);
@@ -196,7 +196,7 @@ int Main(int argc, char** argv) {
         }
         const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
         std::filesystem::remove_all(dir);
-        std::printf("%-28s %12.3f %12.3f %10llu %16llu\n",
+        std::printf("%-34s %12.3f %12.3f %10llu %16llu\n",
                     (std::to_string(small_pool) + " + disk " + std::to_string(ts.disk_capacity) +
                      ", queue " + std::to_string(queue >> 20) + "M")
                         .c_str(),
