@@ -3,11 +3,13 @@
 // 1. A synthetic multi-turn chat trace replayed on the core (SequenceStore): conversations share
 //    a few system prompts; each turn's prompt is the whole history so far. Reports blocks written
 //    with prefix sharing ÷ without, and the hit rate (cached prompt tokens ÷ prompt tokens) ÷ the
-//    hit rate of an unbounded cache replaying the same trace.
+//    hit rate of an unbounded cache replaying the same trace. Then the same trace on a pool of
+//    0.25x the working set with a host tier (and, in a folder under --dir, a disk tier) of 1x
+//    below it.
 // 2. Match latency for 2k- and 32k-token prompts through the real service on loopback gRPC ÷ a
 //    loopback ping-pong (a raw TCP 1-byte round trip, and an empty gRPC call) in the same run.
 //
-//   prefix_bench [--quick]
+//   prefix_bench [--quick] [--dir=FOLDER]   (FOLDER: where the disk tier row puts its file)
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -17,12 +19,16 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/time/clock.h"
+#include "bench/trace.h"
 #include "grpcpp/grpcpp.h"
 #include "kvbank/client.h"
 #include "server/core/model_registry.h"
@@ -37,121 +43,25 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-ModelLayout SmallLayout() {
-  ModelLayout m;
-  m.name = "trace";
-  m.num_layers = 2;
-  m.num_q_heads = 2;
-  m.num_kv_heads = 2;
-  m.head_dim = 16;
-  m.head_dim_v = 16;
-  m.block_tokens = 16;
-  m.kind = AttentionKind::kMha;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(2, DType::kFp16);
-  return m;
-}
+using bench::DistinctBlocks;
+using bench::MakeTrace;
+using bench::OpenTraceStore;
+using bench::ReplayOn;
+using bench::TraceResult;
+using bench::Turn;
+using bench::UnboundedHitRate;
 
-struct Turn {
-  int conversation;
-  std::vector<uint32_t> prompt;    // the whole history: system prompt + previous turns + user
-  std::vector<uint32_t> response;  // generated; part of the next turn's history
-};
-
-// Conversations over a few shared system prompts, turns interleaved at random.
-std::vector<Turn> MakeTrace(int conversations, int turns, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  const int kSystemPrompts = 4;
-  std::vector<std::vector<uint32_t>> system(kSystemPrompts);
-  for (auto& s : system) {
-    s.resize(400 + rng() % 400);
-    for (auto& t : s) t = rng() % 100000;
-  }
-  std::vector<std::vector<uint32_t>> history(conversations);
-  std::vector<int> left(conversations, turns);
-  for (int c = 0; c < conversations; ++c) history[c] = system[rng() % kSystemPrompts];
-  std::vector<Turn> trace;
-  int active = conversations;
-  while (active > 0) {
-    int c = int(rng() % conversations);
-    if (left[c] == 0) continue;
-    std::vector<uint32_t>& h = history[c];
-    const uint32_t user = 20 + rng() % 200;
-    for (uint32_t i = 0; i < user; ++i) h.push_back(rng() % 100000);
-    Turn t{c, h, {}};
-    t.response.resize(50 + rng() % 250);
-    for (auto& id : t.response) id = rng() % 100000;
-    h.insert(h.end(), t.response.begin(), t.response.end());
-    trace.push_back(std::move(t));
-    if (--left[c] == 0) --active;
-  }
-  return trace;
-}
-
-struct TraceResult {
-  uint64_t prompt_tokens = 0, cached_tokens = 0, blocks_written = 0;
-};
-
-// Replays the trace: create with the prompt (attaching what is cached), append the rest of the
-// prompt and the response, free. Blocks written = blocks allocated for new KV.
+// Replays the whole trace on a pool of `pool_blocks` (no tiers).
 TraceResult Replay(const std::vector<Turn>& trace, bool sharing, uint64_t pool_blocks) {
-  const ModelLayout m = SmallLayout();
-  const BlockLayout b = ComputeBlockLayout(m);
-  PoolOptions po;
-  po.enable_prefix_caching = sharing;
-  auto pool = BlockPool::CreateHost(b, pool_blocks * b.block_bytes, po);
-  StoreOptions so;
-  so.max_tokens_per_sequence = 1 << 20;
-  SequenceStore store(m, *std::move(pool), so);
-  TraceResult r;
-  std::vector<uint8_t> payload;
-  for (const Turn& t : trace) {
-    CreateOptions co;
-    co.lease = absl::ZeroDuration();
-    co.prompt = t.prompt;  // the response's ids come with its append, as decode makes them
-    auto info = store.Create(co);
-    if (!info.ok()) {
-      std::fprintf(stderr, "create: %s\n", info.status().ToString().c_str());
-      std::exit(1);
-    }
-    r.prompt_tokens += t.prompt.size();
-    r.cached_tokens += info->cached_tokens;
-    const uint64_t before = store.pool().Stats().used;
-    const uint64_t rest = t.prompt.size() - info->cached_tokens + t.response.size();
-    AppendSpec a;
-    a.sequence_id = info->id;
-    a.num_tokens = rest;
-    payload.assign(b.PayloadBytes(0, m.num_layers, rest), 0x5a);
-    a.token_ids.assign(t.prompt.begin() + info->cached_tokens, t.prompt.end());
-    a.token_ids.insert(a.token_ids.end(), t.response.begin(), t.response.end());
-    auto ap = store.Append(a, payload);
-    if (!ap.ok()) {
-      std::fprintf(stderr, "append: %s\n", ap.status().ToString().c_str());
-      std::exit(1);
-    }
-    r.blocks_written += store.pool().Stats().used - before;
-    (void)store.Free(info->id);
-  }
-  return r;
+  std::unique_ptr<SequenceStore> store = OpenTraceStore(pool_blocks, sharing);
+  return ReplayOn(*store, trace, 0, trace.size());
 }
 
-// Unbounded cache: every full block ever seen stays.
-double UnboundedHitRate(const std::vector<Turn>& trace) {
-  const BlockHash root = RootHash(HashAlgorithm::kSha256, PrefixRoot{"x", "", ""});
-  absl::flat_hash_set<BlockHash> seen;
-  uint64_t prompt = 0, hit = 0;
-  for (const Turn& t : trace) {
-    std::vector<BlockHash> hashes = PrefixHashes(HashAlgorithm::kSha256, root, t.prompt, 16);
-    size_t i = 0;
-    while (i < hashes.size() && seen.contains(hashes[i])) ++i;
-    prompt += t.prompt.size();
-    hit += i * 16;
-    // What the replay publishes: every full block of prompt + response.
-    std::vector<uint32_t> all = t.prompt;
-    all.insert(all.end(), t.response.begin(), t.response.end());
-    for (const BlockHash& h : PrefixHashes(HashAlgorithm::kSha256, root, all, 16)) seen.insert(h);
-  }
-  return double(hit) / double(prompt);
+// A temp folder for a disk tier under `parent`; empty when it cannot be made.
+std::string MakeTempDir(const std::string& parent) {
+  std::string tmpl = parent + "/prefix-bench-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) return "";
+  return tmpl;
 }
 
 // Raw TCP 1-byte ping-pong on loopback: median round-trip microseconds.
@@ -192,7 +102,18 @@ double TcpPingPongMicros(int rounds) {
 }
 
 int Main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false;
+  std::string dir_parent = KVBANK_BENCH_TMPDIR;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strncmp(argv[i], "--dir=", 6) == 0) {
+      dir_parent = argv[i] + 6;
+    } else {
+      std::fprintf(stderr, "usage: prefix_bench [--quick] [--dir=FOLDER]\n");
+      return 2;
+    }
+  }
   const int conversations = quick ? 40 : 300, turns = quick ? 4 : 8;
   const uint64_t seed = 20261130;
   std::printf("prefix_bench: seed %llu, %d conversations x %d turns\n", (unsigned long long)seed,
@@ -200,19 +121,7 @@ int Main(int argc, char** argv) {
 
   // 1. Trace replay.
   const std::vector<Turn> trace = MakeTrace(conversations, turns, seed);
-  uint64_t unique_blocks = 0;
-  {
-    absl::flat_hash_set<BlockHash> all;
-    const BlockHash root = RootHash(HashAlgorithm::kSha256, PrefixRoot{"x", "", ""});
-    for (const Turn& t : trace) {
-      std::vector<uint32_t> tokens = t.prompt;
-      tokens.insert(tokens.end(), t.response.begin(), t.response.end());
-      for (const BlockHash& h : PrefixHashes(HashAlgorithm::kSha256, root, tokens, 16)) {
-        all.insert(h);
-      }
-    }
-    unique_blocks = all.size();
-  }
+  const uint64_t unique_blocks = DistinctBlocks(trace);
   const double unbounded = UnboundedHitRate(trace);
   std::printf(
       "\ntrace: %zu turns, %llu distinct blocks (prompts + responses); unbounded-cache hit rate "
@@ -224,17 +133,91 @@ int Main(int argc, char** argv) {
     const uint64_t blocks = std::max<uint64_t>(uint64_t(unique_blocks * frac), 256);
     const TraceResult with = Replay(trace, true, blocks);
     const TraceResult without = Replay(trace, false, blocks);
-    const double hit = double(with.cached_tokens) / double(with.prompt_tokens);
+    const double hit = with.hit_rate();
     std::printf("%-28s %12.3f %12.3f %10llu %16.3f\n",
                 (std::to_string(blocks) + " (" + std::to_string(frac).substr(0, 4) + "x)").c_str(),
                 hit, hit / unbounded, (unsigned long long)with.blocks_written,
                 double(with.blocks_written) / double(without.blocks_written));
   }
 
+  // 1b. The same trace on a pool of 0.25x with a tier below it the size of the working set:
+  // evicted cached blocks move down, and a prompt that finds them there promotes them back.
+  const BlockLayout tb = ComputeBlockLayout(bench::TraceLayout());
+  const uint64_t small_pool = std::max<uint64_t>(uint64_t(unique_blocks * 0.25), 256);
+  std::printf("\n%-34s %12s %12s %10s %16s\n", "pool 0.25x + tier 1x (blocks)", "hit rate",
+              "÷ unbounded", "written", "from the tier");
+  {
+    TierOptions to;
+    to.host_bytes = unique_blocks * tb.block_bytes;
+    std::unique_ptr<SequenceStore> store = OpenTraceStore(small_pool, true, &to);
+    const TraceResult r = ReplayOn(*store, trace, 0, trace.size());
+    const TierStats ts = store->tiers()->Stats();
+    std::printf(
+        "%-34s %12.3f %12.3f %10llu %16llu\n",
+        (std::to_string(small_pool) + " + host " + std::to_string(ts.host_capacity)).c_str(),
+        r.hit_rate(), r.hit_rate() / unbounded, (unsigned long long)r.blocks_written,
+        (unsigned long long)ts.promoted_from_host);
+  }
+  if (const std::string dir = MakeTempDir(dir_parent); dir.empty()) {
+    std::printf("disk tier row skipped: cannot make a folder under %s\n", dir_parent.c_str());
+  } else {
+    TierOptions to;
+    to.disk_path = dir;
+    to.disk_bytes = 0;
+    std::string probe_file;
+    {
+      // The disk tier's slot (a 4 KiB-aligned header, then the block 4 KiB-aligned), from a
+      // tier of one slot.
+      TierOptions one = to;
+      one.disk_bytes = uint64_t{1} << 20;
+      auto opened = TierCache::Open(tb, "probe", "probe", one);
+      if (opened.ok()) {
+        to.disk_bytes = unique_blocks * (*opened)->slot_bytes();
+        probe_file = (*opened)->disk_file();
+      }
+    }
+    if (!probe_file.empty()) std::filesystem::remove(probe_file);
+    if (to.disk_bytes == 0) {
+      std::printf("disk tier row skipped: no disk tier in %s\n", dir.c_str());
+    } else {
+      // Spills wait in a write queue (max_queued_bytes, 256 MiB by default) that promotions
+      // read from too; the second row bounds it to 4 MiB, so nearly every block it serves comes
+      // off the disk and a spill that finds the queue full is dropped.
+      for (const uint64_t queue : {to.max_queued_bytes, uint64_t{4} << 20}) {
+        TierOptions q = to;
+        q.max_queued_bytes = queue;
+        const absl::Time t0 = absl::Now();
+        TraceResult r;
+        TierStats ts;
+        {
+          std::unique_ptr<SequenceStore> store = OpenTraceStore(small_pool, true, &q);
+          r = ReplayOn(*store, trace, 0, trace.size());
+          ts = store->tiers()->Stats();
+        }
+        const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
+        std::filesystem::remove_all(dir);
+        std::printf("%-34s %12.3f %12.3f %10llu %16llu\n",
+                    (std::to_string(small_pool) + " + disk " + std::to_string(ts.disk_capacity) +
+                     ", queue " + std::to_string(queue >> 20) + "M")
+                        .c_str(),
+                    r.hit_rate(), r.hit_rate() / unbounded, (unsigned long long)r.blocks_written,
+                    (unsigned long long)ts.promoted_from_disk);
+        std::printf(
+            "  disk tier: %s, replay %.1f s; spills written %llu, queued at the end %llu, dropped "
+            "(queue full) %llu; blocks read off the disk %llu\n",
+            ts.direct_io ? "O_DIRECT" : "buffered", secs, (unsigned long long)ts.spilled_to_disk,
+            (unsigned long long)ts.queued, (unsigned long long)ts.spill_dropped,
+            (unsigned long long)(ts.disk_bytes_read /
+                                 std::max<uint64_t>(1, to.disk_bytes / unique_blocks)));
+      }
+      std::filesystem::remove_all(dir);
+    }
+  }
+
   // 2. Match latency through the service on loopback.
   auto registry = std::make_shared<ModelRegistry>(uint64_t{1} << 34);
   ModelConfig mc;
-  mc.layout = SmallLayout();
+  mc.layout = bench::TraceLayout();
   mc.pool_bytes = uint64_t{256} << 20;
   mc.store.max_tokens_per_sequence = 1 << 20;
   auto model = registry->Ensure(mc);
