@@ -364,7 +364,7 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
     m.fetches_waiting = p.fetches_waiting();
     if (p.has_tiers()) {
       const v1::TierStats& t = p.tiers();
-      ModelStats::Tiers& o = m.tiers.emplace();
+      ModelStats::Tiers o;
       o.host_blocks = t.host_blocks();
       o.host_capacity = t.host_capacity();
       o.disk_blocks = t.disk_blocks();
@@ -380,6 +380,8 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
       o.loaded = t.loaded();
       o.load_invalid = t.load_invalid();
       o.direct_io = t.direct_io();
+      o.unverified = t.unverified();
+      m.tiers = o;
     }
     m.tenant_view = p.tenant_view();
     for (const auto& t : p.tenants()) {

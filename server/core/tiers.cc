@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -86,6 +87,7 @@ absl::StatusOr<std::unique_ptr<TierCache>> TierCache::Open(const BlockLayout& la
     t->LoadDisk();
     const uint32_t n = std::max<uint32_t>(1, o.io_threads);
     for (uint32_t i = 0; i < n; ++i) t->io_threads_.emplace_back([p = t.get()] { p->IoLoop(); });
+    t->io_threads_.emplace_back([p = t.get()] { p->ScrubLoop(); });
   }
   return t;
 }
@@ -174,8 +176,9 @@ void TierCache::Encode(const PublishInfo& info, const std::string& tenant, uint6
   std::memset(buf + header_bytes_ + block_bytes_, 0, slot_bytes_ - header_bytes_ - block_bytes_);
 }
 
-bool TierCache::Decode(const uint8_t* buf, PublishInfo* info, std::string* tenant,
-                       uint64_t* generation) const {
+bool TierCache::Decode(const uint8_t* header, const uint8_t* data, PublishInfo* info,
+                       std::string* tenant, uint64_t* generation) const {
+  const uint8_t* buf = header;
   if (std::memcmp(buf, kMagic, sizeof(kMagic)) != 0) return false;
   if (GetAt<uint32_t>(buf, 8) != header_bytes_ || GetAt<uint64_t>(buf, 16) != block_bytes_ ||
       GetAt<uint64_t>(buf, 24) != layout_key_) {
@@ -185,8 +188,7 @@ bool TierCache::Decode(const uint8_t* buf, PublishInfo* info, std::string* tenan
   const uint16_t tenant_len = GetAt<uint16_t>(buf, 50), lora_len = GetAt<uint16_t>(buf, 52);
   const uint32_t tokens = GetAt<uint32_t>(buf, 56);
   if (tenant_len > kMaxName || lora_len > kMaxName || tokens != block_tokens_) return false;
-  if (info == nullptr) return true;  // the header alone
-  if (GetAt<uint64_t>(buf, 40) != XXH3_64bits(buf + header_bytes_, block_bytes_)) return false;
+  if (data != nullptr && GetAt<uint64_t>(buf, 40) != XXH3_64bits(data, block_bytes_)) return false;
   *generation = GetAt<uint64_t>(buf, 32);
   info->has_parent = GetAt<uint8_t>(buf, 48) != 0;
   info->priority = GetAt<uint8_t>(buf, 49);
@@ -202,42 +204,77 @@ bool TierCache::Decode(const uint8_t* buf, PublishInfo* info, std::string* tenan
   return true;
 }
 
-bool TierCache::ReadSlot(uint64_t slot, uint8_t* buf, PublishInfo* info, std::string* tenant,
-                         uint64_t* generation) const {
-  uint64_t done = 0;
+bool TierCache::ReadSlot(uint64_t slot, uint8_t* buf, uint8_t* dst, PublishInfo* info,
+                         std::string* tenant, uint64_t* generation) const {
   const off_t at = off_t(slot * slot_bytes_);
+  // Straight into the destination when O_DIRECT can take it there (a 4 KiB-aligned block of
+  // whole 4 KiB pages): one call, no copy.
+  if (dst != nullptr && reinterpret_cast<uintptr_t>(dst) % kIoAlign == 0 &&
+      block_bytes_ % kIoAlign == 0) {
+    iovec iov[2] = {{buf, header_bytes_}, {dst, block_bytes_}};
+    ssize_t n;
+    do {
+      n = preadv(fd_, iov, 2, at);
+    } while (n < 0 && errno == EINTR);
+    if (n != ssize_t(header_bytes_ + block_bytes_)) return false;
+    return Decode(buf, dst, info, tenant, generation);
+  }
+  uint64_t done = 0;
   while (done < slot_bytes_) {
     const ssize_t n = pread(fd_, buf + done, slot_bytes_ - done, at + off_t(done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;
     done += uint64_t(n);
   }
-  return Decode(buf, info, tenant, generation);
+  if (!Decode(buf, buf + header_bytes_, info, tenant, generation)) return false;
+  if (dst != nullptr) std::memcpy(dst, buf + header_bytes_, block_bytes_);
+  return true;
 }
 
 void TierCache::LoadDisk() {
-  // Every slot's header, then (for the headers that pass) the whole record: a slot is indexed
-  // only when its bytes match their checksum, so a torn write is never served.
-  std::shared_ptr<uint8_t> buf = NewBuffer();
+  // Every slot's header, read by the I/O threads in parallel: a slot whose header is whole is
+  // indexed now, and its bytes are checked by the scrubber in the background (and again on every
+  // read), so a start costs one header read a slot, not a read of the whole tier. A block whose
+  // bytes fail is never served.
   struct Found {
     Key key;
     uint64_t slot, generation;
     PublishInfo info;
   };
+  const uint32_t threads = std::max<uint32_t>(1, options_.io_threads);
+  std::vector<std::vector<Found>> found_by(threads);
+  std::vector<uint64_t> invalid_by(threads, 0);
+  auto scan = [&](uint32_t t) {
+    void* p = std::aligned_alloc(kIoAlign, header_bytes_);
+    uint8_t* buf = static_cast<uint8_t*>(p);
+    for (uint64_t slot = t; slot < disk_capacity_; slot += threads) {
+      if (pread(fd_, buf, header_bytes_, off_t(slot * slot_bytes_)) != ssize_t(header_bytes_)) {
+        continue;
+      }
+      if (std::memcmp(buf, kMagic, sizeof(kMagic)) != 0) continue;  // never written
+      Found f;
+      std::string tenant;
+      if (!Decode(buf, nullptr, &f.info, &tenant, &f.generation)) {
+        ++invalid_by[t];
+        continue;
+      }
+      f.key = Key{f.info.hash, std::move(tenant)};
+      f.slot = slot;
+      found_by[t].push_back(std::move(f));
+    }
+    std::free(p);
+  };
+  {
+    std::vector<std::thread> pool;
+    for (uint32_t t = 1; t < threads; ++t) pool.emplace_back(scan, t);
+    scan(0);
+    for (std::thread& th : pool) th.join();
+  }
   std::vector<Found> found;
   uint64_t invalid = 0;
-  for (uint64_t slot = 0; slot < disk_capacity_; ++slot) {
-    const off_t at = off_t(slot * slot_bytes_);
-    if (pread(fd_, buf.get(), header_bytes_, at) != ssize_t(header_bytes_)) continue;
-    if (std::memcmp(buf.get(), kMagic, sizeof(kMagic)) != 0) continue;  // never written
-    PublishInfo info;
-    std::string tenant;
-    uint64_t generation = 0;
-    if (!ReadSlot(slot, buf.get(), &info, &tenant, &generation)) {
-      ++invalid;
-      continue;
-    }
-    found.push_back({Key{info.hash, tenant}, slot, generation, std::move(info)});
+  for (uint32_t t = 0; t < threads; ++t) {
+    invalid += invalid_by[t];
+    for (Found& f : found_by[t]) found.push_back(std::move(f));
   }
   // Oldest first into the LRU's front, so the newest ends at the front; a hash found twice (a
   // kill between writing a block again and freeing its old slot) keeps its newest record.
@@ -253,7 +290,7 @@ void TierCache::LoadDisk() {
       disk_index_.erase(it);
     }
     disk_lru_.push_front(f.key);
-    disk_index_[f.key] = DiskEntry{f.slot, f.generation, 0, disk_lru_.begin()};
+    disk_index_[f.key] = DiskEntry{f.slot, f.generation, 0, /*verified=*/false, disk_lru_.begin()};
     used[f.slot] = true;
     next_generation_ = std::max(next_generation_, f.generation + 1);
   }
@@ -262,6 +299,9 @@ void TierCache::LoadDisk() {
   }
   stats_.loaded = disk_index_.size();
   stats_.load_invalid = invalid;
+  unverified_ = disk_index_.size();
+  // Most recently written first: the blocks most likely asked for soon are checked first.
+  scrub_keys_.assign(disk_lru_.begin(), disk_lru_.end());
   // What a watcher's index needs to know the restarted server holds (oldest first).
   for (const Found& f : found) {
     auto it = disk_index_.find(f.key);
@@ -269,6 +309,51 @@ void TierCache::LoadDisk() {
       EmitLocked(KvEvent::Type::kBlockStored, f.key, &f.info, Tier::kDisk);
     }
   }
+}
+
+void TierCache::ScrubLoop() {
+  // Checks the bytes of every block indexed at start, one at a time, as a read does.
+  std::shared_ptr<uint8_t> buf = NewBuffer();
+  for (size_t i = 0;; ++i) {
+    Key key;
+    uint64_t slot = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_ || i >= scrub_keys_.size()) break;
+      auto it = disk_index_.find(scrub_keys_[i]);
+      if (it == disk_index_.end() || it->second.verified) continue;
+      ++it->second.readers;
+      key = it->first;
+      slot = it->second.slot;
+    }
+    PublishInfo info;
+    std::string tenant;
+    uint64_t generation = 0;
+    const bool ok = ReadSlot(slot, buf.get(), nullptr, &info, &tenant, &generation) &&
+                    info.hash == key.hash && tenant == key.tenant;
+    absl::MutexLock lock(&mu_);
+    auto it = disk_index_.find(key);
+    if (it == disk_index_.end()) continue;
+    --it->second.readers;
+    if (ok) {
+      if (!it->second.verified) --unverified_;
+      it->second.verified = true;
+    } else {
+      ++stats_.load_invalid;  // written before the start, torn or corrupt
+      EraseDiskLocked(key, /*emit=*/true);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  scrub_keys_.clear();
+  scrub_keys_.shrink_to_fit();
+}
+
+bool TierCache::WaitForScrub(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithDeadline(
+      absl::Condition(
+          +[](TierCache* t) ABSL_NO_THREAD_SAFETY_ANALYSIS { return t->unverified_ == 0; }, this),
+      deadline);
 }
 
 void TierCache::EmitLocked(KvEvent::Type type, const Key& key, const PublishInfo* info, Tier tier) {
@@ -373,6 +458,7 @@ void TierCache::EraseDiskLocked(const Key& key, bool emit) {
   auto it = disk_index_.find(key);
   if (it == disk_index_.end()) return;
   if (emit) EmitLocked(KvEvent::Type::kBlockRemoved, key, nullptr, Tier::kDisk);
+  if (!it->second.verified) --unverified_;
   disk_free_.push_back(it->second.slot);
   disk_lru_.erase(it->second.lru);
   disk_index_.erase(it);
@@ -431,7 +517,7 @@ void TierCache::IoLoop() {
     ++stats_.spilled_to_disk;
     if (disk_index_.contains(job.key)) EraseDiskLocked(job.key, /*emit=*/false);
     disk_lru_.push_front(job.key);
-    disk_index_[job.key] = DiskEntry{slot, generation, 0, disk_lru_.begin()};
+    disk_index_[job.key] = DiskEntry{slot, generation, 0, /*verified=*/true, disk_lru_.begin()};
     EmitLocked(KvEvent::Type::kBlockStored, job.key, job.info.get(), Tier::kDisk);
   }
 }
@@ -467,7 +553,7 @@ bool TierCache::WriteToDisk(const PublishInfo& info, const std::string& tenant,
   stats_.disk_bytes_written += slot_bytes_;
   ++stats_.spilled_to_disk;
   disk_lru_.push_front(key);
-  disk_index_[key] = DiskEntry{slot, generation, 0, disk_lru_.begin()};
+  disk_index_[key] = DiskEntry{slot, generation, 0, /*verified=*/true, disk_lru_.begin()};
   EmitLocked(KvEvent::Type::kBlockStored, key, &info, Tier::kDisk);
   return true;
 }
@@ -586,9 +672,8 @@ std::vector<TierBlock> TierCache::ReadChain(absl::Span<const BlockHash> hashes,
         std::string t;
         uint64_t generation = 0;
         DiskRead& d = reads[r];
-        d.ok = ReadSlot(d.slot, buf.get(), &infos[r], &t, &generation) &&
+        d.ok = ReadSlot(d.slot, buf.get(), dst[d.index], &infos[r], &t, &generation) &&
                infos[r].hash == d.key.hash && t == tenant;
-        if (d.ok) std::memcpy(dst[d.index], buf.get() + header_bytes_, block_bytes_);
       }
     };
     std::vector<std::thread> pool;
@@ -604,7 +689,11 @@ std::vector<TierBlock> TierCache::ReadChain(absl::Span<const BlockHash> hashes,
       if (d.ok) {
         stats_.disk_bytes_read += slot_bytes_;
         out[d.index].info = std::move(infos[r]);
-        if (it != disk_index_.end()) disk_lru_.splice(disk_lru_.begin(), disk_lru_, it->second.lru);
+        if (it != disk_index_.end()) {
+          disk_lru_.splice(disk_lru_.begin(), disk_lru_, it->second.lru);
+          if (!it->second.verified) --unverified_;
+          it->second.verified = true;
+        }
         continue;
       }
       // Torn or corrupt: never served, and gone from the tier.
@@ -635,6 +724,7 @@ TierStats TierCache::Stats() const {
   s.disk_blocks = disk_index_.size();
   s.disk_capacity = disk_capacity_;
   s.queued = queue_.size() + writing_;
+  s.unverified = unverified_;
   s.direct_io = direct_;
   return s;
 }

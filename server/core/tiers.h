@@ -10,10 +10,11 @@
 //              slot is a self-describing record: a header (magic, layout, hash, parent, tenant,
 //              LoRA, token ids, a checksum of the block's bytes, a checksum of the header) and the
 //              block's bytes as stored (quantized rows and their scales). There is no separate
-//              index file: at start the headers are read and every valid one is indexed, so a
-//              kill at any moment loses at most the slots being written, which then fail their
-//              checksums. A block's bytes are checked against their checksum on every read; a
-//              block that fails is never served: a miss, counted, removed.
+//              index file: at start the headers are read (in parallel) and every whole one is
+//              indexed, so a kill at any moment loses at most the slots being written, which then
+//              fail their checksums. A block's bytes are checked against their checksum on every
+//              read, and those indexed at start by a background scrubber as well; a block that
+//              fails is never served: a miss, counted, removed.
 //
 // Disk I/O: pread / pwrite of whole slots (4 KiB-aligned, one call each) with O_DIRECT where the
 // filesystem takes it, from a small pool of I/O threads: blocks are tens of KiB to MiBs, so a
@@ -70,10 +71,15 @@ struct TierStats {
   uint64_t corrupt = 0;        // disk blocks whose checksum failed on a read (removed)
   uint64_t spill_dropped = 0;  // spills to the disk dropped: its queue was full
   uint64_t disk_bytes_written = 0, disk_bytes_read = 0;
-  uint64_t loaded = 0;        // valid blocks indexed from the disk at start
-  uint64_t load_invalid = 0;  // slots written before but found torn or corrupt at start
-  uint64_t queued = 0;        // spills waiting for the disk now
-  bool direct_io = false;     // the disk tier's file is open with O_DIRECT
+  uint64_t loaded = 0;  // blocks indexed from the disk at start (their headers whole)
+  // Slots written before the start found torn or corrupt: at start (the header) or by the
+  // scrubber (the block's bytes).
+  uint64_t load_invalid = 0;
+  uint64_t queued = 0;  // spills waiting for the disk now
+  // Blocks indexed at start whose bytes were not checked yet (the scrubber checks them in the
+  // background; a read checks them too).
+  uint64_t unverified = 0;
+  bool direct_io = false;  // the disk tier's file is open with O_DIRECT
 };
 
 // One block of a tier as a promotion reads it.
@@ -129,6 +135,9 @@ class TierCache final : public EvictionSink {
   bool WaitForWrites(absl::Time deadline);
   // fdatasync of the disk file.
   absl::Status Sync();
+  // Waits (until `deadline`) until the bytes of every block indexed at start were checked (by
+  // the scrubber or a read); true when they were.
+  bool WaitForScrub(absl::Time deadline);
   TierStats Stats() const;
   // For tests: the slot a disk block lives in (nullopt when it is not on the disk) and the
   // file's geometry, to corrupt a block on purpose.
@@ -155,6 +164,7 @@ class TierCache final : public EvictionSink {
     uint64_t slot = 0;
     uint64_t generation = 0;
     uint32_t readers = 0;  // reads in flight: the slot is not reused meanwhile
+    bool verified = true;  // its bytes matched their checksum (false: indexed at start, unread)
     std::list<Key>::iterator lru;
   };
   struct WriteJob {
@@ -173,9 +183,13 @@ class TierCache final : public EvictionSink {
   // Encodes a slot record (header + block) into `buf` (slot_bytes).
   void Encode(const PublishInfo& info, const std::string& tenant, uint64_t generation,
               const uint8_t* data, uint8_t* buf) const;
-  // Checks a slot record read back; fills info / tenant. False when torn, corrupt or foreign.
-  bool Decode(const uint8_t* buf, PublishInfo* info, std::string* tenant,
+  // Checks a slot record read back (its header, and the block's bytes against their checksum
+  // unless `data` is null); fills info / tenant / generation. False when torn, corrupt or
+  // foreign.
+  bool Decode(const uint8_t* header, const uint8_t* data, PublishInfo* info, std::string* tenant,
               uint64_t* generation) const;
+  // Checks, in the background, the bytes of the blocks LoadDisk indexed.
+  void ScrubLoop();
   std::shared_ptr<uint8_t> NewBuffer() const;
   bool QueueDiskWriteLocked(const Key& key, std::shared_ptr<const PublishInfo> info,
                             const uint8_t* data) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -184,9 +198,10 @@ class TierCache final : public EvictionSink {
   void EraseDiskLocked(const Key& key, bool emit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EmitLocked(KvEvent::Type type, const Key& key, const PublishInfo* info, Tier tier)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reads slot `slot` into buf (slot_bytes) and decodes it; false on an I/O error or a record
-  // that fails its checks.
-  bool ReadSlot(uint64_t slot, uint8_t* buf, PublishInfo* info, std::string* tenant,
+  // Reads slot `slot` (the header into buf, of slot_bytes; the block into dst when not null,
+  // else into buf after the header) and decodes it; false on an I/O error or a record that fails
+  // its checks (dst then holds whatever was read).
+  bool ReadSlot(uint64_t slot, uint8_t* buf, uint8_t* dst, PublishInfo* info, std::string* tenant,
                 uint64_t* generation) const;
   uint8_t* HostSlot(uint64_t slot) const { return host_->base() + slot * block_bytes_; }
 
@@ -213,6 +228,8 @@ class TierCache final : public EvictionSink {
   std::deque<Key> queue_ ABSL_GUARDED_BY(mu_);
   uint64_t writing_ ABSL_GUARDED_BY(mu_) = 0;  // jobs an I/O thread took and is writing
   uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  std::vector<Key> scrub_keys_ ABSL_GUARDED_BY(mu_);  // blocks indexed at start, to check
+  uint64_t unverified_ ABSL_GUARDED_BY(mu_) = 0;      // of those, not checked yet
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   TierStats stats_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> io_threads_;

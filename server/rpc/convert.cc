@@ -215,6 +215,7 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
     p->set_loaded(t.loaded);
     p->set_load_invalid(t.load_invalid);
     p->set_direct_io(t.direct_io);
+    p->set_unverified(t.unverified);
   }
   for (const TenantStats& t : st.tenants) {
     v1::TenantStats* p = out->add_tenants();

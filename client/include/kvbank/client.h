@@ -132,7 +132,7 @@ class Client {
       uint64_t spilled_to_host = 0, spilled_to_disk = 0;
       uint64_t promoted_from_host = 0, promoted_from_disk = 0;
       uint64_t corrupt = 0, spill_dropped = 0, disk_bytes_written = 0, disk_bytes_read = 0;
-      uint64_t loaded = 0, load_invalid = 0;
+      uint64_t loaded = 0, load_invalid = 0, unverified = 0;
       bool direct_io = false;
     };
     std::optional<Tiers> tiers;
