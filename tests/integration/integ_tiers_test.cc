@@ -264,6 +264,10 @@ TEST_F(TiersIntegTest, KillNineAnywhereServesOnlyValidBlocks) {
     EXPECT_GE(done.load(), target) << "the writer stalled before the kill";
     written.insert(written.end(), mine.begin(), mine.end());
     EXPECT_FALSE(server_->WaitForExit(absl::Seconds(30)).ok()) << "killed, not exited";
+    // A killed server's exit status says nothing; what a sanitizer build found is in its log.
+    for (const char* report : {"ThreadSanitizer", "AddressSanitizer", "runtime error:"}) {
+      EXPECT_EQ(server_->Log().find(report), std::string::npos) << server_->Log();
+    }
     server_.reset();
     // A kill leaves whole writes behind (the kernel finishes a write a killed process began); a
     // machine that loses power mid-write does not. Every other restart, one slot is torn the
