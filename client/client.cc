@@ -371,6 +371,7 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
       o.disk_capacity = t.disk_capacity();
       o.spilled_to_host = t.spilled_to_host();
       o.spilled_to_disk = t.spilled_to_disk();
+      o.spilled_at_eviction = t.spilled_at_eviction();
       o.promoted_from_host = t.promoted_from_host();
       o.promoted_from_disk = t.promoted_from_disk();
       o.corrupt = t.corrupt();

@@ -109,6 +109,12 @@ absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t ten
         absl::StrCat("tenant '", tenant_names_[tenant], "' block quota: ", tenant_used_[tenant],
                      " of ", tenant_quota_[tenant], " blocks in use, ", n, " more needed"));
   }
+  // Blocks the spiller holds for a copy come back in a moment: wait for them rather than fail.
+  while (free_list_.size() + evictable_.size() < n && spill_holds_ > 0 &&
+         free_list_.size() + evictable_.size() + spill_holds_ >= n) {
+    mu_.Await(absl::Condition(
+        +[](uint64_t* holds) { return *holds == 0; }, &spill_holds_));
+  }
   if (free_list_.size() + evictable_.size() < n) {
     return absl::ResourceExhaustedError(
         absl::StrCat("block pool exhausted: need ", n, " blocks, ", free_list_.size(), " free and ",
@@ -190,7 +196,7 @@ void BlockPool::Release(int32_t id, bool touch) {
       r.tick = ++tick_;
       r.last_used = options_.clock();
     }
-    if (r.pins == 0) evictable_.insert(KeyOf(id));
+    if (r.pins == 0 && !r.spill_hold) evictable_.insert(KeyOf(id));
   } else {
     free_list_.push_back(id);
   }
@@ -283,7 +289,7 @@ size_t BlockPool::Pin(absl::Span<const BlockHash> hashes, uint32_t tenant, bool 
         --pinned_;
         if (r.refcount == 0) {
           --tenant_used_[tenant];
-          evictable_.insert(KeyOf(id));
+          if (!r.spill_hold) evictable_.insert(KeyOf(id));
         }
       }
     }
@@ -365,6 +371,39 @@ size_t BlockPool::ForEachCached(
     if (!fn(*r.info, tenant_names_[r.tenant], data)) break;
   }
   return n;
+}
+
+std::vector<BlockPool::SpillHold> BlockPool::HoldColdest(
+    size_t max, size_t depth,
+    const std::function<bool(const PublishInfo&, const std::string&)>& want) {
+  std::vector<SpillHold> out;
+  absl::MutexLock lock(&mu_);
+  size_t seen = 0;
+  for (auto it = evictable_.begin(); it != evictable_.end() && out.size() < max && seen < depth;
+       ++seen) {
+    const int32_t id = std::get<2>(*it);
+    Record& r = records_[id];
+    if (r.info == nullptr || !want(*r.info, tenant_names_[r.tenant])) {
+      ++it;
+      continue;
+    }
+    it = evictable_.erase(it);
+    r.spill_hold = true;
+    ++spill_holds_;
+    out.push_back({id, r.info, tenant_names_[r.tenant]});
+  }
+  return out;
+}
+
+void BlockPool::ReleaseSpillHolds(const std::vector<SpillHold>& holds) {
+  absl::MutexLock lock(&mu_);
+  for (const SpillHold& h : holds) {
+    Record& r = records_[h.id];
+    r.spill_hold = false;
+    --spill_holds_;
+    // Back at its place in the eviction order, unless it was looked up (or pinned) meanwhile.
+    if (Evictable(r)) evictable_.insert(KeyOf(h.id));
+  }
 }
 
 absl::Status BlockPool::CopyOut(absl::Span<const int32_t> ids, uint8_t* host) const {

@@ -177,6 +177,20 @@ class BlockPool {
   // blocks fn saw.
   size_t ForEachCached(
       const std::function<bool(const PublishInfo&, const std::string&, const uint8_t*)>& fn);
+  // Spill-ahead (the store's spiller, off the callers' path): up to `max` of the coldest cached
+  // blocks (in eviction order) for which want(info, tenant) is true, held out of the eviction
+  // order so their bytes stay as they are while copied. An Allocate that needs them waits for
+  // ReleaseSpillHolds instead of failing. Only blocks published with an eviction sink.
+  struct SpillHold {
+    int32_t id = -1;
+    std::shared_ptr<const PublishInfo> info;
+    std::string tenant;
+  };
+  // Looks at the `depth` coldest only.
+  std::vector<SpillHold> HoldColdest(
+      size_t max, size_t depth,
+      const std::function<bool(const PublishInfo&, const std::string&)>& want);
+  void ReleaseSpillHolds(const std::vector<SpillHold>& holds);
   // Copies whole blocks to / from host memory (n * block_bytes at `host`), on any memory kind.
   absl::Status CopyOut(absl::Span<const int32_t> ids, uint8_t* host) const;
   absl::Status CopyIn(absl::Span<const int32_t> ids, const uint8_t* host);
@@ -214,6 +228,7 @@ class BlockPool {
     // What publishing recorded (parent, token ids, LoRA): what a lower tier keeps with the
     // block. Only with an eviction sink.
     std::shared_ptr<const PublishInfo> info;
+    bool spill_hold = false;  // HoldColdest took it out of the eviction order for a copy
   };
   using EvictKey = std::tuple<uint8_t, uint64_t, int32_t>;  // priority, tick, id
 
@@ -222,7 +237,9 @@ class BlockPool {
   void Release(int32_t id, bool touch);
   BlockRef LookupImpl(const BlockHash& hash, uint32_t tenant, bool touch);
   void AddRefLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool Evictable(const Record& r) const { return r.published && r.refcount == 0 && r.pins == 0; }
+  bool Evictable(const Record& r) const {
+    return r.published && r.refcount == 0 && r.pins == 0 && !r.spill_hold;
+  }
   EvictKey KeyOf(int32_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unpublishes an evictable block and puts it on the free list; its hash goes to `removed`.
   void DropLocked(int32_t id, std::vector<BlockHash>* removed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -245,6 +262,7 @@ class BlockPool {
   uint64_t cached_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t pinned_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t spill_holds_ ABSL_GUARDED_BY(mu_) = 0;  // blocks HoldColdest holds now
   std::vector<std::string> tenant_names_ ABSL_GUARDED_BY(mu_) = {""};
   absl::flat_hash_map<std::string, uint32_t> tenant_ids_ ABSL_GUARDED_BY(mu_) = {{"", 0}};
   std::vector<uint64_t> tenant_used_ ABSL_GUARDED_BY(mu_) = {0};

@@ -24,11 +24,52 @@ SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool
       fingerprint_(LayoutFingerprint(layout_)) {
   absl::BitGen gen;
   id_state_ = absl::Uniform<uint64_t>(gen);
+  if (tiers_ != nullptr && tiers_->options().spill_ahead) {
+    spiller_ = std::thread([this] { SpillLoop(); });
+  }
 }
 
 SequenceStore::~SequenceStore() {
+  StopSpilling();
   absl::MutexLock lock(&mu_);
   live_.clear();  // drops every block reference before the pool goes
+}
+
+void SequenceStore::StopSpilling() {
+  if (!spill_stop_.HasBeenNotified()) spill_stop_.Notify();
+  if (spiller_.joinable()) spiller_.join();
+}
+
+void SequenceStore::SpillLoop() {
+  // Keeps the coldest `ahead` cached blocks copied down a tier while fewer than `ahead` blocks
+  // are free: the next evictions then find their blocks there already.
+  const uint64_t ahead = std::max<uint64_t>(16, pool_->num_blocks() / 8);
+  constexpr size_t kBatch = 64;
+  const uint64_t bb = block_layout().block_bytes;
+  const bool on_host = pool_->memory().kind() != MemoryKind::kCuda;
+  std::vector<uint8_t> staging;
+  while (!spill_stop_.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
+    while (!spill_stop_.HasBeenNotified() && pool_->Stats().free < ahead) {
+      std::vector<BlockPool::SpillHold> holds =
+          pool_->HoldColdest(kBatch, ahead, [&](const PublishInfo& info, const std::string& t) {
+            return !tiers_->Find(info.hash, t).has_value();
+          });
+      if (holds.empty()) break;
+      bool copied = true;
+      if (!on_host) {
+        std::vector<int32_t> ids;
+        for (const auto& h : holds) ids.push_back(h.id);
+        staging.resize(ids.size() * bb);
+        copied = pool_->CopyOut(ids, staging.data()).ok();
+      }
+      for (size_t i = 0; copied && i < holds.size(); ++i) {
+        const uint8_t* data = on_host ? pool_->BlockData(holds[i].id) : staging.data() + i * bb;
+        tiers_->Spill(*holds[i].info, holds[i].tenant, data);
+      }
+      pool_->ReleaseSpillHolds(holds);
+      if (!copied) break;
+    }
+  }
 }
 
 uint64_t SequenceStore::NewId() {

@@ -10,12 +10,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/block_copy.h"
@@ -505,6 +507,12 @@ class SequenceStore {
   const std::unique_ptr<TierCache> tiers_;    // the pool's eviction sink: outlives it too
   const std::unique_ptr<BlockPool> pool_;
   const StoreOptions options_;
+  // Spill-ahead (with tiers): while the pool is nearly full, its coldest cached blocks are
+  // copied down a tier before they are evicted, so evictions copy nothing on the caller's path.
+  void SpillLoop();
+  void StopSpilling();
+  absl::Notification spill_stop_;
+  std::thread spiller_;
   const std::string fingerprint_;
 
   mutable absl::Mutex mu_;

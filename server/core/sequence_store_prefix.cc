@@ -125,6 +125,7 @@ std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
 
 size_t SequenceStore::FlushToDisk(absl::Time deadline) {
   if (tiers_ == nullptr || !tiers_->has_disk()) return 0;
+  StopSpilling();  // every cached block back in the eviction order, where ForEachCached sees it
   size_t n = 0;
   // Under the pool's lock (ForEachCached): fine after a drain, when nothing else is running.
   pool_->ForEachCached([&](const PublishInfo& info, const std::string& tenant, const uint8_t* d) {

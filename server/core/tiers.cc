@@ -385,12 +385,31 @@ void TierCache::Evicted(const PublishInfo& info, const std::string& tenant,
       return;
     }
     const uint8_t* bytes = data();
-    if (bytes != nullptr) PutHostLocked(key, std::make_shared<const PublishInfo>(info), bytes);
+    if (bytes == nullptr) return;
+    PutHostLocked(key, std::make_shared<const PublishInfo>(info), bytes);
+    ++stats_.spilled_at_eviction;
     return;
   }
   if (!has_disk() || disk_index_.contains(key) || queued_.contains(key)) return;
   const uint8_t* bytes = data();
-  if (bytes != nullptr) QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), bytes);
+  if (bytes != nullptr &&
+      QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), bytes)) {
+    ++stats_.spilled_at_eviction;
+  }
+}
+
+void TierCache::Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data) {
+  const Key key{info.hash, tenant};
+  absl::MutexLock lock(&mu_);
+  if (has_host()) {
+    if (!host_index_.contains(key)) {
+      PutHostLocked(key, std::make_shared<const PublishInfo>(info), data);
+    }
+    return;
+  }
+  if (has_disk() && !disk_index_.contains(key) && !queued_.contains(key)) {
+    QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), data);
+  }
 }
 
 void TierCache::PutHostLocked(const Key& key, std::shared_ptr<const PublishInfo> info,

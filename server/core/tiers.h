@@ -61,12 +61,18 @@ struct TierOptions {
   // Spills queued for the disk at once; a spill past it is dropped (counted).
   uint64_t max_queued_bytes = uint64_t{256} << 20;
   bool prefault_host = true;  // touch the host tier's pages at start
+  // While the pool is nearly full, copy its coldest cached blocks down ahead of their eviction
+  // (SequenceStore's spiller), so an eviction rarely copies on its caller's path.
+  bool spill_ahead = true;
 };
 
 struct TierStats {
   uint64_t host_blocks = 0, host_capacity = 0;
   uint64_t disk_blocks = 0, disk_capacity = 0;
   uint64_t spilled_to_host = 0, spilled_to_disk = 0;  // blocks written into the tier
+  // Of the blocks the pool evicted, those copied during the eviction (on the evicting caller's
+  // path): the spill-ahead had not copied them yet.
+  uint64_t spilled_at_eviction = 0;
   uint64_t promoted_from_host = 0, promoted_from_disk = 0;
   uint64_t corrupt = 0;        // disk blocks whose checksum failed on a read (removed)
   uint64_t spill_dropped = 0;  // spills to the disk dropped: its queue was full
@@ -106,6 +112,7 @@ class TierCache final : public EvictionSink {
   TierCache(const TierCache&) = delete;
   TierCache& operator=(const TierCache&) = delete;
 
+  const TierOptions& options() const { return options_; }
   bool has_host() const { return host_capacity_ > 0; }
   bool has_disk() const { return fd_ >= 0; }
   const std::string& disk_file() const { return disk_file_; }
@@ -114,6 +121,10 @@ class TierCache final : public EvictionSink {
   // when there is no host tier. Nothing is copied when the tier holds the block already.
   void Evicted(const PublishInfo& info, const std::string& tenant,
                const std::function<const uint8_t*()>& data) override;
+
+  // Spill-ahead: a cached block still in the pool, copied down before the pool evicts it (so
+  // the eviction copies nothing). As Evicted, off any lock of the pool.
+  void Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data);
 
   // The tier that holds `tenant`'s block `hash`, if one does. No side effects.
   std::optional<Tier> Find(const BlockHash& hash, const std::string& tenant) const;

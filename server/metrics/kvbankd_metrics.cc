@@ -202,6 +202,20 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
       }
     }
   }
+  const Figure<v1::TierStats> tier_totals[] = {
+      {"kvbank_tier_spilled_at_eviction_total",
+       "Evicted blocks copied down a tier during the eviction, on the evicting call's path (the "
+       "spill-ahead had not copied them yet).",
+       MetricType::kCounter,
+       [](const v1::TierStats& t) { return double(t.spilled_at_eviction()); }},
+  };
+  for (const auto& f : tier_totals) {
+    FamilySnapshot* fam = AddFamily(out, f.name, f.help, f.type);
+    for (const v1::ModelStats& row : rows) {
+      if (row.has_tiers())
+        fam->samples.push_back({"", {{"model", row.model()}}, f.value(row.tiers())});
+    }
+  }
   const Figure<v1::TierStats> disk_figures[] = {
       {"kvbank_tier_disk_corrupt_total",
        "Disk tier blocks that failed their checksum on a read: never served, removed.",

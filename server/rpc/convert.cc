@@ -216,6 +216,7 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
     p->set_load_invalid(t.load_invalid);
     p->set_direct_io(t.direct_io);
     p->set_unverified(t.unverified);
+    p->set_spilled_at_eviction(t.spilled_at_eviction);
   }
   for (const TenantStats& t : st.tenants) {
     v1::TenantStats* p = out->add_tenants();

@@ -68,8 +68,9 @@ class TiersTest : public ::testing::Test {
 
   // A registry holding the model with a pool of `pool_blocks`, a host tier of `host_blocks`
   // (0: none) and, when `disk`, a disk tier in dir_.
+  // spill_ahead off unless asked for: the counts below are then exact.
   std::shared_ptr<SequenceStore> Open(uint64_t pool_blocks, uint64_t host_blocks, bool disk,
-                                      uint64_t disk_blocks = 256) {
+                                      uint64_t disk_blocks = 256, bool spill_ahead = false) {
     registry_.reset();
     registry_ = std::make_unique<ModelRegistry>(uint64_t{1} << 30);
     ModelConfig c;
@@ -80,6 +81,7 @@ class TiersTest : public ::testing::Test {
     c.staging_bytes = 4096;
     c.tiers.host_bytes = host_blocks * bl.block_bytes;
     c.tiers.prefault_host = false;
+    c.tiers.spill_ahead = spill_ahead;
     if (disk) {
       c.tiers.disk_path = dir_;
       c.tiers.disk_bytes = disk_blocks * (8192 + AlignUp(bl.block_bytes, 4096));
@@ -181,6 +183,32 @@ TEST_F(TiersTest, HostTierKeepsWhatThePoolEvicts) {
   EXPECT_GT(after.promoted_from_host, 0u);
   // Inclusive: a block promoted and evicted again is not copied again.
   EXPECT_LE(after.host_blocks, 20u);
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
+TEST_F(TiersTest, SpillAheadCopiesBeforeTheEviction) {
+  // A pool of 32 blocks keeps its 16 coldest cached blocks copied down while fewer than 16 are
+  // free: evicting them then copies nothing.
+  auto store = Open(/*pool_blocks=*/32, /*host_blocks=*/256, /*disk=*/false, 256,
+                    /*spill_ahead=*/true);
+  ASSERT_NE(store, nullptr);
+  std::vector<std::vector<uint8_t>> written;
+  for (int i = 0; i < 16; ++i) written.push_back(Write(*store, i));  // the pool full
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (store->tiers()->Stats().host_blocks < 16 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GE(store->tiers()->Stats().host_blocks, 16u) << "the spill-ahead copied nothing";
+  const uint64_t before = store->tiers()->Stats().spilled_at_eviction;
+  EXPECT_EQ(before, 0u);
+  Write(*store, 100);  // two blocks: the two coldest go, already copied
+  EXPECT_EQ(store->pool().Stats().evictions, 2u);
+  EXPECT_EQ(store->tiers()->Stats().spilled_at_eviction, before);
+  for (int i = 0; i < 16; ++i) {
+    std::vector<uint8_t> got;
+    EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
+    EXPECT_EQ(got, written[i]) << "prompt " << i;
+  }
   EXPECT_EQ(store->CheckInvariants(), "");
 }
 

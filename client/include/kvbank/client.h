@@ -129,7 +129,7 @@ class Client {
     // The tiers below the pool (v1::TierStats); unset when the model has none.
     struct Tiers {
       uint64_t host_blocks = 0, host_capacity = 0, disk_blocks = 0, disk_capacity = 0;
-      uint64_t spilled_to_host = 0, spilled_to_disk = 0;
+      uint64_t spilled_to_host = 0, spilled_to_disk = 0, spilled_at_eviction = 0;
       uint64_t promoted_from_host = 0, promoted_from_disk = 0;
       uint64_t corrupt = 0, spill_dropped = 0, disk_bytes_written = 0, disk_bytes_read = 0;
       uint64_t loaded = 0, load_invalid = 0, unverified = 0;
