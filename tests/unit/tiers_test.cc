@@ -291,6 +291,8 @@ TEST_F(TiersTest, CorruptBlockIsAMissCountedAndRemoved) {
   auto store = Open(8, 0, true);
   ASSERT_NE(store, nullptr);
   TierCache& t = *store->tiers();
+  // Checked at start (by the scrubber): the corruption below comes after, and a read finds it.
+  ASSERT_TRUE(t.WaitForScrub(absl::Now() + absl::Seconds(30)));
   const std::vector<BlockHash> h = Hashes(*store, 0);
   auto slot = t.DiskSlotOf(h[1], "");
   ASSERT_TRUE(slot.has_value());
