@@ -24,7 +24,7 @@ if [[ ${#tests[@]} == 0 ]]; then
   tests=(gpu_block_copy_test gpu_quant_test gpu_payload_codec_test gpu_attention_test
          gpu_pool_memory_test store_sequence_store_test store_quant_store_test
          store_quant_store_ops_test store_storage_format_test store_retention_test
-         store_fp8_scale_test store_store_tenancy_test)
+         store_fp8_scale_test store_store_tenancy_test store_tiers_test)
 fi
 make -C "$here" -j"$(nproc)" BUILD="$build" "${san[@]}" "${tests[@]/#/$build/bin/}"
 rc=0
