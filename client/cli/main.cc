@@ -250,6 +250,21 @@ void PrintModelStats(const Client::ModelStats& s, const Client::ModelStats* befo
       (unsigned long long)s.appends, (unsigned long long)s.fetches,
       (unsigned long long)s.bytes_appended, (unsigned long long)s.bytes_fetched,
       (unsigned long long)s.leases_expired, (unsigned long long)s.fetches_waiting);
+  if (s.tiers.has_value()) {
+    const Client::ModelStats::Tiers& t = *s.tiers;
+    std::printf(
+        "  tiers: host=%llu/%llu disk=%llu/%llu blocks; spilled host=%llu disk=%llu "
+        "(at eviction %llu, dropped %llu); promoted host=%llu disk=%llu; corrupt=%llu; at start "
+        "loaded=%llu torn=%llu unverified=%llu%s\n",
+        (unsigned long long)t.host_blocks, (unsigned long long)t.host_capacity,
+        (unsigned long long)t.disk_blocks, (unsigned long long)t.disk_capacity,
+        (unsigned long long)t.spilled_to_host, (unsigned long long)t.spilled_to_disk,
+        (unsigned long long)t.spilled_at_eviction, (unsigned long long)t.spill_dropped,
+        (unsigned long long)t.promoted_from_host, (unsigned long long)t.promoted_from_disk,
+        (unsigned long long)t.corrupt, (unsigned long long)t.loaded,
+        (unsigned long long)t.load_invalid, (unsigned long long)t.unverified,
+        t.direct_io ? " (O_DIRECT)" : "");
+  }
   if (before != nullptr && dt > absl::ZeroDuration()) {
     const double secs = absl::ToDoubleSeconds(dt);
     auto rate = [&](uint64_t now, uint64_t then) {

@@ -307,6 +307,7 @@ TEST_F(KvbankDemoTest, StatsShowCachedBlocksEvictionsHitRateAndTenants) {
         std::string("tenant ''"), std::string("sequences=1")}) {
     EXPECT_TRUE(absl::StrContains(r.out, want)) << want << "\n" << r.Describe();
   }
+  EXPECT_FALSE(absl::StrContains(r.out, "tiers:")) << "no tier below the pool\n" << r.Describe();
   ASSERT_TRUE(client->Free("llama-3.1-8b", second->id).ok());
   r = Kvbank({"stats", "llama-3.1-8b", "--server", server_->target()});
   EXPECT_TRUE(absl::StrContains(r.out, "cached=2 used=0")) << r.Describe();
@@ -321,6 +322,37 @@ TEST_F(KvbankDemoTest, StatsShowCachedBlocksEvictionsHitRateAndTenants) {
   r = Kvbank({"stats", "--watch", "0", "--server", server_->target()});
   EXPECT_EQ(r.exit_code, 2) << r.Describe();
   EXPECT_TRUE(absl::StrContains(r.err, "--watch")) << r.Describe();
+}
+
+TEST_F(KvbankDemoTest, StatsShowTheTiers) {
+  // llama-3.1-8b blocks are 2 MiB: a pool of 4 blocks over a host tier of 8.
+  ASSERT_NO_FATAL_FAILURE(
+      StartServer({"--models=llama-3.1-8b", "--pool-bytes=8MiB", "--host-tier-bytes=16MiB"}));
+  auto client = NewClient();
+  ASSERT_NE(client, nullptr);
+  auto models = client->ListModels();
+  ASSERT_TRUE(models.ok() && !models->empty());
+  const uint32_t bt = (*models)[0].layout.block_tokens;
+  for (uint32_t p = 0; p < 3; ++p) {  // 6 blocks through a pool of 4: some go to the host tier
+    std::vector<uint32_t> prompt(2 * bt);
+    for (uint32_t i = 0; i < prompt.size(); ++i) prompt[i] = 1000 * (p + 1) + i;
+    auto seq = client->CreateSequence("llama-3.1-8b");
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    std::vector<uint8_t> kv((*models)[0].payload_bytes_per_token * prompt.size(), 7);
+    Client::AppendArgs a;
+    a.num_tokens = prompt.size();
+    a.token_ids = prompt;
+    ASSERT_TRUE(client->Append("llama-3.1-8b", seq->id, a, kv).ok());
+    ASSERT_TRUE(client->Free("llama-3.1-8b", seq->id).ok());
+  }
+  ProcessResult r = Kvbank({"stats", "--server", server_->target()});
+  ASSERT_EQ(r.exit_code, 0) << r.Describe();
+  EXPECT_TRUE(absl::StrContains(r.out, "  tiers: host=")) << r.Describe();
+  EXPECT_TRUE(absl::StrContains(r.out, "/8 disk=0/0 blocks")) << r.Describe();
+  auto stats = client->GetStats("llama-3.1-8b");
+  ASSERT_TRUE(stats.ok() && stats->size() == 1 && (*stats)[0].tiers.has_value());
+  EXPECT_GE((*stats)[0].tiers->host_blocks, 2u);
+  EXPECT_TRUE(absl::StrContains(r.out, "spilled host=")) << r.Describe();
 }
 
 TEST_F(KvbankDemoTest, RunsAndLeavesNothingBehind) {
