@@ -62,12 +62,13 @@ void SequenceStore::SpillLoop() {
         staging.resize(ids.size() * bb);
         copied = pool_->CopyOut(ids, staging.data()).ok();
       }
-      for (size_t i = 0; copied && i < holds.size(); ++i) {
+      bool taken = true;  // false: the disk's write queue is full, try again next round
+      for (size_t i = 0; copied && taken && i < holds.size(); ++i) {
         const uint8_t* data = on_host ? pool_->BlockData(holds[i].id) : staging.data() + i * bb;
-        tiers_->Spill(*holds[i].info, holds[i].tenant, data);
+        taken = tiers_->Spill(*holds[i].info, holds[i].tenant, data);
       }
       pool_->ReleaseSpillHolds(holds);
-      if (!copied) break;
+      if (!copied || !taken) break;
     }
   }
 }

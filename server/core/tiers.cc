@@ -398,18 +398,23 @@ void TierCache::Evicted(const PublishInfo& info, const std::string& tenant,
   }
 }
 
-void TierCache::Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data) {
+bool TierCache::Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data) {
   const Key key{info.hash, tenant};
   absl::MutexLock lock(&mu_);
   if (has_host()) {
     if (!host_index_.contains(key)) {
       PutHostLocked(key, std::make_shared<const PublishInfo>(info), data);
     }
-    return;
+    return true;
   }
-  if (has_disk() && !disk_index_.contains(key) && !queued_.contains(key)) {
-    QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), data);
-  }
+  if (!has_disk() || disk_index_.contains(key) || queued_.contains(key)) return true;
+  if (QueueFullLocked()) return false;
+  return QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), data);
+}
+
+bool TierCache::QueueFullLocked() const {
+  return (queue_.size() + writing_ + 1) * slot_bytes_ > options_.max_queued_bytes &&
+         queue_.size() + writing_ > 0;
 }
 
 void TierCache::PutHostLocked(const Key& key, std::shared_ptr<const PublishInfo> info,
@@ -441,8 +446,7 @@ bool TierCache::QueueDiskWriteLocked(const Key& key, std::shared_ptr<const Publi
       info->token_ids.size() != block_tokens_) {
     return false;  // a record could not hold it
   }
-  if ((queue_.size() + writing_ + 1) * slot_bytes_ > options_.max_queued_bytes &&
-      queue_.size() + writing_ > 0) {
+  if (QueueFullLocked()) {
     ++stats_.spill_dropped;
     return false;
   }

@@ -123,8 +123,9 @@ class TierCache final : public EvictionSink {
                const std::function<const uint8_t*()>& data) override;
 
   // Spill-ahead: a cached block still in the pool, copied down before the pool evicts it (so
-  // the eviction copies nothing). As Evicted, off any lock of the pool.
-  void Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data);
+  // the eviction copies nothing). As Evicted, off any lock of the pool. False when the disk's
+  // write queue is full (nothing taken, nothing counted: the caller tries again later).
+  bool Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data);
 
   // The tier that holds `tenant`'s block `hash`, if one does. No side effects.
   std::optional<Tier> Find(const BlockHash& hash, const std::string& tenant) const;
@@ -202,6 +203,7 @@ class TierCache final : public EvictionSink {
   // Checks, in the background, the bytes of the blocks LoadDisk indexed.
   void ScrubLoop();
   std::shared_ptr<uint8_t> NewBuffer() const;
+  bool QueueFullLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool QueueDiskWriteLocked(const Key& key, std::shared_ptr<const PublishInfo> info,
                             const uint8_t* data) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PutHostLocked(const Key& key, std::shared_ptr<const PublishInfo> info, const uint8_t* data)
