@@ -46,6 +46,33 @@ grpc::ServerUnaryReactor* KvBankService::Serve(Ctx* ctx, const Raw* raw, Raw* ou
   return call;
 }
 
+template <typename Request, typename Response, typename Prepare>
+grpc::ServerUnaryReactor* KvBankService::ServeWork(Ctx* ctx, const Raw* raw, Raw* out,
+                                                   Prepare prepare) {
+  auto* call = new UnaryCall<Request, Response>(out);
+  auto caller = Admit(*ctx);
+  if (!caller.ok()) {
+    call->Reply(caller.status());
+    return call;
+  }
+  if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) {
+    call->Reply(s);
+    return call;
+  }
+  absl::StatusOr<Work<Response>> work = prepare(*caller, call->request);
+  if (!work.ok()) {
+    call->Reply(work.status());
+    return call;
+  }
+  auto run = [call, fn = std::move(work->run)] { call->Reply(fn(&call->response)); };
+  if (work->on_worker) {
+    device_work_->Submit(std::move(run));
+  } else {
+    run();
+  }
+  return call;
+}
+
 template <typename Request, typename Response, typename Op>
 grpc::ServerUnaryReactor* KvBankService::ServeSequence(Ctx* ctx, const Raw* raw, Raw* out, Op op) {
   return Serve<Request, Response>(
@@ -183,39 +210,23 @@ absl::StatusOr<CreateOptions> ToCreateOptions(const v1::CreateSequenceRequest& r
 grpc::ServerUnaryReactor* KvBankService::CreateSequence(Ctx* ctx, const Raw* raw, Raw* out) {
   // A prompt's blocks may come back from a disk tier (or be copied to a device): such a create
   // runs on a worker, not in this reaction.
-  auto* call = new UnaryCall<v1::CreateSequenceRequest, v1::SequenceInfo>(out);
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) {
-    call->Reply(caller.status());
-    return call;
-  }
-  if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) {
-    call->Reply(s);
-    return call;
-  }
-  auto model = FindModel(*registry_, call->request.model());
-  if (!model.ok()) {
-    call->Reply(model.status());
-    return call;
-  }
-  auto options = ToCreateOptions(call->request, caller->tenant);
-  if (!options.ok()) {
-    call->Reply(options.status());
-    return call;
-  }
-  const TierCache* tiers = (*model)->tiers();
-  const bool blocking = !call->request.prompt_token_ids().empty() &&
-                        ((tiers != nullptr && tiers->has_disk()) ||
-                         ((*model)->pool().memory().waits_on_device() && tiers != nullptr));
-  auto run = [call, store = *std::move(model), o = *std::move(options)] {
-    call->Reply(Reply(store->Create(o), call->request.model(), &call->response));
-  };
-  if (blocking) {
-    device_work_->Submit(std::move(run));
-  } else {
-    run();
-  }
-  return call;
+  using Response = v1::SequenceInfo;
+  return ServeWork<v1::CreateSequenceRequest, Response>(
+      ctx, raw, out,
+      [this](const Caller& caller,
+             const v1::CreateSequenceRequest& req) -> absl::StatusOr<Work<Response>> {
+        auto model = FindModel(*registry_, req.model());
+        if (!model.ok()) return model.status();
+        auto options = ToCreateOptions(req, caller.tenant);
+        if (!options.ok()) return options.status();
+        const TierCache* tiers = (*model)->tiers();
+        Work<Response> w;
+        w.on_worker = !req.prompt_token_ids().empty() && tiers != nullptr &&
+                      (tiers->has_disk() || (*model)->pool().memory().waits_on_device());
+        w.run = [store = *std::move(model), o = *std::move(options), name = req.model()](
+                    Response* resp) { return Reply(store->Create(o), name, resp); };
+        return w;
+      });
 }
 
 grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* out) {
@@ -303,42 +314,23 @@ grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(Ctx* ctx, const Raw* raw,
 grpc::ServerUnaryReactor* KvBankService::Fork(Ctx* ctx, const Raw* raw, Raw* out) {
   // A fork copies the parent's partial blocks: on memory that waits on a device the copy runs on
   // a worker, not in this reaction.
-  auto* call = new UnaryCall<v1::ForkRequest, v1::SequenceInfo>(out);
-  auto caller = Admit(*ctx);
-  if (!caller.ok()) {
-    call->Reply(caller.status());
-    return call;
-  }
-  if (absl::Status s = ParseRequest(raw, &call->request); !s.ok()) {
-    call->Reply(s);
-    return call;
-  }
-  const v1::ForkRequest& req = call->request;
-  if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) {
-    call->Reply(s);
-    return call;
-  }
-  auto model = FindModel(*registry_, req.model());
-  if (!model.ok()) {
-    call->Reply(model.status());
-    return call;
-  }
-  auto lease = LeaseFromProto(req.lease_ttl_ms(), false);
-  if (!lease.ok()) {
-    call->Reply(lease.status());
-    return call;
-  }
-  const bool on_device = (*model)->pool().memory().waits_on_device();
-  auto run = [call, store = *std::move(model), lease = *lease, tenant = caller->tenant] {
-    call->Reply(Reply(store->Fork(call->request.sequence_id(), lease, tenant),
-                      call->request.model(), &call->response));
-  };
-  if (on_device) {
-    device_work_->Submit(std::move(run));
-  } else {
-    run();
-  }
-  return call;
+  using Response = v1::SequenceInfo;
+  return ServeWork<v1::ForkRequest, Response>(
+      ctx, raw, out,
+      [this](const Caller& caller, const v1::ForkRequest& req) -> absl::StatusOr<Work<Response>> {
+        if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
+        auto model = FindModel(*registry_, req.model());
+        if (!model.ok()) return model.status();
+        auto lease = LeaseFromProto(req.lease_ttl_ms(), false);
+        if (!lease.ok()) return lease.status();
+        Work<Response> w;
+        w.on_worker = (*model)->pool().memory().waits_on_device();
+        w.run = [store = *std::move(model), lease = *lease, tenant = caller.tenant,
+                 id = req.sequence_id(), name = req.model()](Response* resp) {
+          return Reply(store->Fork(id, lease, tenant), name, resp);
+        };
+        return w;
+      });
 }
 
 grpc::ServerUnaryReactor* KvBankService::Truncate(Ctx* ctx, const Raw* raw, Raw* out) {

@@ -155,6 +155,16 @@ class KvBankService final : public internal::RawKvBankService {
   // status (and the response when OK).
   template <typename Request, typename Response, typename Handler>
   Unary* Serve(Ctx* ctx, const Raw* raw, Raw* out, Handler handler);
+  // A unary call whose work may block (disk reads, device copies): admits and parses as Serve,
+  // then prepare(caller, request) answers the work (or an error, the answer then), which runs on
+  // a device worker when its on_worker says so, else in the reaction.
+  template <typename Response>
+  struct Work {
+    bool on_worker = false;
+    std::function<absl::Status(Response*)> run;
+  };
+  template <typename Request, typename Response, typename Prepare>
+  Unary* ServeWork(Ctx* ctx, const Raw* raw, Raw* out, Prepare prepare);
   // Serve for a call on one sequence: also checks the id and finds the model, then runs
   // op(model, tenant, request, &response).
   template <typename Request, typename Response, typename Op>
