@@ -561,9 +561,10 @@ absl::StatusOr<std::vector<uint64_t>> Client::Match(const std::string& model,
 }
 
 absl::StatusOr<std::vector<Client::MatchTiersResult>> Client::MatchTiers(
-    const std::string& model, const std::vector<MatchQuery>& queries) {
+    const std::string& model, const std::vector<MatchQuery>& queries, bool prefetch) {
   v1::MatchRequest req;
   req.set_model(model);
+  req.set_prefetch(prefetch);
   for (const MatchQuery& q : queries) {
     v1::MatchQuery* p = req.add_queries();
     for (uint32_t t : q.tokens) p->add_token_ids(t);

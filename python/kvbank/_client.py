@@ -528,10 +528,13 @@ class Client:
         return self._c.match(model, self._queries(queries, cache_salt, extra_keys))
 
     def match_tiers(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
-                    extra_keys: ExtraKeys = ()) -> List[Dict[str, int]]:
+                    extra_keys: ExtraKeys = (), prefetch: bool = False) -> List[Dict[str, int]]:
         """As match, with where the tokens are: a dict per query with tokens, pool_tokens,
-        host_tokens and disk_tokens (the last three add up to tokens)."""
-        return self._c.match_tiers(model, self._queries(queries, cache_salt, extra_keys))
+        host_tokens and disk_tokens (the last three add up to tokens). prefetch: the server also
+        starts bringing the blocks it found in a tier back into its pool, in the background, so
+        a create_sequence with the prompt shortly after finds them there."""
+        return self._c.match_tiers(model, self._queries(queries, cache_salt, extra_keys),
+                                   prefetch)
 
     @staticmethod
     def _queries(queries: Sequence[Any], cache_salt: str, extra_keys: ExtraKeys) -> List[Any]:

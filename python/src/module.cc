@@ -473,10 +473,10 @@ void BindClient(py::module_& m) {
              return CallWithoutGil([&] { return self.c().Match(model, qs); });
            })
       .def("match_tiers",
-           [](PyClient& self, const std::string& model, const py::list& queries) {
+           [](PyClient& self, const std::string& model, const py::list& queries, bool prefetch) {
              std::vector<Client::MatchQuery> qs;
              for (const auto& q : queries) qs.push_back(QueryFromTuple(q));
-             auto r = CallWithoutGil([&] { return self.c().MatchTiers(model, qs); });
+             auto r = CallWithoutGil([&] { return self.c().MatchTiers(model, qs, prefetch); });
              py::list out;
              for (const Client::MatchTiersResult& m : r) {
                py::dict d;

@@ -366,6 +366,11 @@ class SequenceStore {
   // The same, with where the tokens are.
   std::vector<MatchResult> MatchTiers(const std::string& tenant,
                                       const std::vector<MatchQuery>& queries);
+  // Brings the queries' blocks found in a tier below the pool back into it (as a Create with
+  // the prompt would, without a sequence): they are cached in the pool afterwards. Returns how
+  // many blocks of the queries' leading runs are in the pool now. Blocks (disk reads): call off
+  // any thread that must not wait.
+  size_t Prefetch(const std::string& tenant, const std::vector<MatchQuery>& queries);
   TierCache* tiers() const { return tiers_.get(); }
   // Warm restart: writes every cached block of the pool (then the host tier's) that the disk
   // tier lacks to it, until `deadline`, waits for queued writes and syncs the file. Returns how

@@ -74,6 +74,20 @@ std::vector<MatchResult> SequenceStore::MatchTiers(const std::string& tenant,
   return out;
 }
 
+size_t SequenceStore::Prefetch(const std::string& tenant, const std::vector<MatchQuery>& queries) {
+  size_t n = 0;
+  for (const MatchQuery& q : queries) {
+    std::vector<BlockHash> hashes = q.hashes;
+    if (hashes.empty()) {
+      hashes = PrefixHashes(options_.hash, Root(tenant, q.cache_salt), q.tokens,
+                            layout_.block_tokens, q.extra_keys);
+    }
+    // Released at once: the promoted blocks stay cached (published, most recently used).
+    n += PromoteFromTiers(tenant, hashes, /*touch=*/false).size();
+  }
+  return n;
+}
+
 std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
                                                       absl::Span<const BlockHash> hashes,
                                                       bool touch) {

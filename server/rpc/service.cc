@@ -258,11 +258,20 @@ grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* ou
           m.extra_keys = *std::move(keys);
           queries.push_back(std::move(m));
         }
+        bool in_tiers = false;
         for (const MatchResult& r : (*model)->MatchTiers(caller.tenant, queries)) {
           resp->add_cached_tokens(r.tokens);
           resp->add_pool_tokens(r.pool_tokens);
           resp->add_host_tokens(r.host_tokens);
           resp->add_disk_tokens(r.disk_tokens);
+          in_tiers |= r.host_tokens + r.disk_tokens > 0;
+        }
+        if (req.prefetch() && in_tiers) {
+          // After the answer, on a worker: the caller's next call finds the blocks in the pool.
+          device_work_->Submit(
+              [store = *std::move(model), tenant = caller.tenant, queries = std::move(queries)] {
+                store->Prefetch(tenant, queries);
+              });
         }
         return absl::OkStatus();
       });

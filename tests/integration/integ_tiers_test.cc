@@ -165,12 +165,31 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
   EXPECT_EQ(st.tiers->loaded, uint64_t{4 * kPrompts});
   EXPECT_EQ(st.tiers->load_invalid, 0u);
   EXPECT_EQ(st.blocks_cached, 0u) << "a fresh pool";
+  // The first prompt: a Match that prefetches, then (once the blocks are in the pool) a create
+  // that finds them there.
+  {
+    Client::MatchQuery q;
+    q.tokens = prompts[0];
+    auto r = c->MatchTiers("m", {q}, /*prefetch=*/true);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ((*r)[0].disk_tokens, 4 * kBt) << "the answer is as without prefetch";
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    std::vector<Client::MatchTiersResult> now;
+    do {
+      auto m2 = c->MatchTiers("m", {q});
+      ASSERT_TRUE(m2.ok()) << m2.status();
+      now = *m2;
+      if (now[0].pool_tokens < 4 * kBt) absl::SleepFor(absl::Milliseconds(2));
+    } while (now[0].pool_tokens < 4 * kBt && absl::Now() < deadline);
+    EXPECT_EQ(now[0].pool_tokens, 4 * kBt) << "the prefetch brought nothing into the pool";
+    EXPECT_EQ(StatsOf(*c, "m").tiers->promoted_from_disk, 4u);
+  }
   for (int i = 0; i < kPrompts; ++i) {
     Client::MatchQuery q;
     q.tokens = prompts[i];
     auto r = c->MatchTiers("m", {q});
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ((*r)[0].disk_tokens, 4 * kBt) << "prompt " << i;
+    EXPECT_EQ(i == 0 ? (*r)[0].pool_tokens : (*r)[0].disk_tokens, 4 * kBt) << "prompt " << i;
     Client::CreateArgs args;
     args.prompt = prompts[i];
     auto seq = c->CreateSequence("m", args);

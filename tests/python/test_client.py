@@ -487,6 +487,8 @@ def test_prefix_cache_match_fetch_blocks_pin_and_watch(client, model_name):
     # A server without tiers: everything in its pool.
     assert client.match_tiers(model_name, [prompt]) == \
         [{"tokens": 3 * bt, "pool_tokens": 3 * bt, "host_tokens": 0, "disk_tokens": 0}]
+    assert client.match_tiers(model_name, [prompt], prefetch=True) == \
+        client.match_tiers(model_name, [prompt])
 
     second = client.create_sequence(model_name, prompt)
     assert second.cached_tokens == 3 * bt

@@ -250,6 +250,30 @@ TEST_F(TiersTest, DiskTierSurvivesARestart) {
   EXPECT_EQ(store->CheckInvariants(), "");
 }
 
+TEST_F(TiersTest, PrefetchBringsBlocksIntoThePool) {
+  {
+    auto store = Open(8, 0, true);
+    ASSERT_NE(store, nullptr);
+    Write(*store, 1);
+    Write(*store, 2);
+    store->FlushToDisk(absl::InfiniteFuture());
+  }
+  auto store = Open(8, 0, true);
+  ASSERT_NE(store, nullptr);
+  MatchQuery by_tokens, by_hashes;
+  by_tokens.tokens = Prompt(1);
+  by_hashes.hashes = Hashes(*store, 2);
+  EXPECT_EQ(store->Prefetch("", {by_tokens, by_hashes}), 4u);
+  EXPECT_EQ(store->tiers()->Stats().promoted_from_disk, 4u);
+  EXPECT_EQ(Match(*store, 1).pool_tokens, kTokens);
+  EXPECT_EQ(Match(*store, 2).pool_tokens, kTokens);
+  EXPECT_EQ(store->pool().Stats().cached, 4u) << "prefetched blocks stay cached in the pool";
+  EXPECT_EQ(Reuse(*store, 1, nullptr), kTokens);
+  EXPECT_EQ(store->tiers()->Stats().promoted_from_disk, 4u) << "the create found them in the pool";
+  EXPECT_EQ(store->Prefetch("bob", {by_tokens}), 0u) << "another tenant's blocks";
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
 TEST_F(TiersTest, FetchBlocksReadsFromTheDisk) {
   std::vector<uint8_t> written;
   {

@@ -375,9 +375,12 @@ class Client {
   // Prefix cache (the caller's tenant only). Leading cached tokens per query; no side effects.
   absl::StatusOr<std::vector<uint64_t>> Match(const std::string& model,
                                               const std::vector<MatchQuery>& queries);
-  // The same, with the tier each query's tokens are in.
+  // The same, with the tier each query's tokens are in. prefetch: the server also starts
+  // bringing the blocks it found in a tier back into its pool, in the background, so a
+  // CreateSequence with the prompt a moment later finds them there (MatchRequest.prefetch).
   absl::StatusOr<std::vector<MatchTiersResult>> MatchTiers(const std::string& model,
-                                                           const std::vector<MatchQuery>& queries);
+                                                           const std::vector<MatchQuery>& queries,
+                                                           bool prefetch = false);
   // The longest cached run of leading `hashes`: full blocks, in the payload layout.
   absl::StatusOr<FetchResult> FetchBlocks(const std::string& model,
                                           const std::vector<BlockHash>& hashes,
