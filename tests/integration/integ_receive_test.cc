@@ -2,6 +2,7 @@
 // message gRPC receives, nor map a fresh result vector per call (ClientOptions::tune_malloc).
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -98,17 +99,22 @@ TEST_F(ReceiveTest, FetchDoesNotMapItsResultFreshPerCall) {
     auto r = client->Fetch(model, seq->id, {});
     ASSERT_TRUE(r.ok()) << r.status();
   }
+  // The fewest faults per call over three rounds: the process's other threads (gRPC's) fault
+  // now and then too, more on a loaded machine; a result mapped fresh faults in every round.
   constexpr int kCalls = 8;
-  const uint64_t before = MinorFaults();
-  for (int i = 0; i < kCalls; ++i) {
-    auto r = client->Fetch(model, seq->id, {});
-    ASSERT_TRUE(r.ok()) << r.status();
-    ASSERT_EQ(r->payload.size(), bytes);
-    if (i == 0) {
-      ASSERT_TRUE(BytesEqual(r->payload, payload));
+  double per_call = 1e9;
+  for (int round = 0; round < 3; ++round) {
+    const uint64_t before = MinorFaults();
+    for (int i = 0; i < kCalls; ++i) {
+      auto r = client->Fetch(model, seq->id, {});
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_EQ(r->payload.size(), bytes);
+      if (round == 0 && i == 0) {
+        ASSERT_TRUE(BytesEqual(r->payload, payload));
+      }
     }
+    per_call = std::min(per_call, double(MinorFaults() - before) / kCalls);
   }
-  const double per_call = double(MinorFaults() - before) / kCalls;
   // A result vector mapped fresh per call faults on each 4 KiB page it is written to (4096 of
   // them, fewer where transparent huge pages serve it; about 500 measured); one from the heap,
   // reused, hardly at all (about 40).
