@@ -374,42 +374,40 @@ void TierCache::EmitLocked(KvEvent::Type type, const Key& key, const PublishInfo
   events_->Append(std::move(e));
 }
 
-void TierCache::Evicted(const PublishInfo& info, const std::string& tenant,
-                        const std::function<const uint8_t*()>& data) {
-  Key key{info.hash, tenant};
-  absl::MutexLock lock(&mu_);
+TierCache::Put TierCache::PutLocked(const Key& key, const PublishInfo& info,
+                                    const std::function<const uint8_t*()>& data, bool eviction) {
   if (has_host()) {
     auto it = host_index_.find(key);
     if (it != host_index_.end()) {  // inclusive: the host copy is the block
-      host_lru_.splice(host_lru_.begin(), host_lru_, it->second.lru);
-      return;
+      if (eviction) host_lru_.splice(host_lru_.begin(), host_lru_, it->second.lru);
+      return Put::kHeld;
     }
     const uint8_t* bytes = data();
-    if (bytes == nullptr) return;
+    if (bytes == nullptr) return Put::kHeld;
     PutHostLocked(key, std::make_shared<const PublishInfo>(info), bytes);
-    ++stats_.spilled_at_eviction;
-    return;
+    return Put::kCopied;
   }
-  if (!has_disk() || disk_index_.contains(key) || queued_.contains(key)) return;
+  if (!has_disk() || disk_index_.contains(key) || queued_.contains(key)) return Put::kHeld;
+  if (!eviction && QueueFullLocked()) return Put::kFull;  // the spill-ahead tries again later
   const uint8_t* bytes = data();
-  if (bytes != nullptr &&
-      QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), bytes)) {
+  if (bytes == nullptr) return Put::kHeld;
+  return QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), bytes) ? Put::kCopied
+                                                                                     : Put::kHeld;
+}
+
+void TierCache::Evicted(const PublishInfo& info, const std::string& tenant,
+                        const std::function<const uint8_t*()>& data) {
+  absl::MutexLock lock(&mu_);
+  if (PutLocked(Key{info.hash, tenant}, info, data, /*eviction=*/true) == Put::kCopied) {
     ++stats_.spilled_at_eviction;
   }
 }
 
 bool TierCache::Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data) {
-  const Key key{info.hash, tenant};
   absl::MutexLock lock(&mu_);
-  if (has_host()) {
-    if (!host_index_.contains(key)) {
-      PutHostLocked(key, std::make_shared<const PublishInfo>(info), data);
-    }
-    return true;
-  }
-  if (!has_disk() || disk_index_.contains(key) || queued_.contains(key)) return true;
-  if (QueueFullLocked()) return false;
-  return QueueDiskWriteLocked(key, std::make_shared<const PublishInfo>(info), data);
+  return PutLocked(
+             Key{info.hash, tenant}, info, [data] { return data; },
+             /*eviction=*/false) != Put::kFull;
 }
 
 bool TierCache::QueueFullLocked() const {
@@ -442,10 +440,7 @@ void TierCache::PutHostLocked(const Key& key, std::shared_ptr<const PublishInfo>
 
 bool TierCache::QueueDiskWriteLocked(const Key& key, std::shared_ptr<const PublishInfo> info,
                                      const uint8_t* data) {
-  if (key.tenant.size() > kMaxName || info->lora.size() > kMaxName ||
-      info->token_ids.size() != block_tokens_) {
-    return false;  // a record could not hold it
-  }
+  if (!Fits(key.tenant, *info)) return false;
   if (QueueFullLocked()) {
     ++stats_.spill_dropped;
     return false;
@@ -487,10 +482,53 @@ void TierCache::EraseDiskLocked(const Key& key, bool emit) {
   disk_index_.erase(it);
 }
 
+bool TierCache::Fits(const std::string& tenant, const PublishInfo& info) const {
+  return tenant.size() <= kMaxName && info.lora.size() <= kMaxName &&
+         info.token_ids.size() == block_tokens_;
+}
+
+std::optional<TierCache::Reserved> TierCache::ReserveSlotLocked() {
+  auto slot = TakeDiskSlotLocked();
+  if (!slot.has_value()) return std::nullopt;
+  ++writing_;
+  return Reserved{*slot, next_generation_++};
+}
+
+bool TierCache::WriteRecord(const Reserved& r, uint8_t* buf) const {
+  // The generation orders two records of one hash at load: the header is sealed with it here.
+  PutAt<uint64_t>(buf, 32, r.generation);
+  PutAt<uint64_t>(buf, header_bytes_ - 8, XXH3_64bits(buf, header_bytes_ - 8));
+  uint64_t done = 0;
+  while (done < slot_bytes_) {
+    const ssize_t n =
+        pwrite(fd_, buf + done, slot_bytes_ - done, off_t(r.slot * slot_bytes_ + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += uint64_t(n);
+  }
+  return true;
+}
+
+bool TierCache::FinishWriteLocked(const Key& key, const PublishInfo& info, const Reserved& r,
+                                  bool ok) {
+  --writing_;
+  if (!ok) {
+    disk_free_.push_back(r.slot);
+    return false;
+  }
+  stats_.disk_bytes_written += slot_bytes_;
+  ++stats_.spilled_to_disk;
+  if (disk_index_.contains(key)) EraseDiskLocked(key, /*emit=*/false);
+  disk_lru_.push_front(key);
+  disk_index_[key] = DiskEntry{r.slot, r.generation, 0, /*verified=*/true, disk_lru_.begin()};
+  EmitLocked(KvEvent::Type::kBlockStored, key, &info, Tier::kDisk);
+  return true;
+}
+
 void TierCache::IoLoop() {
   for (;;) {
     WriteJob job;
-    uint64_t slot = 0, generation = 0;
+    Reserved r;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -501,89 +539,44 @@ void TierCache::IoLoop() {
       const Key key = queue_.front();
       queue_.pop_front();
       auto it = queued_.find(key);
-      auto s = TakeDiskSlotLocked();
-      if (!s.has_value()) {  // every slot is being read: forgotten
+      auto reserved = ReserveSlotLocked();
+      if (!reserved.has_value()) {  // every slot is being read: forgotten
         ++stats_.spill_dropped;
         queued_.erase(it);
         continue;
       }
-      slot = *s;
-      generation = next_generation_++;
+      r = *reserved;
       job = it->second;  // stays in queued_ (readable) until written
-      ++writing_;
     }
-    // The generation orders two records of one hash at load: the header is re-sealed with it.
-    uint8_t* buf = job.buffer.get();
-    PutAt<uint64_t>(buf, 32, generation);
-    PutAt<uint64_t>(buf, header_bytes_ - 8, XXH3_64bits(buf, header_bytes_ - 8));
-    uint64_t done = 0;
-    bool ok = true;
-    while (done < slot_bytes_) {
-      const ssize_t n =
-          pwrite(fd_, buf + done, slot_bytes_ - done, off_t(slot * slot_bytes_ + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        ok = false;
-        break;
-      }
-      done += uint64_t(n);
-    }
+    const bool ok = WriteRecord(r, job.buffer.get());
     absl::MutexLock lock(&mu_);
-    --writing_;
     queued_.erase(job.key);
-    if (!ok) {
-      disk_free_.push_back(slot);
-      ++stats_.spill_dropped;
-      continue;
-    }
-    stats_.disk_bytes_written += slot_bytes_;
-    ++stats_.spilled_to_disk;
-    if (disk_index_.contains(job.key)) EraseDiskLocked(job.key, /*emit=*/false);
-    disk_lru_.push_front(job.key);
-    disk_index_[job.key] = DiskEntry{slot, generation, 0, /*verified=*/true, disk_lru_.begin()};
-    EmitLocked(KvEvent::Type::kBlockStored, job.key, job.info.get(), Tier::kDisk);
+    if (!FinishWriteLocked(job.key, *job.info, r, ok)) ++stats_.spill_dropped;
   }
 }
 
 bool TierCache::WriteToDisk(const PublishInfo& info, const std::string& tenant,
                             const uint8_t* data) {
-  if (!has_disk()) return false;
+  if (!has_disk() || !Fits(tenant, info)) return false;
   const Key key{info.hash, tenant};
-  if (tenant.size() > kMaxName || info.lora.size() > kMaxName ||
-      info.token_ids.size() != block_tokens_) {
-    return false;
-  }
   std::shared_ptr<uint8_t> buf = NewBuffer();
-  uint64_t slot = 0, generation = 0;
+  Reserved r;
   {
     absl::MutexLock lock(&mu_);
     if (disk_index_.contains(key) || queued_.contains(key)) return false;
-    auto s = TakeDiskSlotLocked();
-    if (!s.has_value()) return false;
-    slot = *s;
-    generation = next_generation_++;
-    ++writing_;
+    auto reserved = ReserveSlotLocked();
+    if (!reserved.has_value()) return false;
+    r = *reserved;
   }
-  Encode(info, tenant, generation, data, buf.get());
-  const bool ok =
-      pwrite(fd_, buf.get(), slot_bytes_, off_t(slot * slot_bytes_)) == ssize_t(slot_bytes_);
+  Encode(info, tenant, r.generation, data, buf.get());
+  const bool ok = WriteRecord(r, buf.get());
   absl::MutexLock lock(&mu_);
-  --writing_;
-  if (!ok) {
-    disk_free_.push_back(slot);
-    return false;
-  }
-  stats_.disk_bytes_written += slot_bytes_;
-  ++stats_.spilled_to_disk;
-  disk_lru_.push_front(key);
-  disk_index_[key] = DiskEntry{slot, generation, 0, /*verified=*/true, disk_lru_.begin()};
-  EmitLocked(KvEvent::Type::kBlockStored, key, &info, Tier::kDisk);
-  return true;
+  return FinishWriteLocked(key, info, r, ok);
 }
 
 size_t TierCache::FlushHostToDisk(absl::Time deadline) {
   if (!has_host() || !has_disk()) return 0;
-  std::vector<uint8_t> copy(block_bytes_);
+  std::shared_ptr<uint8_t> buf = NewBuffer();
   size_t n = 0;
   std::vector<Key> keys;
   {
@@ -593,14 +586,25 @@ size_t TierCache::FlushHostToDisk(absl::Time deadline) {
   for (const Key& k : keys) {
     if (absl::Now() >= deadline) break;
     std::shared_ptr<const PublishInfo> info;
+    Reserved r;
     {
+      // The record is encoded straight from the host slot (one copy), under the lock that keeps
+      // the slot as it is.
       absl::MutexLock lock(&mu_);
       auto it = host_index_.find(k);
-      if (it == host_index_.end() || disk_index_.contains(k) || queued_.contains(k)) continue;
+      if (it == host_index_.end() || disk_index_.contains(k) || queued_.contains(k) ||
+          !Fits(k.tenant, *it->second.info)) {
+        continue;
+      }
+      auto reserved = ReserveSlotLocked();
+      if (!reserved.has_value()) break;
+      r = *reserved;
       info = it->second.info;
-      std::memcpy(copy.data(), HostSlot(it->second.slot), block_bytes_);
+      Encode(*info, k.tenant, r.generation, HostSlot(it->second.slot), buf.get());
     }
-    n += WriteToDisk(*info, k.tenant, copy.data());
+    const bool ok = WriteRecord(r, buf.get());
+    absl::MutexLock lock(&mu_);
+    n += FinishWriteLocked(k, *info, r, ok);
   }
   return n;
 }

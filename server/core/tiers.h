@@ -203,7 +203,27 @@ class TierCache final : public EvictionSink {
   // Checks, in the background, the bytes of the blocks LoadDisk indexed.
   void ScrubLoop();
   std::shared_ptr<uint8_t> NewBuffer() const;
+  // Evicted and Spill: the block one tier down unless the tier holds it already (an eviction
+  // then makes it the tier's most recently used). kFull: the disk's queue is full (a spill-ahead
+  // only; an eviction's spill is dropped then, counted).
+  enum class Put : uint8_t { kHeld, kCopied, kFull };
+  Put PutLocked(const Key& key, const PublishInfo& info,
+                const std::function<const uint8_t*()>& data, bool eviction)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool QueueFullLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a disk record can hold the block (tenant and LoRA names of at most 255 bytes).
+  bool Fits(const std::string& tenant, const PublishInfo& info) const;
+  // Every disk write: a slot and a generation reserved under mu_ (counted in writing_), the
+  // record written outside it, then indexed (or the slot freed) under mu_ again.
+  struct Reserved {
+    uint64_t slot = 0, generation = 0;
+  };
+  std::optional<Reserved> ReserveSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Seals the encoded record in buf (slot_bytes) with r's generation and writes it to r's slot.
+  bool WriteRecord(const Reserved& r, uint8_t* buf) const;
+  // Ends the write: indexed (answers true) when ok, else the slot goes back.
+  bool FinishWriteLocked(const Key& key, const PublishInfo& info, const Reserved& r, bool ok)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool QueueDiskWriteLocked(const Key& key, std::shared_ptr<const PublishInfo> info,
                             const uint8_t* data) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PutHostLocked(const Key& key, std::shared_ptr<const PublishInfo> info, const uint8_t* data)
