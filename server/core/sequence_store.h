@@ -368,8 +368,7 @@ class SequenceStore {
                                       const std::vector<MatchQuery>& queries);
   // Brings the queries' blocks found in a tier below the pool back into it (as a Create with
   // the prompt would, without a sequence): they are cached in the pool afterwards. Returns how
-  // many blocks of the queries' leading runs are in the pool now. Blocks (disk reads): call off
-  // any thread that must not wait.
+  // many blocks it promoted. Blocks (disk reads): call off any thread that must not wait.
   size_t Prefetch(const std::string& tenant, const std::vector<MatchQuery>& queries);
   TierCache* tiers() const { return tiers_.get(); }
   // Warm restart: writes every cached block of the pool (then the host tier's) that the disk
@@ -432,9 +431,11 @@ class SequenceStore {
   // which the caller holds until it attached them. Outside mu_: it reads disks.
   // touch false: the run already in the pool keeps its place in the eviction order (a read by
   // hash, not a reuse).
+  // Without a block to promote it takes no reference and answers nothing. *promoted (when not
+  // null): how many blocks it brought up.
   std::vector<BlockRef> PromoteFromTiers(const std::string& tenant,
-                                         absl::Span<const BlockHash> hashes, bool touch = true)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                         absl::Span<const BlockHash> hashes, bool touch = true,
+                                         size_t* promoted = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Heavy-hitter retention's move of the kept tokens into fresh blocks: planned under mu_, the
   // rows copied outside it, applied under it again (sequence_store_retention.cc).
   struct Compaction {

@@ -83,17 +83,24 @@ size_t SequenceStore::Prefetch(const std::string& tenant, const std::vector<Matc
                             layout_.block_tokens, q.extra_keys);
     }
     // Released at once: the promoted blocks stay cached (published, most recently used).
-    n += PromoteFromTiers(tenant, hashes, /*touch=*/false).size();
+    size_t promoted = 0;
+    PromoteFromTiers(tenant, hashes, /*touch=*/false, &promoted);
+    n += promoted;
   }
   return n;
 }
 
 std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
                                                       absl::Span<const BlockHash> hashes,
-                                                      bool touch) {
+                                                      bool touch, size_t* promoted) {
   std::vector<BlockRef> held;
+  if (promoted != nullptr) *promoted = 0;
   if (tiers_ == nullptr || hashes.empty()) return held;
   const uint32_t tenant_id = pool_->InternTenant(tenant);
+  // Most calls find nothing below the pool: a look without references first.
+  size_t in_pool = 0;
+  while (in_pool < hashes.size() && pool_->Contains(hashes[in_pool], tenant_id)) ++in_pool;
+  if (tiers_->CountChain(hashes.subspan(in_pool), tenant) == 0) return held;
   // The run already in the pool: held, so the allocation below cannot evict it.
   size_t i = 0;
   for (; i < hashes.size(); ++i) {
@@ -128,6 +135,7 @@ std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
     // one the look-up finds, and this one goes back to the free list.
     if (pool_->Publish((*blocks)[k], got[k].info, tenant_id)) {
       held.push_back(std::move((*blocks)[k]));
+      if (promoted != nullptr) ++*promoted;
     } else {
       BlockRef b = pool_->Lookup(got[k].info.hash, tenant_id);
       if (!b.valid()) break;
