@@ -330,8 +330,25 @@ absl::StatusOr<Client::ServerInfo> Client::GetServerInfo() {
   v1::GetServerInfoRequest req;
   v1::GetServerInfoResponse resp;
   if (auto s = impl_->Call(&v1::KvBank::Stub::GetServerInfo, req, &resp); !s.ok()) return s;
-  return ServerInfo{resp.version(), resp.shm_socket(), resp.replica()};
+  ServerInfo info;
+  info.version = resp.version();
+  info.shm_socket = resp.shm_socket();
+  info.replica = resp.replica();
+  if (resp.has_cuda_ipc_device()) info.cuda_ipc_device = resp.cuda_ipc_device();
+  info.nccl = resp.nccl();
+  info.nccl_off = resp.nccl_off();
+  info.host_id = resp.host_id();
+  return info;
 }
+
+std::string LocalHostId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+bool Client::ServerInfo::OnThisHost() const { return !host_id.empty() && host_id == LocalHostId(); }
 
 absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& model,
                                                             std::optional<absl::Duration> lease) {
@@ -396,8 +413,9 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::StreamAppend(
   const std::string serialized_header = header.SerializeAsString();
   std::vector<grpc::Slice> slices;  // [prefix, data pieces...]
   uint64_t chunk = 0;               // data bytes in `slices`
-  bool first = true, broken = false;
-  auto flush = [&]() {
+  bool first = true, broken = false, closed = false;
+  // last: the message also half-closes the stream (one step less for the server to wait on).
+  auto flush = [&](bool last) {
     prefix.clear();
     if (first) {
       proto::AppendLengthDelimitedKey(1, serialized_header.size(), &prefix);
@@ -406,7 +424,11 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::StreamAppend(
     proto::AppendLengthDelimitedKey(2, chunk, &prefix);
     slices.insert(slices.begin(), grpc::Slice(prefix));
     grpc::ByteBuffer message(slices.data(), slices.size());
-    if (!writer->Write(message)) broken = true;  // the server ended the call: Finish tells why
+    grpc::WriteOptions write_options;
+    if (last) write_options.set_last_message();
+    closed = last;
+    // false: the server ended the call; Finish tells why.
+    if (!writer->Write(message, write_options)) broken = true;
     slices.clear();
     chunk = 0;
     first = false;
@@ -417,11 +439,11 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::StreamAppend(
       slices.emplace_back(piece.data(), n, grpc::Slice::STATIC_SLICE);
       chunk += n;
       piece.remove_prefix(n);
-      if (chunk == options.chunk_bytes) flush();
+      if (chunk == options.chunk_bytes) flush(/*last=*/false);
     }
   }
-  if (!broken && (first || chunk > 0)) flush();
-  writer->WritesDone();
+  if (!broken && (first || chunk > 0)) flush(/*last=*/true);
+  if (!closed) writer->WritesDone();
   if (auto s = FromGrpc(writer->Finish()); !s.ok()) return s;
   v1::AppendResponse resp;
   if (!grpc::SerializationTraits<v1::AppendResponse>::Deserialize(&raw_resp, &resp).ok()) {

@@ -141,6 +141,16 @@ absl::StatusOr<Client::FetchResult> Client::FetchToDevice(const std::string& mod
   return FetchIntoRegion(impl_->stub.get(), &ctx, req);
 }
 
+namespace {
+// A FetchBlocks whose payload the server writes into a region (`req` names it).
+absl::StatusOr<Client::FetchResult> FetchBlocksIntoRegion(v1::KvBank::Stub* stub,
+                                                          grpc::ClientContext* ctx,
+                                                          const v1::FetchBlocksRequest& req) {
+  auto reader = stub->FetchBlocks(ctx, req);
+  return ReadRegionHeader(*reader);
+}
+}  // namespace
+
 absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
     const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
     const RegionSlice& dest) {
@@ -148,8 +158,17 @@ absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
   SetSlice(dest, req.mutable_dest());
   grpc::ClientContext ctx;
   impl_->Deadline(&ctx, true);
-  auto reader = impl_->stub->FetchBlocks(&ctx, req);
-  return ReadRegionHeader(*reader);
+  return FetchBlocksIntoRegion(impl_->stub.get(), &ctx, req);
+}
+
+absl::StatusOr<Client::FetchResult> Client::FetchBlocksToDevice(
+    const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
+    const RegionSlice& dest) {
+  v1::FetchBlocksRequest req = internal::MakeFetchBlocksRequest(model, hashes, args);
+  SetSlice(dest, req.mutable_device_dest());
+  grpc::ClientContext ctx;
+  impl_->Deadline(&ctx, true);
+  return FetchBlocksIntoRegion(impl_->stub.get(), &ctx, req);
 }
 
 absl::Status Client::NcclConnect(int device) {

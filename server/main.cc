@@ -434,6 +434,7 @@ int Main(int argc, char** argv) {
       options.replica_name.empty() && gethostname(host, sizeof(host) - 1) == 0) {
     options.replica_name = host;
   }
+  std::getline(std::ifstream("/proc/sys/kernel/random/boot_id"), options.host_id);
   if (std::string path = absl::GetFlag(FLAGS_shm_socket); !path.empty()) {
     plane::ShmOptions shm;
     shm.socket_path = path;

@@ -17,6 +17,7 @@ from ._client import (Blocks, Client, DeviceRegion, Event, FetchInfo, ModelInfo,
                       SequenceInfo, chain_hash, cuda_ipc_handle, layout_fingerprint,
                       normalize_layout, numpy_dtype,
                       prefix_hashes, preset_layout, preset_names, root_hash)
+from ._device import DEVICE_PLANES, choose_device_plane
 from ._fleet import Fleet, FleetSequence, Replica
 from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
                       DeadlineExceededError, Error, FailedPreconditionError, InternalError,
@@ -33,6 +34,6 @@ __all__ = [
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
-    "chain_hash", "cuda_ipc_handle", "layout_fingerprint", "normalize_layout", "numpy_dtype", "prefix_hashes",
+    "DEVICE_PLANES", "chain_hash", "choose_device_plane", "cuda_ipc_handle", "layout_fingerprint", "normalize_layout", "numpy_dtype", "prefix_hashes",
     "preset_layout", "preset_names", "root_hash",
 ]

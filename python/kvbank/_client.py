@@ -10,7 +10,8 @@ from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tupl
 import numpy as np
 
 from . import _kvbank
-from ._errors import InvalidArgumentError
+from ._device import DeviceRouter, _cuda_driver, is_cuda
+from ._errors import FailedPreconditionError, InvalidArgumentError
 
 Layout = Dict[str, Any]
 """A model layout as a dict: name, num_layers, num_q_heads, num_kv_heads, head_dim, head_dim_v,
@@ -172,16 +173,20 @@ class DeviceRegion:
 
 def cuda_ipc_handle(tensor: Any) -> Tuple[bytes, int, int]:
     """The CUDA IPC handle of a contiguous CUDA torch tensor's allocation, the tensor's byte
-    offset in it and its size in bytes (what RegisterDeviceRegion takes), through torch's own
-    sharing of CUDA storage (the one torch.multiprocessing uses)."""
-    if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
+    offset in it and its size in bytes (what RegisterDeviceRegion takes), from the CUDA driver
+    (cuMemGetAddressRange, cuIpcGetMemHandle). Unlike torch's own sharing, this leaves the
+    caching allocator's bookkeeping alone: the block is freed as usual once the tensor goes."""
+    if not is_cuda(tensor):
         raise InvalidArgumentError("a CUDA tensor is needed for CUDA IPC")
     if not tensor.is_contiguous():
         raise InvalidArgumentError("the tensor is not contiguous")
-    shared = tensor.untyped_storage()._share_cuda_()
-    handle, storage_offset = shared[1], int(shared[3])
-    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
-    return bytes(handle), offset, tensor.numel() * tensor.element_size()
+    ptr = int(tensor.data_ptr())
+    try:
+        base, _, handle = _cuda_driver().allocation(ptr)
+    except OSError as e:
+        raise FailedPreconditionError("CUDA IPC: the CUDA driver (libcuda.so.1) cannot be "
+                                      "loaded: %s" % e) from None
+    return handle, ptr - base, tensor.numel() * tensor.element_size()
 
 
 def _cuda_span(tensor: Any) -> Tuple[int, int]:
@@ -208,7 +213,7 @@ class Client:
                  stream_deadline_s: float = 600.0, chunk_bytes: int = 1 << 20,
                  tls: Optional[Mapping[str, str]] = None, max_workers: int = 4,
                  shm: Union[bool, str] = True, shm_min_bytes: int = 1 << 20,
-                 shm_staging_bytes: int = 1 << 30):
+                 shm_staging_bytes: int = 1 << 30, device_plane: str = "auto"):
         """target: "host:port", "dns:///name:port" or "unix:/path". token: bearer token.
         deadline_s: unary calls; stream_deadline_s: appends, fetches. chunk_bytes: payload bytes
         per append message. tls: root_ca_path / root_ca_pem, cert_chain_*, private_key_*,
@@ -219,11 +224,19 @@ class Client:
         in a region from register_region move without a copy on this side; others of at least
         shm_min_bytes go through staging regions (one memcpy here; shm_staging_bytes in all).
         append, fetch_into and fetch_blocks_into use it; data_plane and plane_stats() say how
-        the bytes moved."""
+        the bytes moved.
+
+        device_plane: how payloads in CUDA tensors move. "auto": CUDA IPC when the server runs
+        on this host with its pools on a GPU, else NCCL when the server can form communicators
+        (one is formed on the tensor's device at the first such payload), else through host
+        memory (a copy here, then the planes above); "cuda_ipc" / "nccl": that plane or host
+        memory; "host": always through host memory. device_plane_for(device) says which a
+        tensor would take now; plane_stats() counts cuda_ipc, nccl and cuda_staged."""
         shm_arg = "auto" if shm is True else ("" if shm is False else str(shm))
         self._c = _kvbank.Client(target, token or "", deadline_s, stream_deadline_s, chunk_bytes,
                                  dict(tls) if tls is not None else None, shm_arg, shm_min_bytes,
                                  shm_staging_bytes)
+        self._device = DeviceRouter(self._c, device_plane)
         self.target = target
         self._max_workers = max_workers
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -238,8 +251,22 @@ class Client:
 
     def plane_stats(self) -> Dict[str, Dict[str, int]]:
         """Calls and payload bytes per plane so far: "shm" (in a registered region, no copy
-        here), "shm_staged" (through a staging region) and "grpc"."""
-        return self._c.plane_stats()
+        here), "shm_staged" (through a staging region), "grpc", and for payloads in CUDA
+        tensors "cuda_ipc", "nccl" and "cuda_staged" (copied through host memory: their bytes
+        also count on the host plane that took them)."""
+        stats = dict(self._c.plane_stats())
+        stats.update(self._device.stats())
+        return stats
+
+    def server_info(self) -> Dict[str, Any]:
+        """What the server serves: version, replica, shm_socket, cuda_ipc_device (None: no CUDA
+        IPC plane), nccl and nccl_off (why not), host_id (its boot id) and on_this_host."""
+        return dict(self._c.server_info())
+
+    def device_plane_for(self, device: int = 0) -> str:
+        """The plane a payload in a CUDA tensor on `device` takes now: "cuda_ipc", "nccl" or
+        "cuda_staged" (see device_plane in the constructor). Asks the server once."""
+        return self._device.plane_for(device)
 
     def register_region(self, nbytes: int) -> np.ndarray:
         """A shared-memory region of nbytes registered with the server, as a writable uint8
@@ -421,6 +448,19 @@ class Client:
         ids = list(token_ids) if token_ids is not None else []
         if (payload is None) == (k is None):
             raise InvalidArgumentError("give either a payload or k (and v)")
+        if payload is not None and is_cuda(payload):
+            if num_tokens is None:
+                raise InvalidArgumentError("num_tokens is needed with a payload")
+            r = self._device.append(payload, model, seq_id, (num_tokens, layer_begin, layer_end,
+                                                             dtype, ids, kv_head_begin,
+                                                             kv_head_end))
+            if r is not None:
+                return SequenceInfo(**r)
+            payload = self._staged(payload)
+        if k is not None and is_cuda(k):
+            k = self._staged(k)
+        if v is not None and is_cuda(v):
+            v = self._staged(v)
         if k is not None:
             n = num_tokens if num_tokens is not None else _num_tokens_of(k)
             kb = _buffer(k, False)
@@ -459,10 +499,43 @@ class Client:
                    wait_s: float = 0.0) -> FetchInfo:
         """Writes the payload straight into `out` (a writable C-contiguous numpy array,
         bytearray, memoryview, or CPU torch tensor): no intermediate copy. OutOfRangeError when
-        it does not fit (ModelInfo.payload_bytes sizes it). wait_s: as for fetch."""
+        it does not fit (ModelInfo.payload_bytes sizes it). wait_s: as for fetch. A CUDA tensor
+        takes the plane device_plane_for names (through host memory: one more copy here)."""
+        if is_cuda(out):
+            r = self._device.fetch_into(out, model, seq_id, (token_begin, token_end, layer_begin,
+                                                             layer_end, dtype, kv_head_begin,
+                                                             kv_head_end), wait_s)
+            if r is not None:
+                return FetchInfo(**r)
+            return self._into_device(out, lambda host: self.fetch_into(
+                model, seq_id, host, token_begin=token_begin, token_end=token_end,
+                layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
+                kv_head_begin=kv_head_begin, kv_head_end=kv_head_end, wait_s=wait_s))
         return FetchInfo(**self._c.fetch_into(model, seq_id, _buffer(out, True), token_begin,
                                               token_end, layer_begin, layer_end, dtype,
                                               kv_head_begin, kv_head_end, wait_s))
+
+    # ---- CUDA tensors through host memory --------------------------------------------------
+
+    def _staged(self, tensor: Any) -> Any:
+        """A host copy of a CUDA tensor's payload (counted as cuda_staged)."""
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError("the tensor is not contiguous")
+        host = tensor.cpu()
+        self._device.count_staged(host.numel() * host.element_size())
+        return host
+
+    def _into_device(self, out: Any, fetch: Any) -> Any:
+        """fetch(host) into a host buffer of out's size, then its payload_bytes into out."""
+        import torch
+        if not out.is_contiguous():
+            raise InvalidArgumentError("the tensor is not contiguous")
+        flat = out.reshape(-1).view(torch.uint8)
+        host = torch.empty(flat.numel(), dtype=torch.uint8)
+        info = fetch(host)
+        flat[:info.payload_bytes].copy_(host[:info.payload_bytes])
+        self._device.count_staged(info.payload_bytes)
+        return info
 
     def fetch_tensors(self, model: str, seq_id: int, k: Any, v: Any = None, *,
                       token_begin: int = 0, token_end: Optional[int] = None,
@@ -471,7 +544,19 @@ class Client:
                       kv_head_end: Optional[int] = None, wait_s: float = 0.0) -> None:
         """Fills k [layers][kv_heads][tokens][head_dim] and v (head_dim_v; None for MLA), each
         exactly the size of the range fetched (kv_heads: those of the head range). wait_s: as
-        for fetch."""
+        for fetch. CUDA tensors are filled through host memory."""
+        if is_cuda(k) or (v is not None and is_cuda(v)):
+            hk = k.cpu() if is_cuda(k) else k
+            hv = v.cpu() if v is not None and is_cuda(v) else v
+            self.fetch_tensors(model, seq_id, hk, hv, token_begin=token_begin,
+                               token_end=token_end, layer_begin=layer_begin, layer_end=layer_end,
+                               dtype=dtype, kv_head_begin=kv_head_begin, kv_head_end=kv_head_end,
+                               wait_s=wait_s)
+            for dst, src in ((k, hk), (v, hv)):
+                if dst is not None and dst is not src:
+                    dst.copy_(src)
+                    self._device.count_staged(src.numel() * src.element_size())
+            return
         self._c.fetch_tensors(model, seq_id, _buffer(k, True),
                               _buffer(v, True) if v is not None else None, token_begin,
                               token_end, layer_begin, layer_end, dtype, kv_head_begin,
@@ -565,7 +650,17 @@ class Client:
                           dtype: Optional[str] = None, kv_head_begin: int = 0,
                           kv_head_end: Optional[int] = None) -> FetchInfo:
         """fetch_blocks written into `out` (as fetch_into): info.payload_bytes says how much of
-        it the cached run filled."""
+        it the cached run filled. A CUDA tensor: CUDA IPC where device_plane_for says so, else
+        through host memory."""
+        if is_cuda(out):
+            hs = [bytes(h) for h in hashes]
+            r = self._device.fetch_blocks_into(out, model, hs, (layer_begin, layer_end, dtype,
+                                                               kv_head_begin, kv_head_end))
+            if r is not None:
+                return FetchInfo(**r)
+            return self._into_device(out, lambda host: self.fetch_blocks_into(
+                model, hs, host, layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
+                kv_head_begin=kv_head_begin, kv_head_end=kv_head_end))
         return FetchInfo(**self._c.fetch_blocks_into(model, [bytes(h) for h in hashes],
                                                      _buffer(out, True), layer_begin, layer_end,
                                                      dtype, kv_head_begin, kv_head_end))

@@ -36,6 +36,10 @@ kv_connector_extra_config:
   kvbank_fetch_threads  threads fetching layers (default 4)
   kvbank_shm         use kvbankd's same-host shared-memory plane when it serves one (default
                      true; the connector logs the plane it uses)
+  kvbank_device_plane  how payloads of a GPU cache move (kvbank.Client's device_plane): "auto"
+                     (default: CUDA IPC with a kvbankd on this host whose pools are on a GPU,
+                     else NCCL for appends where kvbankd forms communicators, else through host
+                     memory), "cuda_ipc", "nccl" or "host"
 
 Supported: decoder attention layers on vLLM's CPU attention backend (the paged layout is
 discovered by running the backend's own cache-write op on a probe block, so its packed AMX layout
@@ -43,6 +47,11 @@ is handled), any tensor-parallel size (each rank appends and fetches its own kv 
 that ranks replicate is stored by the first of them; prefill and decode instances may use
 different sizes), one pipeline-parallel rank, KV cache dtype = model dtype, prompts given as token
 ids (no multimodal inputs). Anything else raises at start, naming what is unsupported.
+GPU attention backends whose cache keeps K and V apart along a dimension of size 2
+(FlashAttention, FlashInfer, Triton: SplitKvLayout) are handled too: payloads are gathered and
+scattered on the GPU and move by the client's device plane (kvbank_device_plane), named in the
+log. That path has not run on
+a GPU yet: its layout is tested on CPU tensors, its planes in the gpu test suite.
 Blocks evicted between the look-up and the fetch are reported through
 get_block_ids_with_load_errors (vLLM's kv_load_failure_policy decides: recompute or fail).
 """
@@ -229,6 +238,68 @@ class PagedLayout:
         kv_layer.index_copy_(0, block_ids, blocks.reshape(n, *kv_layer.shape[1:]))
 
 
+class SplitKvLayout:
+    """Moves one layer's blocks between the paged cache of vLLM's GPU attention backends, K and
+    V apart along a dimension of size 2 (`kv_dim`): FlashAttention's [2][num_blocks][block_size]
+    [kv_heads][head_dim] (kv_dim 0), FlashInfer's and Triton's [num_blocks][2][block_size]
+    [kv_heads][head_dim] (kv_dim 1); the tensor may be a strided view (a backend's HND stride
+    order). Same interface as PagedLayout; torch ops only, so it runs on the cache's device and
+    the payload stays there (the client then picks CUDA IPC, NCCL or host memory for it)."""
+
+    identity = True
+
+    def __init__(self, kv_dim: int, num_kv_heads: int, block_size: int, head_dim: int):
+        if kv_dim not in (0, 1):
+            raise ValueError("kv_dim must be 0 or 1")
+        self.kv_dim = kv_dim
+        self.h, self.bs, self.d = num_kv_heads, block_size, head_dim
+
+    def _part(self, kv_layer: torch.Tensor, i: int) -> torch.Tensor:
+        """K (i = 0) or V as a [num_blocks][block_size][kv_heads][head_dim] view."""
+        return kv_layer.select(self.kv_dim, i)
+
+    def gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """The payload of `block_ids` (in order): a contiguous [2][kv_heads][n*bs][head_dim]."""
+        n = block_ids.numel()
+        return torch.stack([
+            self._part(kv_layer, i).index_select(0, block_ids).permute(2, 0, 1, 3)
+            .reshape(self.h, n * self.bs, self.d) for i in (0, 1)]).contiguous()
+
+    def scatter(self, kv_layer: torch.Tensor, block_ids: torch.Tensor,
+                payload: torch.Tensor) -> None:
+        """Writes a payload [2][kv_heads][n*bs][head_dim] (any shape of that size) into
+        `block_ids`."""
+        n = block_ids.numel()
+        plain = payload.reshape(2, self.h, n, self.bs, self.d)
+        for i in (0, 1):
+            self._part(kv_layer, i).index_copy_(0, block_ids, plain[i].permute(1, 2, 0, 3))
+
+
+def split_kv_dim(shape: Sequence[int], block_size: int, num_kv_heads: int, head_dim: int,
+                 backend: Any = None) -> int:
+    """Where a GPU backend's 5-D cache keeps K apart from V (SplitKvLayout's kv_dim), from the
+    backend's get_kv_cache_shape where it has one (a probe with 3 blocks tells the two apart
+    however many blocks the cache has), else from the shape. Raises NotImplementedError for any
+    other layout."""
+    tail = (block_size, num_kv_heads, head_dim)
+    if backend is not None and hasattr(backend, "get_kv_cache_shape"):
+        probe = tuple(backend.get_kv_cache_shape(3, block_size, num_kv_heads, head_dim))
+        for kv_dim, want in ((0, (2, 3) + tail), (1, (3, 2) + tail)):
+            if probe == want and tuple(shape[2:]) == tail and shape[kv_dim] == 2:
+                return kv_dim
+        raise NotImplementedError("KvbankConnector: %s's cache shape %s is neither "
+                                  "[2][blocks][block_size][kv_heads][head_dim] nor "
+                                  "[blocks][2][...]" % (getattr(backend, "__name__", backend),
+                                                        probe))
+    if len(shape) == 5 and tuple(shape[2:]) == tail:
+        fits = [d for d in (0, 1) if shape[d] == 2]
+        if len(fits) == 1:
+            return fits[0]
+    raise NotImplementedError("KvbankConnector: a GPU cache of shape %s: expected "
+                              "[2][blocks]%s or [blocks][2]%s" % (tuple(shape), list(tail),
+                                                                  list(tail)))
+
+
 # ---- metadata: scheduler -> workers -----------------------------------------------------------
 
 
@@ -292,7 +363,8 @@ class KvbankConnector(KVConnectorBase_V1):
             shm = shm.lower() not in ("0", "false", "no", "off")
         self._client = kvbank.Client(target, extra.get("kvbank_token") or None,
                                      deadline_s=float(extra.get("kvbank_deadline_s", 30.0)),
-                                     shm=bool(shm))
+                                     shm=bool(shm),
+                                     device_plane=str(extra.get("kvbank_device_plane", "auto")))
         info = self._client.ensure_model(self._layout,
                                          pool_bytes=int(extra.get("kvbank_pool_bytes", 0)))
         logger.info("KvbankConnector (%s, %s): kvbank model %r at %s, %d-token blocks, "
@@ -309,7 +381,8 @@ class KvbankConnector(KVConnectorBase_V1):
         # Worker side.
         self._kv_caches: Dict[str, torch.Tensor] = {}
         self._layer_index: Dict[str, int] = {}
-        self._paged: Optional[PagedLayout] = None
+        self._paged: Optional[Any] = None  # PagedLayout (CPU) or SplitKvLayout (GPU)
+        self._device = torch.device("cpu")  # where the caches, and so the payloads, live
         self._fetch_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._append_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._layer_loads: Dict[str, "concurrent.futures.Future[Any]"] = {}
@@ -483,12 +556,15 @@ class KvbankConnector(KVConnectorBase_V1):
         fwd = self._vllm_config.compilation_config.static_forward_context
         isa = None
         dtype = None
+        devices = {kv.device for kv in kv_caches.values()}
+        if len(devices) == 1 and next(iter(devices)).type == "cuda":
+            return self._register_gpu_caches(kv_caches, h, d)
         for name, kv in kv_caches.items():
             if kv.device.type != "cpu":
                 raise NotImplementedError(
-                    "KvbankConnector: layer %s's cache is on %s; only vLLM's CPU backend "
-                    "([num_blocks][kv_heads][block_size][2 * head_dim]) is supported"
-                    % (name, kv.device))
+                    "KvbankConnector: layer %s's cache is on %s (caches on %s); supported: "
+                    "vLLM's CPU backend, or GPU backends on one CUDA device"
+                    % (name, kv.device, sorted(str(x) for x in devices)))
             if kv.dim() != 4 or tuple(kv.shape[1:]) != expected or not kv.is_contiguous():
                 raise NotImplementedError(
                     "KvbankConnector: layer %s's cache has shape %s (contiguous: %s); expected "
@@ -518,15 +594,54 @@ class KvbankConnector(KVConnectorBase_V1):
         logger.info("KvbankConnector: %d layers registered, CPU attention ISA %r (%s layout)",
                     len(kv_caches), isa, "plain" if self._paged.identity else "packed")
 
+    def _register_gpu_caches(self, kv_caches: Dict[str, torch.Tensor], h: int, d: int) -> None:
+        """register_kv_caches for vLLM's GPU attention backends (SplitKvLayout). The payloads
+        then live on the GPU and the client moves them by the plane it picks (logged)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        num_layers = self._layout["num_layers"]
+        fwd = self._vllm_config.compilation_config.static_forward_context
+        kv_dim = None
+        for name, kv in kv_caches.items():
+            layer = fwd.get(name)
+            backend = getattr(layer, "attn_backend", None)
+            if backend is None and hasattr(layer, "get_attn_backend"):
+                backend = layer.get_attn_backend()
+            dim = split_kv_dim(tuple(kv.shape), self._bs, h, d, backend)
+            if kv_dim is not None and dim != kv_dim:
+                raise NotImplementedError("KvbankConnector: layers with different cache layouts")
+            kv_dim = dim
+            if _KV_DTYPES.get(kv.dtype) != self._layout["dtype"]:
+                raise NotImplementedError("KvbankConnector: cache dtype %s vs kvbank's %s"
+                                          % (kv.dtype, self._layout["dtype"]))
+            index = extract_layer_index(name)
+            if not 0 <= index < num_layers:
+                raise NotImplementedError("KvbankConnector: layer %s has index %d of %d"
+                                          % (name, index, num_layers))
+            self._layer_index[name] = index
+            self._kv_caches[name] = kv
+        if sorted(self._layer_index.values()) != list(range(num_layers)):
+            raise NotImplementedError("KvbankConnector: attention layers %s do not cover the "
+                                      "model's %d layers once each"
+                                      % (sorted(self._layer_index.values()), num_layers))
+        assert kv_dim is not None
+        self._paged = SplitKvLayout(kv_dim, h, self._bs, d)
+        self._device = next(iter(kv_caches.values())).device
+        logger.info("KvbankConnector: %d layers registered on %s (K/V split on dim %d); "
+                    "payloads move by %s", len(kv_caches), self._device, kv_dim,
+                    self._client.device_plane_for(self._device.index or 0))
+
     def _fetch_layer(self, layer: int, loads: Sequence[LoadSpec]) -> List[Any]:
         """Per load: its layer's payload (the leading cached run of its blocks) as a uint8
-        tensor, or the error. The payload lands in a buffer of this thread's (a shared-memory
-        region's staging copy on the same host, else gRPC's)."""
+        tensor, or the error. On the CPU the payload lands in a buffer of this thread's (a
+        shared-memory region's staging copy on the same host, else gRPC's); on a GPU in a
+        device buffer, by CUDA IPC where the client can (else through host memory)."""
         out = []
         token_bytes = 2 * (self._heads[1] - self._heads[0]) * self._layout["head_dim"] * \
             _DTYPE_BYTES[self._layout["dtype"]]
         for spec in loads:
-            buf = torch.empty(len(spec.hashes) * self._bs * token_bytes, dtype=torch.uint8)
+            buf = torch.empty(len(spec.hashes) * self._bs * token_bytes, dtype=torch.uint8,
+                              device=self._device)
             try:
                 info = self._client.fetch_blocks_into(self._model, spec.hashes, buf,
                                                       layer_begin=layer, layer_end=layer + 1,
@@ -562,8 +677,13 @@ class KvbankConnector(KVConnectorBase_V1):
                 # The leading run of the hashes that is still cached: n <= len(spec.hashes).
                 n = got[0] // self._bs
                 if n:
-                    self._paged.scatter(kv, torch.tensor(spec.block_ids[:n], dtype=torch.int64),
+                    self._paged.scatter(kv, torch.tensor(spec.block_ids[:n], dtype=torch.int64,
+                                                         device=kv.device),
                                         got[1].view(kv.dtype))
+                    if kv.device.type == "cuda":
+                        # The fetch thread allocated the buffer; the scatter reads it on this
+                        # stream: keep the allocator from reusing it before that is done.
+                        got[1].record_stream(torch.cuda.current_stream(kv.device))
             if n < len(spec.block_ids):
                 logger.warning("KvbankConnector: request %s: %d of %d blocks of layer %s "
                                "loaded (%s)", spec.req_id, n, len(spec.block_ids), layer_name,
@@ -579,9 +699,12 @@ class KvbankConnector(KVConnectorBase_V1):
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
-    def _append(self, spec: SaveSpec, layer: int, payload: torch.Tensor) -> None:
+    def _append(self, spec: SaveSpec, layer: int, payload: torch.Tensor,
+                gathered: Optional[Any] = None) -> None:
         if spec.seq_id in self._broken_seqs:
             return
+        if gathered is not None:
+            gathered.synchronize()  # the gather ran on the forward's stream; the copy reads it
         try:
             self._client.append(self._model, spec.seq_id, payload,
                                 num_tokens=spec.token_end - spec.token_begin, layer_begin=layer,
@@ -605,8 +728,14 @@ class KvbankConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             # The gather copies the blocks out now; the append streams the copy meanwhile.
             payload = self._paged.gather(kv_layer, torch.tensor(spec.block_ids,
-                                                                dtype=torch.int64))
-            self._appends.append(self._append_pool.submit(self._append, spec, layer, payload))
+                                                                dtype=torch.int64,
+                                                                device=kv_layer.device))
+            gathered = None
+            if payload.device.type == "cuda":
+                gathered = torch.cuda.Event()
+                gathered.record(torch.cuda.current_stream(payload.device))
+            self._appends.append(self._append_pool.submit(self._append, spec, layer, payload,
+                                                          gathered))
 
     def wait_for_save(self) -> None:
         self._drain_loads()

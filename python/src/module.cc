@@ -276,6 +276,23 @@ void BindClient(py::module_& m) {
       .def_property_readonly("data_plane", &PyClient::data_plane)
       .def_property_readonly("shm_socket", &PyClient::shm_socket)
       .def("plane_stats", &PyClient::PlaneStats)
+      .def("server_info",
+           [](PyClient& self) {
+             const Client::ServerInfo info =
+                 CallWithoutGil([&] { return self.c().GetServerInfo(); });
+             py::dict d;
+             d["version"] = info.version;
+             d["shm_socket"] = info.shm_socket;
+             d["replica"] = info.replica;
+             d["cuda_ipc_device"] = info.cuda_ipc_device.has_value()
+                                        ? py::object(py::int_(*info.cuda_ipc_device))
+                                        : py::object(py::none());
+             d["nccl"] = info.nccl;
+             d["nccl_off"] = info.nccl_off;
+             d["host_id"] = info.host_id;
+             d["on_this_host"] = info.OnThisHost();
+             return d;
+           })
       .def("register_region", &PyClient::RegisterRegion, py::arg("size"))
       .def("unregister_region", &PyClient::UnregisterRegion, py::arg("region"))
       .def(
@@ -606,6 +623,23 @@ void BindClient(py::module_& m) {
           py::arg("model"), py::arg("id"), py::arg("ptr"), py::arg("capacity"),
           py::arg("token_begin") = 0, py::arg("token_end") = py::none(),
           py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("kv_head_begin") = 0,
+          py::arg("kv_head_end") = py::none())
+      .def(
+          "fetch_blocks_to_device",
+          [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
+             uint64_t region_id, uint64_t offset, uint64_t length, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             uint32_t kv_head_begin, std::optional<uint32_t> kv_head_end) {
+            const std::vector<BlockHash> hs = ToHashes(hashes);
+            const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
+                                                      dtype, kv_head_begin, kv_head_end);
+            const RegionSlice slice{region_id, offset, length};
+            return FetchToDict(
+                CallWithoutGil([&] { return self.c().FetchBlocksToDevice(model, hs, a, slice); }));
+          },
+          py::arg("model"), py::arg("hashes"), py::arg("region_id"), py::arg("offset"),
+          py::arg("length"), py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
           py::arg("dtype") = py::none(), py::arg("kv_head_begin") = 0,
           py::arg("kv_head_end") = py::none())
       .def(

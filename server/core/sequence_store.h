@@ -380,11 +380,13 @@ class SequenceStore {
   BlockHash Root(const std::string& tenant, const std::string& cache_salt) const;
   // A reader over the longest run of leading `hashes` that `tenant` has cached: full blocks,
   // layers [layer_begin, layer_end). NOT_FOUND when not even the first is cached. No side
-  // effects on the eviction order.
+  // effects on the eviction order. device_dest: as FetchSpec's (the reader stages nothing on
+  // the host; its payload goes to device memory with ReadToDevice).
   absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(
       const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
       std::optional<uint32_t> layer_end, std::optional<DType> dtype = std::nullopt,
-      uint32_t kv_head_begin = 0, std::optional<uint32_t> kv_head_end = std::nullopt);
+      uint32_t kv_head_begin = 0, std::optional<uint32_t> kv_head_end = std::nullopt,
+      bool device_dest = false);
   // kv heads [begin, end) of this model (end unset: num_kv_heads): INVALID_ARGUMENT unless
   // begin < end <= num_kv_heads. Every head for MLA (one latent head that every rank reads).
   absl::StatusOr<HeadRange> ResolveHeads(uint32_t begin, std::optional<uint32_t> end) const;

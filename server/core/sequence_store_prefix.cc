@@ -164,7 +164,7 @@ size_t SequenceStore::FlushToDisk(absl::Time deadline) {
 absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
     const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
     std::optional<uint32_t> layer_end, std::optional<DType> dtype, uint32_t kv_head_begin,
-    std::optional<uint32_t> kv_head_end) {
+    std::optional<uint32_t> kv_head_end, bool device_dest) {
   const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
   if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
@@ -188,8 +188,9 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
   }
   r->token_begin_ = 0;
   const uint64_t n = r->refs_.size() * uint64_t{layout_.block_tokens};
-  auto reader = pool_->memory().BeginRead(
-      block_layout(), MakeTransfer(*wire, l0, l1, 0, n, std::move(table), *heads));
+  TransferSpec t = MakeTransfer(*wire, l0, l1, 0, n, std::move(table), *heads);
+  t.device_payload = device_dest;
+  auto reader = pool_->memory().BeginRead(block_layout(), std::move(t));
   if (!reader.ok()) return reader.status();
   r->reader_ = *std::move(reader);
   r->kv_head_begin_ = heads->begin;

@@ -597,6 +597,15 @@ grpc::ServerUnaryReactor* KvBankService::GetServerInfo(Ctx* ctx, const Raw* raw,
         if (options_.shm_regions != nullptr) {
           resp->set_shm_socket(options_.shm_regions->options().socket_path);
         }
+        if (options_.cuda_ipc != nullptr) {
+          resp->set_cuda_ipc_device(options_.cuda_ipc->options().device);
+        }
+        resp->set_nccl(options_.nccl != nullptr);
+        if (options_.nccl == nullptr) {
+          resp->set_nccl_off(options_.nccl_off.empty() ? "kvbankd serves no NCCL plane"
+                                                       : options_.nccl_off);
+        }
+        resp->set_host_id(options_.host_id);
         return absl::OkStatus();
       });
 }

@@ -49,6 +49,8 @@ struct ServiceOptions {
   std::string nccl_off;
   // GetServerInfoResponse.replica (--replica-name).
   std::string replica_name;
+  // GetServerInfoResponse.host_id: this machine's boot id (clients compare it with theirs).
+  std::string host_id;
 };
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.

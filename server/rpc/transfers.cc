@@ -577,16 +577,23 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
   bool on_device = false;
   std::optional<v1::RegionSlice> dest;
+  std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
   std::string tenant;
   auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     v1::FetchBlocksRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
+    if (req.has_dest() && req.has_device_dest()) {
+      return absl::InvalidArgumentError("dest and device_dest: name one");
+    }
     if (req.has_dest()) dest = req.dest();
     tenant = caller->tenant;
     auto model = FindModel(*registry_, req.model());
     if (!model.ok()) return model.status();
+    if (req.has_device_dest()) {
+      device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
+    }
     auto hashes = HashesFromProto(req.block_hashes(), "block_hashes");
     if (!hashes.ok()) return hashes.status();
     std::optional<uint32_t> layer_end, head_end;
@@ -600,13 +607,17 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
         (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
     return FetchReactor::Open([store = *std::move(model), tenant = caller->tenant,
                                hashes = *std::move(hashes), l0 = req.layer_begin(), layer_end,
-                               dtype = *d, h0 = req.kv_head_begin(), head_end] {
-      return store->FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end);
+                               dtype = *d, h0 = req.kv_head_begin(), head_end,
+                               to_device = req.has_device_dest()] {
+      return store->FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end, to_device);
     });
   };
   auto open = prepare();
   if (open.ok() && dest.has_value()) {
     return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::nullopt);
+  }
+  if (open.ok() && device_dest.has_value()) {
+    return StartDeviceFetch(ctx, *std::move(open), *std::move(device_dest), std::nullopt);
   }
   return FetchReactor::Start(this, ctx, std::move(open), on_device, std::nullopt);
 }

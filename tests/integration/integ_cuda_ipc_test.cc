@@ -145,5 +145,49 @@ TEST_F(CudaIpcRefusalTest, FetchIntoADeviceRegionIsRefused) {
   EXPECT_EQ(f->num_tokens, 2u);
 }
 
+// FetchBlocks into a device region: refused as a Fetch is, before any block is looked up.
+TEST_F(CudaIpcRefusalTest, FetchBlocksIntoADeviceRegionIsRefused) {
+  v1::FetchBlocksRequest req;
+  req.set_model("m");
+  req.add_block_hashes(std::string(32, '\x07'));
+  req.mutable_device_dest()->set_region_id(7);
+  req.mutable_device_dest()->set_length(1 << 20);
+  auto fetch_blocks = [&] {
+    auto ctx = Ctx();
+    auto r = stub_->FetchBlocks(ctx.get(), req);
+    v1::FetchResponse resp;
+    while (r->Read(&resp)) {
+    }
+    return r->Finish();
+  };
+  EXPECT_STATUS(fetch_blocks(), FAILED_PRECONDITION, "CUDA IPC plane");
+  req.mutable_device_dest()->set_region_id(0);
+  EXPECT_STATUS(fetch_blocks(), INVALID_ARGUMENT, "device_dest.region_id");
+  req.mutable_device_dest()->set_region_id(7);
+  req.mutable_dest()->set_region_id(7);
+  EXPECT_STATUS(fetch_blocks(), INVALID_ARGUMENT, "dest and device_dest");
+  BlockHash h;
+  h.fill(7);
+  auto f = client_->FetchBlocksToDevice("m", {h}, {}, {7, 0, 1 << 20});
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition) << f.status();
+  EXPECT_TRUE(absl::StrContains(f.status().message(), "CUDA IPC plane")) << f.status();
+}
+
+// GetServerInfo tells a client which planes it may pick: none of the GPU ones on a host pool,
+// and the host it runs on (this one).
+TEST_F(CudaIpcRefusalTest, ServerInfoSaysWhichPlanesAreServed) {
+  auto info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->cuda_ipc_device.has_value());
+  EXPECT_FALSE(info->nccl);
+  EXPECT_TRUE(absl::StrContains(info->nccl_off, "NCCL")) << info->nccl_off;
+  EXPECT_FALSE(info->host_id.empty());
+  EXPECT_EQ(info->host_id, LocalHostId());
+  EXPECT_TRUE(info->OnThisHost());
+  Client::ServerInfo elsewhere = *info;
+  elsewhere.host_id = "another-machine";
+  EXPECT_FALSE(elsewhere.OnThisHost());
+}
+
 }  // namespace
 }  // namespace kvbank::integ

@@ -272,3 +272,63 @@ def test_paged_layout_round_trip():
         assert torch.equal(restored, cache)
         print("[vllm] layout %s head_dim %d ISA %s: %s" % (dtype, hd, isa,
                                                           "plain" if paged.identity else "packed"))
+
+
+class _FlashAttnShape:
+    """A backend whose get_kv_cache_shape is FlashAttention's (as vLLM's GPU backends define it)."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class _FlashInferShape:
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def test_split_kv_layout_round_trip():
+    """The GPU backends' layout (K and V apart along a dimension of size 2), on CPU tensors:
+    a token written where vLLM's reshape_and_cache_flash writes it (cache[block][slot][head]
+    [dim]) comes back from SplitKvLayout.gather as kvbank's payload, and scatter restores the
+    blocks, for FlashAttention's and FlashInfer's order, and for a strided (HND) view."""
+    from kvbank.vllm import SplitKvLayout, split_kv_dim
+
+    h, hd, nb = 2, 64, 6
+    blocks = torch.tensor([4, 1, 3])
+    k = torch.randn(3 * BS, h, hd).to(torch.bfloat16)
+    v = torch.randn(3 * BS, h, hd).to(torch.bfloat16)
+    for backend in (_FlashAttnShape, _FlashInferShape):
+        shape = backend.get_kv_cache_shape(nb, BS, h, hd)
+        kv_dim = split_kv_dim(shape, BS, h, hd, backend)
+        assert kv_dim == (0 if backend is _FlashAttnShape else 1)
+        for hnd in (False, True):
+            if hnd:  # stored [..][heads][block_size][dim], viewed in the logical order
+                order = list(range(5))
+                order[2], order[3] = 3, 2
+                cache = torch.zeros([shape[i] for i in order], dtype=torch.bfloat16)
+                cache = cache.permute(*order)
+                assert tuple(cache.shape) == shape and not cache.is_contiguous()
+            else:
+                cache = torch.zeros(shape, dtype=torch.bfloat16)
+            key, value = cache.select(kv_dim, 0), cache.select(kv_dim, 1)
+            for t in range(3 * BS):
+                key[blocks[t // BS], t % BS] = k[t]
+                value[blocks[t // BS], t % BS] = v[t]
+            layout = SplitKvLayout(kv_dim, h, BS, hd)
+            payload = layout.gather(cache, blocks)
+            assert payload.is_contiguous() and tuple(payload.shape) == (2, h, 3 * BS, hd)
+            assert torch.equal(payload[0], k.permute(1, 0, 2))
+            assert torch.equal(payload[1], v.permute(1, 0, 2))
+            restored = torch.zeros_like(cache)
+            layout.scatter(restored, blocks, payload.reshape(-1))
+            assert torch.equal(restored, cache)
+    # Without a backend the shape decides, unless both leading dims are 2.
+    assert split_kv_dim((2, 7, BS, h, hd), BS, h, hd) == 0
+    assert split_kv_dim((7, 2, BS, h, hd), BS, h, hd) == 1
+    with pytest.raises(NotImplementedError, match="expected"):
+        split_kv_dim((2, 2, BS, h, hd), BS, h, hd)
+    with pytest.raises(NotImplementedError, match="neither"):
+        split_kv_dim((6, BS, h, 2 * hd), BS, h, hd, type("Cpu", (), {
+            "get_kv_cache_shape": staticmethod(lambda n, b, kh, d: (n, kh, b, 2 * d))}))

@@ -268,10 +268,19 @@ class Client {
   absl::StatusOr<ModelInfo> GetModel(const std::string& model);
   absl::StatusOr<std::vector<ModelStats>> GetStats(const std::string& model = "");
   // What the server is and which data planes it serves.
+  // What the server is and which data planes it serves (the planes a caller may pick).
   struct ServerInfo {
     std::string version;
     std::string shm_socket;  // kvbankd's --shm-socket; empty when the plane is off
     std::string replica;     // kvbankd's --replica-name (default its host name); may be empty
+    // The CUDA IPC plane's device N (the pools are in cuda:N memory); unset when it is off.
+    std::optional<int> cuda_ipc_device;
+    bool nccl = false;     // NcclConnect can form a communicator
+    std::string nccl_off;  // why not, when nccl is false
+    // The server host's boot id; empty when unknown. OnThisHost() compares it with ours.
+    std::string host_id;
+    // True when the server runs on this machine (same boot id): CUDA IPC can reach it.
+    bool OnThisHost() const;
   };
   absl::StatusOr<ServerInfo> GetServerInfo();
 
@@ -334,6 +343,10 @@ class Client {
                                             const FetchArgs& args, const RegionSlice& dest);
   // FetchBlocks written into `dest` (args' layer, dtype and head fields apply), as FetchToRegion.
   absl::StatusOr<FetchResult> FetchBlocksToRegion(const std::string& model,
+                                                  const std::vector<BlockHash>& hashes,
+                                                  const FetchArgs& args, const RegionSlice& dest);
+  // FetchBlocks written into `dest` in a device region, as FetchToDevice.
+  absl::StatusOr<FetchResult> FetchBlocksToDevice(const std::string& model,
                                                   const std::vector<BlockHash>& hashes,
                                                   const FetchArgs& args, const RegionSlice& dest);
 
@@ -437,6 +450,10 @@ class Client {
   explicit Client(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// This machine's boot id (/proc/sys/kernel/random/boot_id): what GetServerInfo's host_id is
+// compared with. Empty when it cannot be read.
+std::string LocalHostId();
 
 }  // namespace kvbank
 
