@@ -1,12 +1,13 @@
 // shm_bench: the same-host shared-memory plane of the shipped kvbankd, measured as its own
 // process, against memcpy of the same bytes in the same run, with the gRPC path beside it.
 //
-//   shm_bench [--quick] [--reps N] [--kvbankd PATH]
+//   shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] [--in-flight-iters N]
 //
 // kvbankd (this build's, or --kvbankd) runs with --device=host, a 1 GiB llama-3.1-8b pool (bf16,
 // 128 KiB of payload per token) and --shm-socket in a temp dir; this process is the client
 // (kvbank::Client with ClientOptions::shm_socket) and registers one region of the largest size.
-// Payloads of 2, 16 and 128 MiB (16, 128, 1024 tokens); per size and repetition, in turn:
+// Payloads of 2, 16 and 128 MiB (16, 128, 1024 tokens; --mib N: N MiB only); per size and
+// repetition, in turn:
 //   shm append:  Client::AppendFromRegion of the whole payload to a fresh sequence (create and
 //                free not timed): kvbankd copies region -> pool, one copy.
 //   shm fetch:   Client::FetchToRegion of that sequence: pool -> region, one copy.
@@ -19,6 +20,11 @@
 // Repetition 0 is a warm-up, not recorded; it checks that every path returns the bytes given.
 // Then the same as microseconds a call, and the control plane's floor: a unary GetSequence on the
 // same connection (every shm transfer is one gRPC call too).
+// Last, 2 MiB transfers with several in flight (--in-flight N threads, default 4, on the one
+// Client, each with its own sequences and slice of a second region: an engine fetching layers of
+// several requests at once, as the vLLM connector's fetch threads do): aggregate GB/s of shm
+// append and shm fetch ÷ aggregate GB/s of as many threads each memcpy'ing 2 MiB at once
+// (--in-flight-iters transfers a thread per repetition).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -26,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -36,6 +43,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -135,6 +143,26 @@ double MemcpySeconds(uint8_t* dst, const uint8_t* src, uint64_t n) {
   return Seconds(t0, t1);
 }
 
+// Runs body(t) on `threads` threads started together; answers the seconds until the last ends.
+template <typename F>
+double TimedThreads(int threads, F body) {
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+      body(t);
+    });
+  }
+  while (ready.load() < threads) std::this_thread::yield();
+  const auto t0 = Clock::now();
+  go.store(true, std::memory_order_release);
+  for (std::thread& th : pool) th.join();
+  return Seconds(t0, Clock::now());
+}
+
 struct Row {
   std::vector<double> memcpy_gbs;
   std::vector<double> us[4];             // microseconds a call
@@ -144,6 +172,8 @@ struct Row {
 int Main(int argc, char** argv) {
   bool quick = false;
   int reps = 7;
+  int in_flight = 4, in_flight_iters = 16;
+  std::vector<uint64_t> sizes = {2 * kMiB, 16 * kMiB, 128 * kMiB};
   std::string kvbankd = KVBANK_KVBANKD_PATH;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -153,15 +183,22 @@ int Main(int argc, char** argv) {
       reps = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--kvbankd" && i + 1 < argc) {
       kvbankd = argv[++i];
+    } else if (a == "--mib" && i + 1 < argc) {
+      sizes = {uint64_t(std::max(1, std::atoi(argv[++i]))) * kMiB};
+    } else if (a == "--in-flight" && i + 1 < argc) {
+      in_flight = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--in-flight-iters" && i + 1 < argc) {
+      in_flight_iters = std::max(1, std::atoi(argv[++i]));
     } else {
-      Die("usage: shm_bench [--quick] [--reps N] [--kvbankd PATH]");
+      Die("usage: shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] "
+          "[--in-flight-iters N]");
     }
   }
-  if (quick) reps = 2;
+  if (quick) {
+    reps = 2;
+    sizes = {2 * kMiB};
+  }
   signal(SIGPIPE, SIG_IGN);
-  const std::vector<uint64_t> sizes = quick
-                                          ? std::vector<uint64_t>{2 * kMiB}
-                                          : std::vector<uint64_t>{2 * kMiB, 16 * kMiB, 128 * kMiB};
   const uint64_t max_bytes = *std::max_element(sizes.begin(), sizes.end());
 
   char templ[] = "/tmp/shm_bench-XXXXXX";
@@ -280,6 +317,70 @@ int Main(int argc, char** argv) {
   }
   std::printf("control plane floor: a unary GetSequence takes %.0f us (median)\n",
               Median(unary_us));
+
+  // ---- 2 MiB transfers, several in flight ----
+  if (quick) in_flight_iters = std::min(in_flight_iters, 4);
+  const uint64_t small = 2 * kMiB;
+  const uint64_t small_tokens = small / model.payload_bytes_per_token;
+  std::unique_ptr<ShmRegion> lanes =
+      Check(client->RegisterRegion(small * in_flight), "RegisterRegion (in flight)");
+  std::vector<std::vector<uint8_t>> src(in_flight), dst(in_flight);
+  for (int t = 0; t < in_flight; ++t) {
+    src[t].assign(payload.begin(), payload.begin() + small);
+    dst[t].assign(small, 0);
+    std::memcpy(lanes->data() + t * small, payload.data(), small);
+  }
+  std::vector<double> agg[3], ratio[2];  // GB/s of memcpy, shm append, shm fetch
+  for (int rep = 0; rep <= reps; ++rep) {
+    // Each thread's sequences: in_flight_iters fresh ones to append to, then fetched back.
+    std::vector<std::vector<uint64_t>> seqs(in_flight);
+    for (int t = 0; t < in_flight; ++t) {
+      for (int i = 0; i < in_flight_iters; ++i) {
+        seqs[t].push_back(Check(client->CreateSequence(kModel, absl::ZeroDuration()), "Create").id);
+      }
+    }
+    const double total = double(small) * in_flight * in_flight_iters;
+    const double m0 = TimedThreads(in_flight, [&](int t) {
+      for (int i = 0; i < in_flight_iters; ++i) std::memcpy(dst[t].data(), src[t].data(), small);
+    });
+    Client::AppendArgs args;
+    args.num_tokens = small_tokens;
+    const double ta = TimedThreads(in_flight, [&](int t) {
+      for (int i = 0; i < in_flight_iters; ++i) {
+        Check(client->AppendFromRegion(kModel, seqs[t][i], args, lanes->Slice(t * small, small)),
+              "AppendFromRegion (in flight)");
+      }
+    });
+    const double m1 = TimedThreads(in_flight, [&](int t) {
+      for (int i = 0; i < in_flight_iters; ++i) std::memcpy(dst[t].data(), src[t].data(), small);
+    });
+    const double tf = TimedThreads(in_flight, [&](int t) {
+      for (int i = 0; i < in_flight_iters; ++i) {
+        const auto f =
+            Check(client->FetchToRegion(kModel, seqs[t][i], {}, lanes->Slice(t * small, small)),
+                  "FetchToRegion (in flight)");
+        if (f.payload_bytes != small) Die("FetchToRegion (in flight): short payload");
+      }
+    });
+    for (int t = 0; t < in_flight; ++t) {
+      if (std::memcmp(lanes->data() + t * small, payload.data(), small) != 0) {
+        Die("in flight: a fetch returned other bytes than were appended");
+      }
+      for (uint64_t id : seqs[t]) Check(client->Free(kModel, id), "Free");
+    }
+    if (rep == 0) continue;  // warm-up
+    agg[0].push_back(total / ((m0 + m1) / 2) / 1e9);
+    agg[1].push_back(total / ta / 1e9);
+    agg[2].push_back(total / tf / 1e9);
+    ratio[0].push_back(m0 / ta);
+    ratio[1].push_back(m1 / tf);
+  }
+  std::printf("2 MiB transfers, %d in flight (%d a thread a repetition), aggregate GB/s:\n",
+              in_flight, in_flight_iters);
+  std::printf("  memcpy x%d %8.2f | shm append %8.2f  ratio %5.2f | shm fetch %8.2f  ratio %5.2f\n",
+              in_flight, Median(agg[0]), Median(agg[1]), Median(ratio[0]), Median(agg[2]),
+              Median(ratio[1]));
+  lanes.reset();
   region.reset();
   client.reset();
   kill(server, SIGTERM);

@@ -70,6 +70,7 @@ import kvbank
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -336,6 +337,49 @@ class _StoreState:
     stored: int  # tokens kvbank holds in every layer (cached at create + appended)
 
 
+# ---- stats: which plane moved the bytes --------------------------------------------------------
+
+
+@dataclass
+class KvbankConnectorStats(KVConnectorStats):
+    """Payload calls and bytes per data plane (the names of kvbank.Client.plane_stats: shm,
+    shm_staged, grpc, cuda_ipc, nccl, cuda_staged) over an interval, summed over the workers;
+    vLLM's stat loggers show reduce()'s summary."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvbankConnectorStats":
+        for plane, c in (other.data or {}).items():
+            mine = self.data.setdefault(plane, {"calls": 0, "bytes": 0})
+            mine["calls"] += int(c.get("calls", 0))
+            mine["bytes"] += int(c.get("bytes", 0))
+        return self
+
+    def reduce(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for plane, c in sorted(self.data.items()):
+            if c.get("calls"):
+                out["%s calls" % plane] = int(c["calls"])
+                out["%s MiB" % plane] = round(c["bytes"] / (1 << 20), 1)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(c.get("calls") for c in self.data.values())
+
+
+def plane_delta(now: Dict[str, Dict[str, int]],
+                before: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+    """Calls and bytes per plane between two plane_stats() snapshots (planes that moved any)."""
+    out = {}
+    for plane, c in now.items():
+        b = before.get(plane, {})
+        d = {k: int(c.get(k, 0)) - int(b.get(k, 0)) for k in ("calls", "bytes")}
+        if d["calls"]:
+            out[plane] = d
+    return out
+
+
 # ---- the connector ----------------------------------------------------------------------------
 
 
@@ -390,6 +434,7 @@ class KvbankConnector(KVConnectorBase_V1):
         self._appends: List["concurrent.futures.Future[Any]"] = []
         self._failed_block_ids: Set[int] = set()
         self._broken_seqs: Set[int] = set()
+        self._planes_reported: Dict[str, Dict[str, int]] = {}  # plane_stats() at the last report
         self._lock = threading.Lock()
         # This rank's kv heads, and whether it appends them (rank_heads).
         self._heads: Tuple[int, int] = (0, int(self._layout["num_kv_heads"]))
@@ -742,6 +787,20 @@ class KvbankConnector(KVConnectorBase_V1):
         appends, self._appends = self._appends, []
         for fut in appends:
             fut.result()
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> Optional[KvbankConnectorStats]:
+        """The planes this worker's payloads took since the last call (None: none moved)."""
+        now = self._client.plane_stats()
+        delta = plane_delta(now, self._planes_reported)
+        self._planes_reported = now
+        return KvbankConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(
+            cls, data: Optional[Dict[str, Any]] = None) -> Optional[KvbankConnectorStats]:
+        return KvbankConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         for pool in (self._fetch_pool, self._append_pool):
