@@ -24,7 +24,8 @@
 // Client, each with its own sequences and slice of a second region: an engine fetching layers of
 // several requests at once, as the vLLM connector's fetch threads do): aggregate GB/s of shm
 // append and shm fetch ÷ aggregate GB/s of as many threads each memcpy'ing 2 MiB at once
-// (--in-flight-iters transfers a thread per repetition).
+// (--in-flight-iters transfers a thread per repetition; each memcpy from another 2 MiB, as each
+// fetch reads other pool blocks).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -324,12 +325,19 @@ int Main(int argc, char** argv) {
   const uint64_t small_tokens = small / model.payload_bytes_per_token;
   std::unique_ptr<ShmRegion> lanes =
       Check(client->RegisterRegion(small * in_flight), "RegisterRegion (in flight)");
-  std::vector<std::vector<uint8_t>> src(in_flight), dst(in_flight);
+  // The baseline copies as the fetches do: from a different 2 MiB each time (the transfers'
+  // pool blocks: a sequence each) into the thread's one destination (its region slice).
+  std::vector<std::vector<uint8_t>> src(size_t(in_flight) * in_flight_iters), dst(in_flight);
+  for (auto& b : src) b.assign(payload.begin(), payload.begin() + small);
   for (int t = 0; t < in_flight; ++t) {
-    src[t].assign(payload.begin(), payload.begin() + small);
     dst[t].assign(small, 0);
     std::memcpy(lanes->data() + t * small, payload.data(), small);
   }
+  auto copies = [&](int t) {
+    for (int i = 0; i < in_flight_iters; ++i) {
+      std::memcpy(dst[t].data(), src[size_t(t) * in_flight_iters + i].data(), small);
+    }
+  };
   std::vector<double> agg[3], ratio[2];  // GB/s of memcpy, shm append, shm fetch
   for (int rep = 0; rep <= reps; ++rep) {
     // Each thread's sequences: in_flight_iters fresh ones to append to, then fetched back.
@@ -340,9 +348,7 @@ int Main(int argc, char** argv) {
       }
     }
     const double total = double(small) * in_flight * in_flight_iters;
-    const double m0 = TimedThreads(in_flight, [&](int t) {
-      for (int i = 0; i < in_flight_iters; ++i) std::memcpy(dst[t].data(), src[t].data(), small);
-    });
+    const double m0 = TimedThreads(in_flight, copies);
     Client::AppendArgs args;
     args.num_tokens = small_tokens;
     const double ta = TimedThreads(in_flight, [&](int t) {
@@ -351,9 +357,7 @@ int Main(int argc, char** argv) {
               "AppendFromRegion (in flight)");
       }
     });
-    const double m1 = TimedThreads(in_flight, [&](int t) {
-      for (int i = 0; i < in_flight_iters; ++i) std::memcpy(dst[t].data(), src[t].data(), small);
-    });
+    const double m1 = TimedThreads(in_flight, copies);
     const double tf = TimedThreads(in_flight, [&](int t) {
       for (int i = 0; i < in_flight_iters; ++i) {
         const auto f =
