@@ -175,9 +175,14 @@ class DeviceRouter:
                 self._regions.move_to_end(handle)
                 return rid, ptr - base
         r = self._c.register_device_region(handle, 0, size)
+        rid = r["region_id"]
         dropped = []
         with self._lock:
-            self._regions[handle] = r["region_id"]
+            if handle in self._regions:  # another thread registered it meanwhile: use theirs
+                dropped.append(rid)
+                rid = self._regions[handle]
+            else:
+                self._regions[handle] = rid
             while len(self._regions) > self.MAX_REGIONS:
                 dropped.append(self._regions.popitem(last=False)[1])
         for old in dropped:
@@ -185,7 +190,7 @@ class DeviceRouter:
                 self._c.unregister_device_region(old)
             except NotFoundError:
                 pass  # kvbankd already closed it (its lease ran out)
-        return r["region_id"], ptr - base
+        return rid, ptr - base
 
     def _forget(self, region_id: int) -> None:
         with self._lock:

@@ -592,12 +592,27 @@ class KvbankConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def _index_layers(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        """Keeps each layer's cache under its model layer index; raises unless the layers
+        cover the model's once each."""
         from vllm.model_executor.models.utils import extract_layer_index
 
+        num_layers = self._layout["num_layers"]
+        for name, kv in kv_caches.items():
+            index = extract_layer_index(name)
+            if not 0 <= index < num_layers:
+                raise NotImplementedError("KvbankConnector: layer %s has index %d of %d"
+                                          % (name, index, num_layers))
+            self._layer_index[name] = index
+            self._kv_caches[name] = kv
+        if sorted(self._layer_index.values()) != list(range(num_layers)):
+            raise NotImplementedError("KvbankConnector: attention layers %s do not cover the "
+                                      "model's %d layers once each"
+                                      % (sorted(self._layer_index.values()), num_layers))
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         h, d = self._heads[1] - self._heads[0], self._layout["head_dim"]
         expected = (h, self._bs, 2 * d)
-        num_layers = self._layout["num_layers"]
         fwd = self._vllm_config.compilation_config.static_forward_context
         isa = None
         dtype = None
@@ -616,19 +631,10 @@ class KvbankConnector(KVConnectorBase_V1):
                     "a contiguous [num_blocks]%s (the CPU attention backend's layout, kernel "
                     "block size = block_size)" % (name, tuple(kv.shape), kv.is_contiguous(),
                                                   list(expected)))
-            index = extract_layer_index(name)
-            if not 0 <= index < num_layers:
-                raise NotImplementedError("KvbankConnector: layer %s has index %d of %d"
-                                          % (name, index, num_layers))
-            self._layer_index[name] = index
-            self._kv_caches[name] = kv
             layer_isa = getattr(fwd.get(name), "isa", None)
             isa = isa or layer_isa
             dtype = dtype or kv.dtype
-        if sorted(self._layer_index.values()) != list(range(num_layers)):
-            raise NotImplementedError("KvbankConnector: attention layers %s do not cover the "
-                                      "model's %d layers once each"
-                                      % (sorted(self._layer_index.values()), num_layers))
+        self._index_layers(kv_caches)
         if isa is None:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
             isa = _get_attn_isa(dtype, self._bs, d)
@@ -642,9 +648,6 @@ class KvbankConnector(KVConnectorBase_V1):
     def _register_gpu_caches(self, kv_caches: Dict[str, torch.Tensor], h: int, d: int) -> None:
         """register_kv_caches for vLLM's GPU attention backends (SplitKvLayout). The payloads
         then live on the GPU and the client moves them by the plane it picks (logged)."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        num_layers = self._layout["num_layers"]
         fwd = self._vllm_config.compilation_config.static_forward_context
         kv_dim = None
         for name, kv in kv_caches.items():
@@ -659,16 +662,7 @@ class KvbankConnector(KVConnectorBase_V1):
             if _KV_DTYPES.get(kv.dtype) != self._layout["dtype"]:
                 raise NotImplementedError("KvbankConnector: cache dtype %s vs kvbank's %s"
                                           % (kv.dtype, self._layout["dtype"]))
-            index = extract_layer_index(name)
-            if not 0 <= index < num_layers:
-                raise NotImplementedError("KvbankConnector: layer %s has index %d of %d"
-                                          % (name, index, num_layers))
-            self._layer_index[name] = index
-            self._kv_caches[name] = kv
-        if sorted(self._layer_index.values()) != list(range(num_layers)):
-            raise NotImplementedError("KvbankConnector: attention layers %s do not cover the "
-                                      "model's %d layers once each"
-                                      % (sorted(self._layer_index.values()), num_layers))
+        self._index_layers(kv_caches)
         assert kv_dim is not None
         self._paged = SplitKvLayout(kv_dim, h, self._bs, d)
         self._device = next(iter(kv_caches.values())).device

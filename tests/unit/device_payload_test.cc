@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kernels/quant_math.h"
+#include "kvbank/prefix_hash.h"
 #include "server/core/sequence_store.h"
 #include "tests/unit/test_memory.h"
 
@@ -180,6 +182,47 @@ TEST_F(DevicePayloadTest, StorageFormatAndPartWrittenAppendsAreRefused) {
   const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed);
   ASSERT_TRUE((*txn)->Write(absl::MakeConstSpan(payload).subspan(0, 2)).ok());
   EXPECT_EQ((*txn)->WriteFromDevice(payload.data()).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// FetchBlocks with device_dest (FetchBlocksRequest.device_dest, the CUDA IPC plane): the cached
+// blocks ReadToDevice writes equal a plain FetchBlocks' Read, dequantized on the device side;
+// plain host memory refuses the device path.
+TEST_F(DevicePayloadTest, FetchBlocksToTheDeviceEqualsTheHostRead) {
+  Make(DType::kInt8);
+  std::vector<uint32_t> ids(12);  // three full blocks of 4 tokens
+  std::iota(ids.begin(), ids.end(), 100u);
+  const uint64_t id = NewSeq();
+  AppendSpec a = Spec(id, ids.size());
+  a.token_ids = ids;
+  auto txn = store_->BeginAppend(a);
+  ASSERT_TRUE(txn.ok()) << txn.status();
+  ASSERT_TRUE((*txn)->Write(Fp16Payload((*txn)->payload_bytes(), kSeed)).ok());
+  ASSERT_TRUE((*txn)->Commit().ok());
+  const std::vector<BlockHash> hashes = PrefixHashes(store_->options().hash, store_->Root("", ""),
+                                                     ids, store_->layout().block_tokens);
+  ASSERT_EQ(hashes.size(), 3u);
+
+  auto host = store_->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp16);
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ((*host)->num_tokens(), 12u);
+  std::vector<uint8_t> want((*host)->payload_bytes());
+  ASSERT_TRUE((*host)->Read(0, absl::MakeSpan(want)).ok());
+
+  auto dev = store_->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp16, 0, std::nullopt,
+                                 /*device_dest=*/true);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  ASSERT_EQ((*dev)->payload_bytes(), want.size());
+  std::vector<uint8_t> got(want.size(), 0xa5);
+  const absl::Status s = (*dev)->ReadToDevice(got.data());
+  if (!OnDevicePath()) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    return;
+  }
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(got, want);
+  dev->reset();
+  host->reset();
+  EXPECT_EQ(store_->CheckInvariants(), "");
 }
 
 }  // namespace
