@@ -205,7 +205,7 @@ class DeviceRouter:
         try:
             return call(rid, offset)
         except NotFoundError as e:
-            if "region" not in str(e):
+            if "device region" not in str(e):
                 raise
             self._forget(rid)
             rid, offset = self._region(ptr)
