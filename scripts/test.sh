@@ -12,17 +12,17 @@ scripts/check-format.sh
 jobs=$(nproc)
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$jobs"
-ctest --preset release -j "$jobs"
+ctest --preset release -j "$jobs" --output-on-failure
 if [ "${SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --preset asan-ubsan >/dev/null
   cmake --build --preset asan-ubsan -j "$jobs"
-  ctest --preset asan-ubsan -j "$jobs"
+  ctest --preset asan-ubsan -j "$jobs" --output-on-failure
   # ThreadSanitizer: unit and integration tests. attention_test (label tsan-slow) runs only its
   # threaded cases there (attention_threads_test): its single-threaded reference sweeps take
   # minutes under TSan, and the release and ASan passes run them.
   cmake --preset tsan >/dev/null
   cmake --build --preset tsan -j "$jobs"
-  ctest --preset tsan -j "$jobs"
+  ctest --preset tsan -j "$jobs" --output-on-failure
   scripts/fuzz.sh "${FUZZ_SECONDS:-420}"
   # The CUDA code (kernels, cuda:N pool memory) under the GPU and store tests, on an emulated CUDA
   # runtime: index math, barriers and copy bounds are checked on a machine without a GPU.

@@ -487,9 +487,14 @@ TEST_F(LeaseTest, UnrenewedSequenceExpiresAndReturnsItsBlocks) {
   ASSERT_NO_FATAL_FAILURE(AppendAndCheck(*client, "leased", seq->id, ref, rng, 0, 4, 20, false));
   EXPECT_EQ(StatsOf(*client, "leased").blocks_used, 2u);
 
-  absl::SleepFor(absl::Seconds(1));
-  // The reaper freed it without anyone touching it.
-  const Client::ModelStats st = StatsOf(*client, "leased");
+  // The reaper frees it without anyone touching it (stats do not renew a lease): waited for,
+  // with a deadline far past the 300 ms lease.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  Client::ModelStats st = StatsOf(*client, "leased");
+  while (st.sequences != 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    st = StatsOf(*client, "leased");
+  }
   EXPECT_EQ(st.blocks_used, 0u);
   EXPECT_EQ(st.sequences, 0u);
   EXPECT_GE(st.leases_expired, 1u);
@@ -502,7 +507,7 @@ TEST_F(LeaseTest, UnrenewedSequenceExpiresAndReturnsItsBlocks) {
 
 TEST_F(LeaseTest, RenewLeaseKeepsASequencePastItsTtl) {
   ASSERT_NO_FATAL_FAILURE(
-      StartServer({"--models=", "--default-lease-ms=800", "--lease-check-ms=50"}));
+      StartServer({"--models=", "--default-lease-ms=1500", "--lease-check-ms=50"}));
   auto client = NewClient();
   const ModelLayout layout = SmallGqa("renewed", DType::kBf16);
   ASSERT_TRUE(client->EnsureModel(layout, 16 * kMiB).ok());
@@ -513,13 +518,16 @@ TEST_F(LeaseTest, RenewLeaseKeepsASequencePastItsTtl) {
   Random rng(2002);
   ASSERT_NO_FATAL_FAILURE(AppendAndCheck(*client, "renewed", kept->id, ref, rng, 0, 4, 5, false));
 
-  // Two and a half TTLs long, renewed every 100 ms.
+  // Renewed every 100 ms until the other one, never renewed, has expired (at least two and a
+  // half TTLs; waited for in the stats, which renew nothing, with a deadline): the renewed one
+  // is still there.
   const absl::Time start = absl::Now();
-  while (absl::Now() - start < absl::Milliseconds(2000)) {
+  while (absl::Now() - start < absl::Milliseconds(3750) ||
+         (StatsOf(*client, "renewed").sequences > 1 && absl::Now() - start < absl::Seconds(30))) {
     absl::SleepFor(absl::Milliseconds(100));
     auto renewed = client->RenewLease("renewed", kept->id);
     ASSERT_TRUE(renewed.ok()) << renewed.status() << " after " << MsSince(start) << " ms";
-    EXPECT_EQ(renewed->lease_ttl, absl::Milliseconds(800));
+    EXPECT_EQ(renewed->lease_ttl, absl::Milliseconds(1500));
   }
   auto got = client->GetSequence("renewed", kept->id);
   ASSERT_TRUE(got.ok()) << got.status();
@@ -529,9 +537,13 @@ TEST_F(LeaseTest, RenewLeaseKeepsASequencePastItsTtl) {
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kFailedPrecondition) << gone.status();
   EXPECT_TRUE(absl::StrContains(gone.status().message(), "lease")) << gone.status();
 
-  // Left alone, it goes too.
-  absl::SleepFor(absl::Milliseconds(1800));
-  const Client::ModelStats st = StatsOf(*client, "renewed");
+  // Left alone, it goes too (waited for, with a deadline).
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  Client::ModelStats st = StatsOf(*client, "renewed");
+  while (st.sequences != 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    st = StatsOf(*client, "renewed");
+  }
   EXPECT_EQ(st.sequences, 0u);
   EXPECT_EQ(st.blocks_used, 0u);
   EXPECT_EQ(st.leases_expired, 2u);
