@@ -153,9 +153,10 @@ Listener::~Listener() {
 }
 
 void Listener::Start(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor,
-                     uint64_t max_connections) {
+                     uint64_t max_connections, OverCap over_cap) {
   acceptor_ = std::move(acceptor);
   max_connections_ = max_connections;
+  over_cap_ = over_cap;
   accepting_.store(true, std::memory_order_release);
   thread_ = std::thread([this] { Run(); });
 }
@@ -174,6 +175,7 @@ ListenerStats Listener::stats() const {
   s.refused_over_cap = refused_over_cap_.load(std::memory_order_relaxed);
   s.refused_no_fds = refused_no_fds_.load(std::memory_order_relaxed);
   s.open = open_.load(std::memory_order_relaxed);
+  s.closed_oldest = closed_oldest_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -246,6 +248,18 @@ bool Listener::AcceptOne(int listen_fd) {
   // Closed connections are forgotten lazily: at the cap, and whenever the list has doubled since
   // the last sweep (so it stays within twice the open connections, at O(1) a connection).
   if (handed_.size() >= max_connections_ || handed_.size() >= next_sweep_) Sweep();
+  if (handed_.size() >= max_connections_ && over_cap_ == OverCap::kCloseOldest) {
+    // The oldest connection still open goes: gRPC sees it end and closes its descriptor. The
+    // inode is checked first, so a descriptor gRPC already closed and reused is left alone.
+    while (!handed_.empty() && handed_.size() >= max_connections_) {
+      const auto [old_fd, old_ino] = handed_.front();
+      handed_.erase(handed_.begin());
+      if (old_ino != 0 && SocketInode(old_fd) == old_ino) {
+        shutdown(old_fd, SHUT_RDWR);
+        closed_oldest_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
   if (handed_.size() >= max_connections_) {
     close(fd);
     refused_over_cap_.fetch_add(1, std::memory_order_relaxed);

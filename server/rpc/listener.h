@@ -36,6 +36,14 @@ struct ListenerStats {
   uint64_t refused_no_fds = 0;    // closed at once: no descriptor was left for them
   uint64_t open = 0;              // connections handed to gRPC that are still open (a bound:
                                   // closed ones are noticed lazily, at most twice the open ones)
+  uint64_t closed_oldest = 0;     // OverCap::kCloseOldest: open ones shut down to make room
+};
+
+// What a listener does with a new connection while max_connections are open.
+enum class OverCap : uint8_t {
+  kRefuse,       // close the new one at once (its client may retry elsewhere)
+  kCloseOldest,  // shut the oldest open one down and take the new one: a port that must always
+                 // answer (health probes), where no client holds a connection for long
 };
 
 // Thread-safe after Start; Start and Stop are called once each, from one thread.
@@ -54,9 +62,9 @@ class Listener {
   int port() const { return port_; }
 
   // Starts the accept thread: every connection goes to `acceptor` (REQUIRES: its grpc::Server is
-  // started) unless `max_connections` are open, which closes it at once.
+  // started); while `max_connections` are open, `over_cap` says which one is closed.
   void Start(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor,
-             uint64_t max_connections);
+             uint64_t max_connections, OverCap over_cap = OverCap::kRefuse);
   // Closes the listening sockets and joins the accept thread. Connections already handed to gRPC
   // stay open (gRPC's Shutdown closes them).
   void Stop();
@@ -81,6 +89,7 @@ class Listener {
   int reserve_fd_ = -1;     // closed to make room when accept4 runs out of descriptors
   std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   uint64_t max_connections_ = 0;
+  OverCap over_cap_ = OverCap::kRefuse;
   std::thread thread_;
   std::atomic<bool> accepting_{false};
 
@@ -89,7 +98,8 @@ class Listener {
   std::vector<std::pair<int, ino_t>> handed_;
   absl::Time last_sweep_ = absl::InfinitePast();
   size_t next_sweep_ = 1024;  // sweep once handed_ has this many entries
-  std::atomic<uint64_t> accepted_{0}, refused_over_cap_{0}, refused_no_fds_{0}, open_{0};
+  std::atomic<uint64_t> accepted_{0}, refused_over_cap_{0}, refused_no_fds_{0}, open_{0},
+      closed_oldest_{0};
 };
 
 // Raises the soft RLIMIT_NOFILE to the hard limit; returns the soft limit in force after.

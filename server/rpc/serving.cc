@@ -3,7 +3,9 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/resource_quota.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/rpc/service.h"
@@ -12,8 +14,28 @@ namespace kvbank::rpc {
 namespace {
 
 // Connections the health-only server keeps open at once: kubelet probes and an operator's
-// grpc_health_probe need a handful.
+// grpc_health_probe need a handful. Past it the oldest is closed (OverCap::kCloseOldest), so a
+// probe always gets a connection however many others are held open.
 constexpr uint64_t kHealthConnections = 64;
+// A health connection's life, well inside a probe period (kubelet's default is 10 s): one that
+// sends no HTTP/2 settings within the handshake timeout, stays idle, or just lives long, is
+// closed, so none holds a slot for long.
+constexpr int kHealthHandshakeMs = 2000;
+constexpr int kHealthIdleMs = 3000;
+constexpr int kHealthMaxAgeMs = 10000;
+constexpr int kHealthMaxAgeGraceMs = 1000;
+// A health request is a service name.
+constexpr int kHealthMaxMessageBytes = 4096;
+
+// Drops every server plugin from a builder (reflection among them): the health-only server
+// serves grpc.health.v1 and nothing else.
+class NoPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
+  }
+};
 
 }  // namespace
 
@@ -86,13 +108,25 @@ absl::StatusOr<std::unique_ptr<Serving>> Serving::Start(grpc::Service* service,
     auto health_acceptor = health_builder.experimental().AddExternalConnectionAcceptor(
         grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
         grpc::InsecureServerCredentials());
-    health_builder.SetMaxReceiveMessageSize(4096);
+    health_builder.SetOption(std::make_unique<NoPlugins>());
+    // Every other method answers UNIMPLEMENTED (the generic service's default); it also gives
+    // the server the callback completion queue the health service runs on.
+    s->health_generic_ = std::make_unique<grpc::CallbackGenericService>();
+    health_builder.RegisterCallbackGenericService(s->health_generic_.get());
+    health_builder.SetMaxReceiveMessageSize(kHealthMaxMessageBytes);
+    health_builder.SetMaxSendMessageSize(kHealthMaxMessageBytes);
+    health_builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kHealthHandshakeMs);
+    health_builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kHealthIdleMs);
+    health_builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, kHealthMaxAgeMs);
+    health_builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, kHealthMaxAgeGraceMs);
+    health_builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 4);
     s->health_server_ = health_builder.BuildAndStart();
     if (s->health_server_ == nullptr || s->health_server_->GetHealthCheckService() == nullptr) {
       return absl::InternalError(
           absl::StrCat("gRPC could not start the health server on ", options.health_listen));
     }
-    s->health_listener_->Start(std::move(health_acceptor), kHealthConnections);
+    s->health_listener_->Start(std::move(health_acceptor), kHealthConnections,
+                               OverCap::kCloseOldest);
   }
   s->SetServing(true);
   return s;

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "server/rpc/listener.h"
@@ -28,10 +29,12 @@ struct ServingOptions {
   absl::Duration max_connection_idle = absl::Minutes(10);
   absl::Duration keepalive_time = absl::Seconds(60);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  // When set, a second, plaintext gRPC server on this address serves grpc.health.v1 only, with
-  // the same statuses as the main one: kubelet's native gRPC probes cannot speak TLS or send
-  // tokens. It has its own listener (a few connections; it survives running out of descriptors
-  // like the main one).
+  // When set, a second, plaintext gRPC server on this address serves grpc.health.v1 only (no
+  // reflection), with the same statuses as the main one: kubelet's native gRPC probes cannot
+  // speak TLS or send tokens. It has its own listener (a few connections, the oldest closed to
+  // make room for a new one; it survives running out of descriptors like the main one) and its
+  // own short handshake, idle and age limits, so a probe gets through within a probe period
+  // however many connections others hold open.
   std::string health_listen;
   // Extra channel arguments (benchmark experiments).
   std::vector<std::pair<std::string, int>> channel_args;
@@ -71,6 +74,7 @@ class Serving {
   std::unique_ptr<Listener> listener_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<Listener> health_listener_;  // with health_server_, or both null
+  std::unique_ptr<grpc::CallbackGenericService> health_generic_;  // outlives health_server_
   std::unique_ptr<grpc::Server> health_server_;
   uint64_t max_connections_ = 0;
   uint64_t descriptor_limit_ = 0;

@@ -2,8 +2,11 @@
 // follows the drain, JSON-lines logs (start-up config, the memory budget and where it came
 // from, failed calls with method, tenant and code, drain progress; never a token), and a rate
 // limit on error records.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -18,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
@@ -136,6 +140,96 @@ TEST_F(OperationsTest, HealthPortServesHealthAloneAndGoesNotServingOnDrain) {
   EXPECT_EQ(HealthOf(health.get(), ""), 2);
   ctx.TryCancel();
   ASSERT_TRUE(server_->WaitForExit(absl::Seconds(20)).ok()) << server_->Log();
+}
+
+// A plain TCP connection to the health port, sending `bytes` (maybe none) and then nothing: what
+// a client that holds connections open without probing looks like. -1 when it cannot connect.
+int IdleConnection(int port, const std::string& bytes) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      (!bytes.empty() &&
+       send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) != ssize_t(bytes.size()))) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the server closed connection `fd` (EOF or reset), without blocking.
+bool ClosedByPeer(int fd) {
+  char b[256];
+  for (;;) {
+    const ssize_t n = recv(fd, b, sizeof(b), MSG_DONTWAIT);
+    if (n > 0) continue;  // settings, a GOAWAY: read past them
+    return n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+}
+
+// Hundreds of connections held open on the health port (silent, the HTTP/2 preface alone, the
+// preface and settings), re-opened as soon as the server closes them, never get a probe refused:
+// every fresh probe answers SERVING within its 2 s deadline, well inside kubelet's 10 s period.
+// The health port serves health alone: no reflection there.
+TEST_F(OperationsTest, HealthProbesGetThroughWhileOthersHoldConnectionsOpen) {
+  const std::string port_file = dir_ + "/health_port";
+  ASSERT_NO_FATAL_FAILURE(
+      StartServer({"--models=", "--health-listen=127.0.0.1:0", "--health-port-file=" + port_file,
+                   "--max-connection-idle-ms=600000"}));
+  const int port = ReadPort(port_file);
+  ASSERT_GT(port, 0) << server_->Log();
+  const std::string preface("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+  const std::string settings("\x00\x00\x00\x04\x00\x00\x00\x00\x00", 9);  // empty SETTINGS
+  const std::vector<std::string> kinds = {"", preface, preface + settings};
+  std::vector<int> held;
+  auto refill = [&] {
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (held[i] >= 0 && !ClosedByPeer(held[i])) continue;
+      if (held[i] >= 0) close(held[i]);
+      held[i] = IdleConnection(port, kinds[i % kinds.size()]);
+    }
+  };
+  held.assign(192, -1);
+  refill();
+  int probes = 0;
+  const absl::Time end = absl::Now() + absl::Seconds(12);
+  while (absl::Now() < end) {
+    refill();
+    // A fresh connection for each probe, as kubelet makes.
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
+                                             grpc::InsecureChannelCredentials(), args);
+    grpc::StatusCode code = grpc::StatusCode::OK;
+    const absl::Time start = absl::Now();
+    ASSERT_EQ(HealthOf(channel.get(), "", &code), 1)
+        << "probe " << probes << " failed (" << code << ") after " << MsSince(start)
+        << " ms while others held the health port's connections";
+    ++probes;
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+  for (int fd : held) {
+    if (fd >= 0) close(fd);
+  }
+  EXPECT_GE(probes, 10);
+  // Reflection is the main port's only.
+  grpc::GenericStub generic(Plaintext(port));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::Slice empty("");
+  grpc::ByteBuffer req(&empty, 1), resp;
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                    grpc::StubOptions(), &req, &resp, [&](grpc::Status s) {
+                      status = std::move(s);
+                      done.Notify();
+                    });
+  done.WaitForNotification();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << status.error_message();
 }
 
 TEST_F(OperationsTest, JsonLogsSayTheConfigTheBudgetAndEachFailedCallWithoutTheToken) {
