@@ -67,8 +67,10 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string&
 
 namespace {
 // The one message of a fetch into a region: its header (the payload is in the region).
+// `limit`: the slice's length. The server's payload_bytes is its word: past the slice, the
+// answer is an error, never a length the caller would read beyond its slice with.
 template <typename Reader>
-absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
+absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader, uint64_t limit) {
   v1::FetchResponse resp;
   bool got = false;
   while (reader.Read(&resp)) got = true;
@@ -79,6 +81,10 @@ absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader) {
   bool dtype_ok = false;
   Client::FetchResult r = internal::ResultFromHeader(resp.header(), &dtype_ok);
   if (!dtype_ok) return absl::InternalError("a fetch into a region answered with no payload dtype");
+  if (r.payload_bytes > limit) {
+    return absl::InternalError(absl::StrCat("a fetch into a region of ", limit, " bytes answered ",
+                                            r.payload_bytes, " payload bytes"));
+  }
   return r;
 }
 
@@ -88,7 +94,8 @@ absl::StatusOr<Client::FetchResult> FetchIntoRegion(v1::KvBank::Stub* stub,
                                                     grpc::ClientContext* ctx,
                                                     const v1::FetchRequest& req) {
   auto reader = stub->Fetch(ctx, req);
-  return ReadRegionHeader(*reader);
+  return ReadRegionHeader(*reader,
+                          req.has_dest() ? req.dest().length() : req.device_dest().length());
 }
 
 }  // namespace
@@ -147,7 +154,8 @@ absl::StatusOr<Client::FetchResult> FetchBlocksIntoRegion(v1::KvBank::Stub* stub
                                                           grpc::ClientContext* ctx,
                                                           const v1::FetchBlocksRequest& req) {
   auto reader = stub->FetchBlocks(ctx, req);
-  return ReadRegionHeader(*reader);
+  return ReadRegionHeader(*reader,
+                          req.has_dest() ? req.dest().length() : req.device_dest().length());
 }
 }  // namespace
 

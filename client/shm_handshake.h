@@ -16,7 +16,8 @@ struct ShmHandoff {
   uint64_t size = 0;   // bytes the server mapped
 };
 
-// A memfd of `size` bytes made for the plane: MFD_ALLOW_SEALING, sized, sealed with
+// A memfd of `size` bytes made for the plane: MFD_ALLOW_SEALING, sized, every page written (the
+// pages are the caller's, charged to its memory cgroup, not kvbankd's), sealed with
 // F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL. The caller owns the descriptor.
 absl::StatusOr<int> CreateSealedMemfd(uint64_t size);
 

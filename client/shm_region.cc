@@ -5,10 +5,13 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/shm_handshake.h"
@@ -42,9 +45,25 @@ absl::StatusOr<int> CreateSealedMemfd(uint64_t size) {
   if (size == 0) return absl::InvalidArgumentError("region size is 0");
   const int fd = memfd_create("kvbank-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Errno("memfd_create");
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+  // Every page written here, so that it is this process's memory (and memory cgroup's):
+  // kvbankd refuses a memfd with a hole, whose pages its own copies would allocate. (fallocate
+  // would allocate them too, but tmpfs reports allocated pages that were never written as holes.)
+  auto fill = [fd, size] {
+    static const std::vector<char> zeros(size_t{1} << 20, 0);
+    for (uint64_t at = 0; at < size;) {
+      const ssize_t n =
+          pwrite(fd, zeros.data(), std::min<uint64_t>(zeros.size(), size - at), off_t(at));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      at += uint64_t(n);
+    }
+    return true;
+  };
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0 || !fill() ||
       fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    absl::Status s = Errno("memfd: size and seal");
+    absl::Status s = Errno("memfd: size, allocate and seal",
+                           errno == ENOSPC || errno == ENOMEM ? absl::StatusCode::kResourceExhausted
+                                                              : absl::StatusCode::kInternal);
     close(fd);
     return s;
   }
@@ -70,6 +89,20 @@ absl::StatusOr<ShmHandoff> HandOver(const std::string& socket_path, int fd) {
     return fail(Errno(absl::StrCat("connect to kvbankd's shm socket ", socket_path),
                       absl::StatusCode::kUnavailable));
   }
+  // The memory goes only to a server of this user (or root): a socket another user made at the
+  // path the server named would otherwise receive this process's memory.
+  ucred peer{};
+  socklen_t peer_len = sizeof(peer);
+  if (getsockopt(out.conn, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0) {
+    return fail(Errno("shm socket: SO_PEERCRED", absl::StatusCode::kUnavailable));
+  }
+  if (peer.uid != geteuid() && peer.uid != 0) {
+    return fail(absl::PermissionDeniedError(
+        absl::StrCat("the shm socket ", socket_path, " is served by uid ", peer.uid,
+                     ", not this user (", geteuid(), ") or root: no region handed over")));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) return fail(Errno("region memfd: fstat"));
   // A reply that never comes (a server that hangs) must not hang the caller.
   timeval timeout{30, 0};
   setsockopt(out.conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
@@ -106,8 +139,14 @@ absl::StatusOr<ShmHandoff> HandOver(const std::string& socket_path, int fd) {
     return fail(absl::UnavailableError("kvbankd's shm reply was cut short"));
   }
   if (reply.status != 0) {
-    return fail(absl::Status(static_cast<absl::StatusCode>(reply.status),
-                             text.empty() ? "kvbankd refused the region" : text));
+    const auto code = reply.status <= uint32_t(absl::StatusCode::kUnauthenticated)
+                          ? static_cast<absl::StatusCode>(reply.status)
+                          : absl::StatusCode::kInternal;
+    return fail(absl::Status(code, text.empty() ? "kvbankd refused the region" : text));
+  }
+  if (reply.size != static_cast<uint64_t>(st.st_size)) {
+    return fail(absl::InternalError(absl::StrCat("kvbankd's shm reply names ", reply.size,
+                                                 " bytes for a region of ", st.st_size)));
   }
   out.handle.assign(reinterpret_cast<const char*>(reply.handle), sizeof(reply.handle));
   out.size = reply.size;

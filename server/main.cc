@@ -35,6 +35,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/core/memory_limit.h"
 #include "server/core/pool_memory.h"
+#include "server/core/tier_folder.h"
 #include "server/flags.h"
 #include "server/metrics/kvbankd_metrics.h"
 #include "server/rpc/drain.h"
@@ -134,6 +135,19 @@ ABSL_FLAG(
     "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "
     "closed (cudaIpcCloseMemHandle); the client registers again");
 ABSL_FLAG(uint32_t, cuda_ipc_max_regions, 256, "most CUDA IPC device regions registered at once");
+ABSL_FLAG(std::string, shm_max_total_bytes, "1TiB",
+          "most bytes of shared-memory regions registered at once, all tenants together");
+ABSL_FLAG(uint32_t, device_workers, 4,
+          "threads that run device copies, disk reads and region copies (fair across tenants)");
+ABSL_FLAG(uint64_t, max_queued_work, kvbank::rpc::kDefaultMaxQueuedWork,
+          "device-worker tasks queued at once, all tenants together (each tenant gets its share)");
+ABSL_FLAG(uint64_t, max_queued_prefetch, kvbank::rpc::kDefaultMaxQueuedBackground,
+          "background prefetches (Match with prefetch) queued at once; past a tenant's share one "
+          "is dropped, counted");
+ABSL_FLAG(uint64_t, max_watch_streams, kvbank::rpc::kDefaultMaxWatchStreams,
+          "Watch streams open at once, all tenants together (each tenant gets its share)");
+ABSL_FLAG(uint64_t, max_waits, kvbank::rpc::kDefaultMaxWaits,
+          "fetches waiting for their tokens (wait_ms) at once, all tenants together");
 ABSL_FLAG(uint32_t, nccl_max_comms, 16,
           "NCCL plane (pools on cuda:N, built with NCCL): most communicators at once");
 ABSL_FLAG(std::string, nccl_max_transfer_bytes, "4GiB",
@@ -356,6 +370,7 @@ int Main(int argc, char** argv) {
     }
     options.defaults.tiers.host_bytes = *host_tier;
   }
+  std::shared_ptr<TierFolder> tier_folder;  // the disk tier's folder, locked while kvbankd runs
   if (std::string path = absl::GetFlag(FLAGS_disk_tier_path); !path.empty()) {
     auto disk_tier = ParseBytes(absl::GetFlag(FLAGS_disk_tier_bytes));
     if (!disk_tier.ok() || *disk_tier == 0) {
@@ -363,6 +378,11 @@ int Main(int argc, char** argv) {
     }
     options.defaults.tiers.disk_path = path;
     options.defaults.tiers.disk_bytes = *disk_tier;
+    // Held (locked) from the start, models or not: a second kvbankd on the folder fails now,
+    // not when a model is registered.
+    auto folder = TierFolder::Open(path);
+    if (!folder.ok()) return Fail(absl::StrCat("--disk-tier-path: ", folder.status().message()));
+    tier_folder = *std::move(folder);
   }
   options.defaults.tiers.direct_io = absl::GetFlag(FLAGS_disk_tier_direct_io);
   options.defaults.tiers.io_threads = std::max<uint32_t>(1, absl::GetFlag(FLAGS_tier_io_threads));
@@ -435,9 +455,26 @@ int Main(int argc, char** argv) {
     options.replica_name = host;
   }
   std::getline(std::ifstream("/proc/sys/kernel/random/boot_id"), options.host_id);
+  // One ledger of what each tenant holds of every server-wide cap (the service's queues, waits
+  // and streams; the planes' regions and communicators): each tenant of the tokens file gets
+  // its share of each.
+  options.device_workers = std::max<uint32_t>(1, absl::GetFlag(FLAGS_device_workers));
+  options.ledger = rpc::DefaultLedger();
+  options.ledger->SetTenants(auth.Tenants());
+  options.ledger->SetCap(Resource::kQueuedWork, absl::GetFlag(FLAGS_max_queued_work));
+  options.ledger->SetCap(Resource::kQueuedBackground, absl::GetFlag(FLAGS_max_queued_prefetch));
+  options.ledger->SetCap(Resource::kWatchStreams, absl::GetFlag(FLAGS_max_watch_streams));
+  options.ledger->SetCap(Resource::kWaits, absl::GetFlag(FLAGS_max_waits));
   if (std::string path = absl::GetFlag(FLAGS_shm_socket); !path.empty()) {
     plane::ShmOptions shm;
     shm.socket_path = path;
+    auto total = ParseBytes(absl::GetFlag(FLAGS_shm_max_total_bytes));
+    if (!total.ok() || *total == 0)
+      return Fail("--shm-max-total-bytes must be a byte size above 0");
+    shm.max_total_bytes = *total;
+    shm.ledger = options.ledger;
+    options.ledger->SetCap(Resource::kShmRegions, absl::GetFlag(FLAGS_shm_max_regions));
+    options.ledger->SetCap(Resource::kShmRegionBytes, *total);
     auto max_region = ParseBytes(absl::GetFlag(FLAGS_shm_max_region_bytes));
     if (!max_region.ok() || *max_region == 0) {
       return Fail("--shm-max-region-bytes must be a byte size above 0");

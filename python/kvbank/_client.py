@@ -251,7 +251,8 @@ class Client:
 
     def plane_stats(self) -> Dict[str, Dict[str, int]]:
         """Calls and payload bytes per plane so far: "shm" (in a registered region, no copy
-        here), "shm_staged" (through a staging region), "grpc", and for payloads in CUDA
+        here), "shm_staged" (through a staging region; its "dropped" counts staging regions let
+        go after a failed call, never reused), "grpc", and for payloads in CUDA
         tensors "cuda_ipc", "nccl" and "cuda_staged" (copied through host memory: their bytes
         also count on the host plane that took them)."""
         stats = dict(self._c.plane_stats())

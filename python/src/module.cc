@@ -70,8 +70,10 @@ class PyClient {
       if (c.ok() && shm == "auto") {
         // A socket path that exists here is this host's (a remote server's path would not be
         // ours); should it be another kvbankd's, registering fails and the plane is dropped.
+        // The server must be on this host (its boot id is this one's); the socket's owner is
+        // checked when a region is handed over (SO_PEERCRED: this user or root).
         auto info = (*c)->GetServerInfo();
-        if (info.ok() && !info->shm_socket.empty() &&
+        if (info.ok() && info->OnThisHost() && !info->shm_socket.empty() &&
             access(info->shm_socket.c_str(), R_OK | W_OK) == 0) {
           socket = info->shm_socket;
         }
@@ -126,13 +128,23 @@ class PyClient {
       return s.code() == absl::StatusCode::kInvalidArgument &&
              absl::StrContains(s.message(), "dest.length");
     };
+    // (The SDK bounds the server's payload_bytes by the slice: a larger one is an error.)
     if (auto slice = InRegion(out.data(), out.size())) {
       auto r = into_region(*slice);
       if (!too_small(r.status())) return Counted(kShm, r.ok() ? r->payload_bytes : 0, r);
     } else if (std::unique_ptr<ShmRegion> st = TakeStaging(out.size())) {
       auto r = into_region(st->Slice(0, out.size()));
-      if (r.ok()) std::memcpy(out.data(), st->data(), r->payload_bytes);
-      GiveBack(std::move(st));
+      if (r.ok() && r->payload_bytes <= out.size()) {
+        std::memcpy(out.data(), st->data(), r->payload_bytes);
+      }
+      // NOTE: a staging region whose call failed (a deadline, a cancel) may still be written by
+      // a copy the server started before the call ended: it is never used again (dropped and
+      // unregistered here), so no later call reads those bytes.
+      if (r.ok() || too_small(r.status())) {
+        GiveBack(std::move(st));
+      } else {
+        Drop(std::move(st));
+      }
       if (!too_small(r.status())) return Counted(kShmStaged, r.ok() ? r->payload_bytes : 0, r);
     }
     absl::StatusOr<Client::FetchResult> r;
@@ -183,6 +195,10 @@ class PyClient {
       py::dict e;
       e["calls"] = counts_[p].calls.load();
       e["bytes"] = counts_[p].bytes.load();
+      if (p == kShmStaged) {
+        absl::MutexLock lock(&staging_mu_);
+        e["dropped"] = staging_dropped_;  // staging regions let go after a failed call
+      }
       d[names[p]] = e;
     }
     return d;
@@ -242,6 +258,15 @@ class PyClient {
     absl::MutexLock lock(&staging_mu_);
     free_staging_.push_back(std::move(r));
   }
+  // A staging region that is never used again: unregistered (its connection closes) and
+  // unmapped here; its budget is free for a new one.
+  void Drop(std::unique_ptr<ShmRegion> r) {
+    const uint64_t size = r->size();
+    r.reset();
+    absl::MutexLock lock(&staging_mu_);
+    staging_bytes_ -= std::min(staging_bytes_, size);
+    ++staging_dropped_;
+  }
 
   std::unique_ptr<Client> client_;
   std::string shm_socket_;  // empty: no shared-memory plane
@@ -249,9 +274,10 @@ class PyClient {
   const uint64_t shm_min_bytes_, shm_staging_bytes_;
   absl::Mutex regions_mu_;
   std::vector<std::shared_ptr<ShmRegion>> regions_ ABSL_GUARDED_BY(regions_mu_);
-  absl::Mutex staging_mu_;
+  mutable absl::Mutex staging_mu_;
   std::vector<std::unique_ptr<ShmRegion>> free_staging_ ABSL_GUARDED_BY(staging_mu_);
   uint64_t staging_bytes_ ABSL_GUARDED_BY(staging_mu_) = 0;
+  uint64_t staging_dropped_ ABSL_GUARDED_BY(staging_mu_) = 0;  // after a failed call
   PlaneCount counts_[3];
 };
 

@@ -18,6 +18,8 @@ KvEventLog::~KvEventLog() {
 }
 
 void KvEventLog::Append(KvEvent event) {
+  const bool for_all = event.type == KvEvent::Type::kAllCleared;
+  std::string tenant = for_all ? std::string() : event.tenant;
   {
     absl::MutexLock lock(&mu_);
     event.sequence = ++last_;
@@ -25,7 +27,15 @@ void KvEventLog::Append(KvEvent event) {
     while (events_.size() > capacity_) events_.pop_front();
   }
   absl::MutexLock lock(&listeners_mu_);
-  if (!listeners_.empty()) pending_ = true;  // the notifier wakes on this flag
+  if (listeners_.empty()) return;
+  if (for_all) {
+    pending_all_ = pending_ = true;
+  } else if (by_tenant_.contains(tenant)) {
+    pending_tenants_.insert(std::move(tenant));
+    pending_ = true;
+  } else if (!see_all_.empty()) {
+    pending_ = true;  // only the listeners that see everything may see it
+  }
 }
 
 void KvEventLog::NotifierLoop() {
@@ -37,10 +47,22 @@ void KvEventLog::NotifierLoop() {
     // Clearing the flag before the round: events appended from here on raise it again, so each
     // one has a Notify that starts after it.
     pending_ = false;
-    const std::vector<KvEventListener*> round(listeners_.begin(), listeners_.end());
+    std::vector<KvEventListener*> round;
+    if (pending_all_) {
+      for (const auto& [l, interest] : listeners_) round.push_back(l);
+    } else {
+      round.assign(see_all_.begin(), see_all_.end());
+      for (const std::string& t : pending_tenants_) {
+        auto it = by_tenant_.find(t);
+        if (it != by_tenant_.end()) round.insert(round.end(), it->second.begin(), it->second.end());
+      }
+    }
+    pending_all_ = false;
+    pending_tenants_.clear();
     for (KvEventListener* l : round) {
       if (!listeners_.contains(l)) continue;  // unsubscribed during this round
       notifying_ = l;
+      ++notifications_;
       listeners_mu_.Unlock();
       l->Notify();
       listeners_mu_.Lock();
@@ -84,9 +106,24 @@ uint64_t KvEventLog::last_sequence() const {
   return last_;
 }
 
-void KvEventLog::Subscribe(KvEventListener* l) {
+size_t KvEventLog::listeners() const {
   absl::MutexLock lock(&listeners_mu_);
-  listeners_.insert(l);
+  return listeners_.size();
+}
+
+uint64_t KvEventLog::notifications() const {
+  absl::MutexLock lock(&listeners_mu_);
+  return notifications_;
+}
+
+void KvEventLog::Subscribe(KvEventListener* l, const std::string& tenant, bool see_all) {
+  absl::MutexLock lock(&listeners_mu_);
+  listeners_[l] = Interest{tenant, see_all};
+  if (see_all) {
+    see_all_.insert(l);
+  } else {
+    by_tenant_[tenant].insert(l);
+  }
   if (!notifier_.joinable()) {
     notifier_ = std::thread([this] { NotifierLoop(); });
     notifier_id_ = notifier_.get_id();
@@ -95,7 +132,15 @@ void KvEventLog::Subscribe(KvEventListener* l) {
 
 void KvEventLog::Unsubscribe(KvEventListener* l) {
   absl::MutexLock lock(&listeners_mu_);
-  listeners_.erase(l);
+  if (auto it = listeners_.find(l); it != listeners_.end()) {
+    if (it->second.see_all) {
+      see_all_.erase(l);
+    } else if (auto t = by_tenant_.find(it->second.tenant); t != by_tenant_.end()) {
+      t->second.erase(l);
+      if (t->second.empty()) by_tenant_.erase(t);
+    }
+    listeners_.erase(it);
+  }
   // From inside l's own Notify there is nothing to wait for: it returns to the notifier, which
   // will not call l again.
   if (std::this_thread::get_id() == notifier_id_) return;

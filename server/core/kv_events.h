@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -47,9 +48,11 @@ class KvEventListener {
 // Thread-safe. Lock order: callers' locks (BlockPool::mu_), then mu_ or listeners_mu_ (never
 // both at once). Notify runs with no lock of the log held; a listener's own lock comes before mu_
 // (Notify reads the log).
-// Fan-out runs off the appending thread: Append only records the event and raises a flag
-// (O(1) whatever the number of listeners), and one notifier thread, started by the first
-// Subscribe, calls every listener's Notify.
+// Fan-out runs off the appending thread: Append only records the event and marks its tenant as
+// having news (O(1) whatever the number of listeners), and one notifier thread, started by the
+// first Subscribe, calls Notify on the listeners that may see the news: those of the events'
+// tenants and those that see all (admins). A publisher's cost, and its watchers' latency, do
+// not depend on how many watchers other tenants have.
 class KvEventLog {
  public:
   explicit KvEventLog(size_t capacity = 65536) : capacity_(capacity) {}
@@ -72,7 +75,12 @@ class KvEventLog {
   absl::StatusOr<Batch> Read(uint64_t after, size_t max_events, const std::string& tenant,
                              bool see_all) const;
   uint64_t last_sequence() const;
-  void Subscribe(KvEventListener* l);
+  // `l` is woken for events of `tenant` (and kAllCleared); for every event when `see_all`.
+  void Subscribe(KvEventListener* l, const std::string& tenant = "", bool see_all = true);
+  // Listeners subscribed now (for tests and stats).
+  size_t listeners() const;
+  // Notify calls made so far (for tests: who was woken for what).
+  uint64_t notifications() const;
   // Waits for l's Notify if it is running on the notifier thread now (except when called from
   // inside l's own Notify), so the caller may delete l once this returns.
   // NOTE: the caller must not hold a lock that l's Notify takes.
@@ -85,9 +93,21 @@ class KvEventLog {
   mutable absl::Mutex mu_;
   std::deque<KvEvent> events_ ABSL_GUARDED_BY(mu_);
   uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Interest {
+    std::string tenant;
+    bool see_all = false;
+  };
   mutable absl::Mutex listeners_mu_;
-  absl::flat_hash_set<KvEventListener*> listeners_ ABSL_GUARDED_BY(listeners_mu_);
-  bool pending_ ABSL_GUARDED_BY(listeners_mu_) = false;  // events appended since the last round
+  absl::flat_hash_map<KvEventListener*, Interest> listeners_ ABSL_GUARDED_BY(listeners_mu_);
+  absl::flat_hash_map<std::string, absl::flat_hash_set<KvEventListener*>> by_tenant_
+      ABSL_GUARDED_BY(listeners_mu_);
+  absl::flat_hash_set<KvEventListener*> see_all_ ABSL_GUARDED_BY(listeners_mu_);
+  // Since the last round: tenants with events for their listeners, and whether an event for
+  // everyone (kAllCleared) came.
+  absl::flat_hash_set<std::string> pending_tenants_ ABSL_GUARDED_BY(listeners_mu_);
+  bool pending_all_ ABSL_GUARDED_BY(listeners_mu_) = false;
+  bool pending_ ABSL_GUARDED_BY(listeners_mu_) = false;  // any of it: the notifier wakes on this
+  uint64_t notifications_ ABSL_GUARDED_BY(listeners_mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(listeners_mu_) = false;
   KvEventListener* notifying_ ABSL_GUARDED_BY(listeners_mu_) = nullptr;  // whose Notify runs
   std::thread notifier_ ABSL_GUARDED_BY(listeners_mu_);

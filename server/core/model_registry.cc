@@ -134,13 +134,19 @@ size_t ModelRegistry::ExpireCache(absl::Time now) const {
 
 absl::Status ModelRegistry::Drop(const std::string& name) {
   std::shared_ptr<SequenceStore> dropped;  // released after mu_: freeing a pool takes a while
-  absl::MutexLock lock(&mu_);
-  auto it = models_.find(name);
-  if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("model ", Quote(name), " not found"));
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(name);
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat("model ", Quote(name), " not found"));
+    }
+    dropped = std::move(it->second);
+    models_.erase(it);
   }
-  dropped = std::move(it->second);
-  models_.erase(it);
+  // Its sequences go now, and every fetch waiting on one of them ends (outside mu_: the waiters'
+  // callbacks run here), so that nothing in flight waits out its deadline on a model that is gone
+  // or keeps its pool out of the budget meanwhile.
+  dropped->Close(absl::StrCat("model ", Quote(name), " was dropped"));
   return absl::OkStatus();
 }
 

@@ -52,7 +52,8 @@ class ModelRegistry {
   absl::StatusOr<std::shared_ptr<SequenceStore>> Get(const std::string& name) const;
   std::vector<std::shared_ptr<SequenceStore>> List() const;  // sorted by name
   // Removes the model: Get and List no longer find it from now on, and Ensure may register the
-  // name again (a new, empty model). Its sequences and cached blocks go with its store; the
+  // name again (a new, empty model). Its sequences are freed at once and every fetch waiting on
+  // one ends FAILED_PRECONDITION (SequenceStore::Close); its cached blocks go with its store; the
   // store, its pool memory, and their share of the budget (pool_bytes_used) are released when
   // the last shared_ptr to it is dropped: at once when nothing holds it, else when the last call
   // in flight or watch stream on it ends. NOT_FOUND naming the model when there is none.

@@ -158,6 +158,9 @@ void SequenceStore::Account(Sequence& s) {
 }
 
 absl::Status SequenceStore::AdmitSequence(const std::string& tenant) const {
+  if (!closed_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("model '", layout_.name, "': ", closed_));
+  }
   if (auto it = tenant_counters_.find(tenant); it != tenant_counters_.end()) {
     const TenantCounters& c = it->second;
     if (c.max_sequences > 0 && c.sequences >= c.max_sequences) {
@@ -412,6 +415,24 @@ absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id, const std::string& 
   auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   return Info(**found);
+}
+
+void SequenceStore::Close(const std::string& reason) {
+  Fired fired;
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = reason;
+    std::vector<SeqPtr> all;
+    all.reserve(live_.size());
+    for (const auto& [id, s] : live_) all.push_back(s);
+    for (const SeqPtr& s : all) Remove(s, reason);
+    // Every waiter's sequence is gone now: each ends FAILED_PRECONDITION with the reason.
+    std::vector<uint64_t> waited;
+    waited.reserve(waiters_.size());
+    for (const auto& [id, list] : waiters_) waited.push_back(id);
+    for (uint64_t id : waited) TakeReadyWaiters(id, &fired);
+  }
+  Fire(std::move(fired));
 }
 
 size_t SequenceStore::ExpireLeases(absl::Time now) {

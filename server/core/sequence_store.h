@@ -404,6 +404,11 @@ class SequenceStore {
   // Drops every unpinned cached block.
   size_t ClearCache() { return pool_->ClearCache(); }
   KvEventLog* events() const { return events_.get(); }
+  // The model is going (dropped from its registry): every live sequence is freed now (an append
+  // in flight releases its blocks when it ends), every waiter ends FAILED_PRECONDITION, and so
+  // does every later Create, Fork and call on a sequence, each naming `reason` (e.g. "model 'm'
+  // was dropped"). Idempotent.
+  void Close(const std::string& reason);
   // Frees every sequence whose lease ran out by `now`; returns how many. A sequence with an
   // append in flight is not expired, whatever its deadline: the append renews the lease when it
   // commits or aborts. (A stalled append is the caller's to cut: the RPC layer ends a stream that
@@ -539,6 +544,7 @@ class SequenceStore {
   absl::flat_hash_map<uint64_t, uint64_t> waiter_sequence_ ABSL_GUARDED_BY(mu_);  // waiter -> seq
   uint64_t last_waiter_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live sequences' Length()
+  std::string closed_ ABSL_GUARDED_BY(mu_);          // Close's reason; empty while open
 
   std::atomic<uint64_t> appends_{0}, fetches_{0}, bytes_appended_{0}, bytes_fetched_{0};
 };

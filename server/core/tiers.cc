@@ -7,20 +7,22 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/core/tier_folder.h"
 
 namespace kvbank {
 namespace {
 
 constexpr uint64_t kIoAlign = 4096;
-constexpr char kMagic[8] = {'K', 'V', 'B', 'T', 'I', 'E', 'R', '1'};
-constexpr uint32_t kMaxName = 255;  // tenant and LoRA names a disk record keeps
+// Version 2 names the model in every record; a version-1 file's slots read as never written.
+constexpr char kMagic[8] = {'K', 'V', 'B', 'T', 'I', 'E', 'R', '2'};
+constexpr uint32_t kMaxName = 255;   // tenant and LoRA names a disk record keeps
+constexpr uint32_t kMaxModel = 128;  // model names (ModelRegistry's limit)
 // Fixed part of a slot header; tenant, LoRA and token ids follow, the header's checksum ends it.
 constexpr uint64_t kFixedHeader = 128;
 
@@ -33,12 +35,6 @@ T GetAt(const uint8_t* buf, uint64_t at) {
   T v;
   std::memcpy(&v, buf + at, sizeof(T));
   return v;
-}
-
-std::string FileSafe(const std::string& s) {
-  std::string out;
-  for (char c : s) out.push_back(std::isalnum(static_cast<unsigned char>(c)) || c == '-' ? c : '_');
-  return out;
 }
 
 }  // namespace
@@ -55,8 +51,10 @@ const char* TierMedium(Tier t) {
   return "?";
 }
 
-TierCache::TierCache(const BlockLayout& layout, TierOptions options, KvEventLog* events)
-    : block_bytes_(layout.block_bytes),
+TierCache::TierCache(const BlockLayout& layout, std::string model, TierOptions options,
+                     KvEventLog* events)
+    : model_(std::move(model)),
+      block_bytes_(layout.block_bytes),
       block_tokens_(layout.block_tokens),
       options_(std::move(options)),
       events_(events) {}
@@ -66,7 +64,11 @@ absl::StatusOr<std::unique_ptr<TierCache>> TierCache::Open(const BlockLayout& la
                                                            const std::string& fingerprint,
                                                            TierOptions options,
                                                            KvEventLog* events) {
-  std::unique_ptr<TierCache> t(new TierCache(layout, std::move(options), events));
+  if (model.empty() || model.size() > kMaxModel) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tiers: model name must be 1 to ", kMaxModel, " bytes"));
+  }
+  std::unique_ptr<TierCache> t(new TierCache(layout, model, std::move(options), events));
   const TierOptions& o = t->options_;
   t->layout_key_ = XXH3_64bits(fingerprint.data(), fingerprint.size());
   if (o.host_bytes > 0) {
@@ -83,7 +85,7 @@ absl::StatusOr<std::unique_ptr<TierCache>> TierCache::Open(const BlockLayout& la
     for (uint64_t i = t->host_capacity_; i > 0; --i) t->host_free_.push_back(i - 1);
   }
   if (!o.disk_path.empty()) {
-    if (absl::Status s = t->OpenDisk(model, fingerprint); !s.ok()) return s;
+    if (absl::Status s = t->OpenDisk(fingerprint); !s.ok()) return s;
     t->LoadDisk();
     const uint32_t n = std::max<uint32_t>(1, o.io_threads);
     for (uint32_t i = 0; i < n; ++i) t->io_threads_.emplace_back([p = t.get()] { p->IoLoop(); });
@@ -99,15 +101,13 @@ TierCache::~TierCache() {
     stop_ = true;
   }
   for (std::thread& th : io_threads_) th.join();
-  if (fd_ >= 0) {
-    fdatasync(fd_);
-    close(fd_);
-  }
+  if (fd_ >= 0) fdatasync(fd_);  // file_ closes it
 }
 
-absl::Status TierCache::OpenDisk(const std::string& model, const std::string& fingerprint) {
+absl::Status TierCache::OpenDisk(const std::string& fingerprint) {
   const TierOptions& o = options_;
-  header_bytes_ = AlignUp(kFixedHeader + 2 * kMaxName + 4ull * block_tokens_ + 8, kIoAlign);
+  header_bytes_ =
+      AlignUp(kFixedHeader + kMaxModel + 2 * kMaxName + 4ull * block_tokens_ + 8, kIoAlign);
   slot_bytes_ = header_bytes_ + AlignUp(block_bytes_, kIoAlign);
   disk_capacity_ = o.disk_bytes / slot_bytes_;
   if (disk_capacity_ == 0) {
@@ -115,28 +115,19 @@ absl::Status TierCache::OpenDisk(const std::string& model, const std::string& fi
                                                    " bytes holds no block of ", slot_bytes_,
                                                    " bytes (header and block, 4 KiB-aligned)"));
   }
-  if (mkdir(o.disk_path.c_str(), 0750) != 0 && errno != EEXIST) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("disk tier folder ", o.disk_path, ": ", std::strerror(errno)));
-  }
-  const std::string fp_short =
-      absl::StrFormat("%016x", XXH3_64bits(fingerprint.data(), fingerprint.size()));
-  disk_file_ = absl::StrCat(o.disk_path, "/", FileSafe(model), "-", fp_short, ".kvbank-tier");
-  int flags = O_RDWR | O_CREAT | O_CLOEXEC;
-  if (o.direct_io) {
-    fd_ = open(disk_file_.c_str(), flags | O_DIRECT, 0640);
-    direct_ = fd_ >= 0;
-  }
-  if (fd_ < 0) fd_ = open(disk_file_.c_str(), flags, 0640);  // tmpfs and others refuse O_DIRECT
-  if (fd_ < 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("disk tier file ", disk_file_, ": ", std::strerror(errno)));
-  }
+  auto folder = TierFolder::Open(o.disk_path);
+  if (!folder.ok()) return folder.status();
+  direct_ = o.direct_io;
+  auto file = (*folder)->OpenFile(TierFileName(model_, fingerprint), &direct_);
+  if (!file.ok()) return file.status();
+  file_ = *std::move(file);
+  fd_ = file_->fd();
+  disk_file_ = file_->path();
   // The file keeps its slots across restarts: it grows to the configured size (sparse until
   // written) and shrinks when the size shrank (the slots past it are gone).
   if (ftruncate(fd_, off_t(disk_capacity_ * slot_bytes_)) != 0) {
     const int e = errno;
-    close(fd_);
+    file_.reset();
     fd_ = -1;
     return absl::FailedPreconditionError(
         absl::StrCat("disk tier file ", disk_file_, ": sizing it: ", std::strerror(e)));
@@ -162,10 +153,13 @@ void TierCache::Encode(const PublishInfo& info, const std::string& tenant, uint6
   PutAt<uint8_t>(buf, 49, info.priority);
   PutAt<uint16_t>(buf, 50, uint16_t(tenant.size()));
   PutAt<uint16_t>(buf, 52, uint16_t(info.lora.size()));
+  PutAt<uint16_t>(buf, 54, uint16_t(model_.size()));
   PutAt<uint32_t>(buf, 56, uint32_t(info.token_ids.size()));
   std::memcpy(buf + 64, info.hash.data(), 32);
   std::memcpy(buf + 96, info.parent.data(), 32);
   uint64_t at = kFixedHeader;
+  std::memcpy(buf + at, model_.data(), model_.size());
+  at += model_.size();
   std::memcpy(buf + at, tenant.data(), tenant.size());
   at += tenant.size();
   std::memcpy(buf + at, info.lora.data(), info.lora.size());
@@ -186,15 +180,21 @@ bool TierCache::Decode(const uint8_t* header, const uint8_t* data, PublishInfo* 
   }
   if (GetAt<uint64_t>(buf, header_bytes_ - 8) != XXH3_64bits(buf, header_bytes_ - 8)) return false;
   const uint16_t tenant_len = GetAt<uint16_t>(buf, 50), lora_len = GetAt<uint16_t>(buf, 52);
+  const uint16_t model_len = GetAt<uint16_t>(buf, 54);
   const uint32_t tokens = GetAt<uint32_t>(buf, 56);
   if (tenant_len > kMaxName || lora_len > kMaxName || tokens != block_tokens_) return false;
+  // A record of another model (a file copied or renamed by hand) is foreign, whatever its layout.
+  if (model_len != model_.size() ||
+      std::memcmp(buf + kFixedHeader, model_.data(), model_len) != 0) {
+    return false;
+  }
   if (data != nullptr && GetAt<uint64_t>(buf, 40) != XXH3_64bits(data, block_bytes_)) return false;
   *generation = GetAt<uint64_t>(buf, 32);
   info->has_parent = GetAt<uint8_t>(buf, 48) != 0;
   info->priority = GetAt<uint8_t>(buf, 49);
   std::memcpy(info->hash.data(), buf + 64, 32);
   std::memcpy(info->parent.data(), buf + 96, 32);
-  uint64_t at = kFixedHeader;
+  uint64_t at = kFixedHeader + model_len;
   tenant->assign(reinterpret_cast<const char*>(buf + at), tenant_len);
   at += tenant_len;
   info->lora.assign(reinterpret_cast<const char*>(buf + at), lora_len);

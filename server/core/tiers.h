@@ -6,10 +6,13 @@
 //
 //   host tier  one mapped allocation of slots of block_bytes, LRU. Its victims go to the disk
 //              tier (queued, written by the I/O threads) when there is one.
-//   disk tier  one file per model (<dir>/<model>-<fingerprint>.kvbank-tier) of fixed slots; each
-//              slot is a self-describing record: a header (magic, layout, hash, parent, tenant,
-//              LoRA, token ids, a checksum of the block's bytes, a checksum of the header) and the
-//              block's bytes as stored (quantized rows and their scales). There is no separate
+//   disk tier  one file per model (<dir>/<model>-<fingerprint>.kvbank-tier, the model's name
+//              escaped injectively: tier_folder.h) of fixed slots, in a folder that is kvbankd's
+//              own and locked by one server at a time; each slot is a self-describing record: a
+//              header (magic, layout, model name, hash, parent, tenant, LoRA, token ids, a
+//              checksum of the block's bytes, a checksum of the header) and the block's bytes as
+//              stored (quantized rows and their scales). A record is served only to the model,
+//              layout and tenant it names. There is no separate
 //              index file: at start the headers are read (in parallel) and every whole one is
 //              indexed, so a kill at any moment loses at most the slots being written, which then
 //              fail their checksums. A block's bytes are checked against their checksum on every
@@ -44,6 +47,7 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool_memory.h"
+#include "server/core/tier_folder.h"
 
 namespace kvbank {
 
@@ -98,10 +102,11 @@ struct TierBlock {
 // log's. No call into a pool is made from here.
 class TierCache final : public EvictionSink {
  public:
-  // Opens the tiers for blocks of `layout` (the model's `fingerprint` names and guards the disk
-  // file). The disk file is created, or reopened and indexed (every valid slot is a block the
-  // tier serves). INVALID_ARGUMENT when no slot fits in disk_bytes or no block in host_bytes;
-  // FAILED_PRECONDITION when the folder cannot be used.
+  // Opens the tiers for blocks of `layout` in `model` (its name and `fingerprint` name and guard
+  // the disk file). The disk file is created, or reopened and indexed (every valid slot of this
+  // model and layout is a block the tier serves). INVALID_ARGUMENT when no slot fits in
+  // disk_bytes or no block in host_bytes; FAILED_PRECONDITION when the folder cannot be used
+  // (TierFolder::Open, TierFolder::OpenFile).
   static absl::StatusOr<std::unique_ptr<TierCache>> Open(const BlockLayout& layout,
                                                          const std::string& model,
                                                          const std::string& fingerprint,
@@ -185,8 +190,8 @@ class TierCache final : public EvictionSink {
     std::shared_ptr<uint8_t> buffer;  // header + block, slot_bytes, aligned for O_DIRECT
   };
 
-  TierCache(const BlockLayout& layout, TierOptions options, KvEventLog* events);
-  absl::Status OpenDisk(const std::string& model, const std::string& fingerprint);
+  TierCache(const BlockLayout& layout, std::string model, TierOptions options, KvEventLog* events);
+  absl::Status OpenDisk(const std::string& fingerprint);
   void LoadDisk();
   void IoLoop();
   // A slot for a new disk block: a free one, else the least recently used block's (which leaves
@@ -238,6 +243,7 @@ class TierCache final : public EvictionSink {
                 uint64_t* generation) const;
   uint8_t* HostSlot(uint64_t slot) const { return host_->base() + slot * block_bytes_; }
 
+  const std::string model_;  // every disk record names it
   const uint64_t block_bytes_;
   const uint32_t block_tokens_;
   const TierOptions options_;
@@ -245,7 +251,8 @@ class TierCache final : public EvictionSink {
   uint64_t layout_key_ = 0;  // checksum of the fingerprint: a file of another layout is foreign
   uint64_t header_bytes_ = 0, slot_bytes_ = 0;
   std::string disk_file_;
-  int fd_ = -1;
+  std::unique_ptr<TierFile> file_;  // the disk tier's file (its folder locked meanwhile)
+  int fd_ = -1;                     // file_'s
   bool direct_ = false;
   std::unique_ptr<PoolMemory> host_;  // the host tier's slots
   uint64_t host_capacity_ = 0, disk_capacity_ = 0;

@@ -2,11 +2,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -58,6 +60,16 @@ absl::StatusOr<std::shared_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t max
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError("shm region: the descriptor is not a memfd (regular file)");
   }
+  // NOTE: hugetlbfs memfds take seals too, but their pages can be punched out under a copy
+  // (SIGBUS in kvbankd); only shmem is taken.
+  struct statfs fs;
+  if (fstatfs(fd, &fs) != 0) return Errno("shm region: fstatfs");
+  if (fs.f_type != TMPFS_MAGIC) {
+    return absl::InvalidArgumentError(
+        fs.f_type == HUGETLBFS_MAGIC
+            ? "shm region: hugetlbfs memfds (MFD_HUGETLB) are not taken; send a plain memfd"
+            : "shm region: the descriptor is not a shmem memfd (memfd_create)");
+  }
   const int seals = fcntl(fd, F_GET_SEALS);
   if (seals < 0) {
     return absl::InvalidArgumentError(
@@ -75,16 +87,46 @@ absl::StatusOr<std::shared_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t max
     return absl::InvalidArgumentError(absl::StrCat("shm region: ", size, " bytes is more than ",
                                                    max_bytes, " (--shm-max-region-bytes)"));
   }
+  // Every page allocated by its owner (and so charged to it): a sparse memfd's pages would be
+  // allocated by kvbankd's first copy into them, on kvbankd's memory cgroup. (tmpfs reports a
+  // page fallocated but never written as a hole too: the owner writes its pages.)
+  const off_t hole = lseek(fd, 0, SEEK_HOLE);
+  if (hole < 0) return Errno("shm region: lseek SEEK_HOLE");
+  if (uint64_t(hole) < size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm region: the memfd has a hole (no page written at byte ", hole,
+                     "): write all of it first, so that its pages are the client's"));
+  }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return absl::InvalidArgumentError(absl::StrCat(
         "shm region: cannot map it shared read/write (open it O_RDWR, no write seal): ",
         std::strerror(errno)));
   }
-  return std::shared_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), size));
+  const int keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (keep < 0) {
+    absl::Status s = Errno("shm region: dup");
+    munmap(p, size);
+    return s;
+  }
+  return std::shared_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), size, keep));
 }
 
-ShmMapping::~ShmMapping() { munmap(data_, size_); }
+ShmMapping::~ShmMapping() {
+  munmap(data_, size_);
+  close(fd_);
+}
+
+absl::Status ShmMapping::CheckAllocated(uint64_t offset, uint64_t length) const {
+  if (length == 0) return absl::OkStatus();
+  const off_t hole = lseek(fd_, off_t(offset), SEEK_HOLE);
+  if (hole >= 0 && uint64_t(hole) < offset + length) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the region has no page written at byte ", hole,
+        " (punched out since it was registered): register a region whose pages are allocated"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<ShmRegions>> ShmRegions::Start(ShmOptions options) {
   sockaddr_un addr{};
@@ -135,8 +177,19 @@ absl::StatusOr<std::unique_ptr<ShmRegions>> ShmRegions::Start(ShmOptions options
   return std::unique_ptr<ShmRegions>(new ShmRegions(std::move(options), fd, wake));
 }
 
+namespace {
+std::shared_ptr<TenantLedger> LedgerFor(const ShmOptions& o) {
+  if (o.ledger != nullptr) return o.ledger;
+  std::shared_ptr<TenantLedger> own = TenantLedger::Create();
+  own->SetCap(Resource::kShmRegions, o.max_regions);
+  own->SetCap(Resource::kShmRegionBytes, o.max_total_bytes);
+  return own;
+}
+}  // namespace
+
 ShmRegions::ShmRegions(ShmOptions options, int listen_fd, int wake_fd)
     : options_(std::move(options)),
+      ledger_(LedgerFor(options_)),
       listen_fd_(listen_fd),
       wake_fd_(wake_fd),
       listener_([this] { Loop(); }) {}
@@ -316,10 +369,19 @@ absl::StatusOr<ShmRegions::Claimed> ShmRegions::Claim(const std::string& tenant,
         "handle names no shared-memory region waiting to be registered (unknown, claimed "
         "already, or its socket connection closed or timed out)");
   }
-  const uint64_t id = next_id_++;
   const int fd = it->second.conn;
-  Claimed claimed{id, it->second.mapping->size()};
-  regions_[id] = Region{tenant, std::move(it->second.mapping), fd};
+  const uint64_t size = it->second.mapping->size();
+  auto count = ledger_->Acquire(tenant, Resource::kShmRegions);
+  absl::StatusOr<LedgerClaim> bytes =
+      count.ok() ? ledger_->Acquire(tenant, Resource::kShmRegionBytes, size) : count.status();
+  if (!bytes.ok()) {
+    Close(fd);  // nothing registered: the client's memfd is let go
+    return bytes.status();
+  }
+  const uint64_t id = next_id_++;
+  Claimed claimed{id, size};
+  regions_[id] =
+      Region{tenant, std::move(it->second.mapping), fd, *std::move(count), *std::move(bytes)};
   pending_.erase(it);
   Conn& conn = conns_[fd];
   conn.state = Conn::State::kClaimed;
@@ -359,6 +421,9 @@ absl::StatusOr<RegionBytes> ShmRegions::Resolve(const std::string& tenant, uint6
     return absl::InvalidArgumentError(absl::StrCat(field, ": offset ", offset, " + length ", length,
                                                    " runs past the region's ", mapping->size(),
                                                    " bytes"));
+  }
+  if (absl::Status s = mapping->CheckAllocated(offset, length); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
   }
   RegionBytes out;
   out.bytes = absl::MakeSpan(mapping->data() + offset, length);

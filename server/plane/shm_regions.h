@@ -16,6 +16,17 @@
 //
 // The pool is never mapped into a client: a region holds only what its own client put there or
 // asked for.
+//
+// Memory: a region's pages are the client's, charged to the client's memory cgroup. A page of a
+// shared file is charged to whoever touches it first, so kvbankd maps only regions whose every
+// page is written already (the SDK writes its memfds whole): a sparse memfd is refused, and so is
+// a region hole-punched since (each transfer checks its slice before the copy), else a client
+// could make kvbankd's own cgroup pay for its pages. Only shmem (tmpfs) memfds are taken:
+// hugetlbfs ones can lose their pages under a copy.
+//
+// Tenancy: each tenant's regions count in the ledger (shm_regions, shm_region_bytes: a share of
+// --shm-max-regions and --shm-max-total-bytes each); a RegisterRegion past either is
+// RESOURCE_EXHAUSTED and the handed-over memfd is dropped.
 #ifndef KVBANK_SERVER_PLANE_SHM_REGIONS_H_
 #define KVBANK_SERVER_PLANE_SHM_REGIONS_H_
 
@@ -31,6 +42,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "server/core/tenant_ledger.h"
 
 namespace kvbank::plane {
 
@@ -39,6 +51,10 @@ struct ShmOptions {
   uint64_t max_region_bytes = uint64_t{64} << 30;
   // Regions registered or waiting to be claimed, and so socket connections, at once.
   uint32_t max_regions = 256;
+  // Where each tenant's regions count (its share of the regions and of their bytes); null: a
+  // ledger of its own with max_regions and max_total_bytes as caps, one tenant.
+  std::shared_ptr<TenantLedger> ledger;
+  uint64_t max_total_bytes = uint64_t{1} << 40;
   // A connection that sends no region, or a handle that RegisterRegion does not claim, within
   // this long is dropped.
   absl::Duration claim_timeout = absl::Seconds(10);
@@ -47,9 +63,10 @@ struct ShmOptions {
 // One mapped memfd; unmapped when the last holder lets go. Thread-safe (immutable).
 class ShmMapping {
  public:
-  // Checks `fd` (a memfd or other shmem file that takes seals, F_SEAL_SHRINK set, size in
-  // 1..max_bytes, mappable shared read/write) and maps it. INVALID_ARGUMENT naming what is
-  // wrong. Does not take `fd` over: the caller closes it (the mapping stays).
+  // Checks `fd` (a memfd or other shmem file on tmpfs that takes seals, F_SEAL_SHRINK set, size
+  // in 1..max_bytes, every page allocated, mappable shared read/write) and maps it.
+  // INVALID_ARGUMENT naming what is wrong. Keeps a duplicate of `fd` (to check for holes later);
+  // the caller closes its own.
   static absl::StatusOr<std::shared_ptr<ShmMapping>> Map(int fd, uint64_t max_bytes);
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
@@ -57,11 +74,15 @@ class ShmMapping {
 
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // FAILED_PRECONDITION when bytes [offset, offset + length) hold a page that is not allocated
+  // (punched out since the region was mapped): a copy would allocate it on kvbankd's account.
+  absl::Status CheckAllocated(uint64_t offset, uint64_t length) const;
 
  private:
-  ShmMapping(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  ShmMapping(uint8_t* data, uint64_t size, int fd) : data_(data), size_(size), fd_(fd) {}
   uint8_t* const data_;
   const uint64_t size_;
+  const int fd_;  // a duplicate of the memfd, for SEEK_HOLE
 };
 
 // Bytes of a region, and the mapping that keeps them valid while this lives.
@@ -91,13 +112,16 @@ class ShmRegions {
     uint64_t size = 0;
   };
   // Binds the region answered with `handle` to `tenant`. NOT_FOUND when the handle is unknown,
-  // expired or claimed already; INVALID_ARGUMENT when it is not kShmHandleBytes long.
+  // expired or claimed already; INVALID_ARGUMENT when it is not kShmHandleBytes long;
+  // RESOURCE_EXHAUSTED past the tenant's share of regions or of their bytes (the region is
+  // dropped: its connection closes).
   absl::StatusOr<Claimed> Claim(const std::string& tenant, absl::string_view handle);
   // Drops the region and closes its connection. NOT_FOUND when `tenant` has no region `id`.
   absl::Status Unregister(const std::string& tenant, uint64_t id);
   // Bytes [offset, offset + length) of `tenant`'s region `id`. `field` names the slice in errors
   // ("header.source"): INVALID_ARGUMENT for id 0 or a range past the region (overflow included),
-  // NOT_FOUND for an id that is not the tenant's.
+  // NOT_FOUND for an id that is not the tenant's, FAILED_PRECONDITION for a slice with a page
+  // punched out (ShmMapping::CheckAllocated).
   absl::StatusOr<RegionBytes> Resolve(const std::string& tenant, uint64_t id, uint64_t offset,
                                       uint64_t length, absl::string_view field) const;
 
@@ -121,6 +145,7 @@ class ShmRegions {
     std::string tenant;
     std::shared_ptr<ShmMapping> mapping;
     int conn = -1;
+    LedgerClaim count, bytes;  // the tenant's share of regions and of their bytes
   };
 
   ShmRegions(ShmOptions options, int listen_fd, int wake_fd);
@@ -135,6 +160,7 @@ class ShmRegions {
   void Expire(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ShmOptions options_;
+  const std::shared_ptr<TenantLedger> ledger_;
   const int listen_fd_;
   const int wake_fd_;  // an eventfd: the destructor wakes the listener
   mutable absl::Mutex mu_;

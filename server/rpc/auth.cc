@@ -95,6 +95,15 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase
   return Caller{p->second.tenant, p->second.admin};
 }
 
+std::vector<std::string> Authenticator::Tenants() const {
+  if (!enabled_) return {""};
+  std::vector<std::string> out;
+  for (const auto& [digest, p] : by_token_digest_) out.push_back(p.tenant);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 uint64_t Authenticator::DefaultMaxSequences(uint64_t model_max_sequences, size_t tenants) {
   if (tenants < 2) return 0;
   return std::max<uint64_t>(1, model_max_sequences / tenants);

@@ -38,6 +38,8 @@ class Authenticator {
   static absl::StatusOr<Authenticator> FromText(const std::string& text);
 
   bool enabled() const { return enabled_; }
+  // The tenants the tokens file names, by name (one, "", when auth is off).
+  std::vector<std::string> Tenants() const;
   // UNAUTHENTICATED for a call without a known bearer token.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;
   // Sets every tenant's limits on the model (SequenceStore::SetTenantLimits): its block quota

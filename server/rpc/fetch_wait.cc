@@ -53,7 +53,9 @@ void Timers::Run() {
 }
 
 void FetchWait::Begin(std::shared_ptr<SequenceStore> store, const FetchSpec& spec,
-                      absl::Duration timeout, std::function<void(absl::Status)> go) {
+                      absl::Duration timeout, std::function<void(absl::Status)> go,
+                      LedgerClaim claim) {
+  claim_ = std::move(claim);
   store_ = std::move(store);
   go_ = std::move(go);
   timeout_ = timeout;
@@ -90,6 +92,7 @@ void FetchWait::Resolve(absl::Status status) {
   // cancelled by Begin, which sees resolved_.
   if (uint64_t t = timer_.load(); t != 0 && timers_->Cancel(t)) release_();
   if (uint64_t w = waiter_.load(); w != 0 && store_->CancelWait(w)) release_();
+  claim_.Release();  // the tenant's share of waits has room again
   go_(std::move(status));
 }
 

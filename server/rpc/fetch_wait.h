@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/core/sequence_store.h"
+#include "server/core/tenant_ledger.h"
 
 namespace kvbank::rpc {
 
@@ -60,8 +61,10 @@ class FetchWait {
   // go(error): DEADLINE_EXCEEDED after `timeout`, the store's error (a bad request, a sequence
   // that is gone), CANCELLED after Cancel. `go` runs exactly once, on the thread that decided
   // (possibly this one, before Begin returns).
+  // `claim`: the wait's place in its tenant's share of waits (TenantLedger), released once the
+  // wait is decided.
   void Begin(std::shared_ptr<SequenceStore> store, const FetchSpec& spec, absl::Duration timeout,
-             std::function<void(absl::Status)> go);
+             std::function<void(absl::Status)> go, LedgerClaim claim = LedgerClaim());
   // The call was cancelled (the reactor's OnCancel): a wait still pending ends CANCELLED.
   void Cancel();
 
@@ -71,6 +74,7 @@ class FetchWait {
 
   Timers* const timers_;
   const std::function<void()> hold_, release_;
+  LedgerClaim claim_;
   std::shared_ptr<SequenceStore> store_;
   std::function<void(absl::Status)> go_;
   absl::Duration timeout_;

@@ -96,15 +96,21 @@ class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<gr
                    std::string tenant, v1::NcclTransfer nccl)
       : service_(service), ctx_(ctx) {
     refs_.fetch_add(1, std::memory_order_relaxed);
-    service_->device_work_->Submit(
-        [this, open = std::move(open), tenant = std::move(tenant), nccl = std::move(nccl)] {
-          absl::StatusOr<v1::FetchResponse> resp = Move(open, tenant, nccl);
-          if (resp.ok()) {
-            service_->plane_bytes_.AddSent(Plane::kNccl, resp->header().payload_bytes());
-          }
-          Answer(resp);
-          Unref();
-        });
+    const std::string who = tenant;
+    if (absl::Status s = service_->device_work_->Submit(
+            who, WorkClass::kForeground,
+            [this, open = std::move(open), tenant = std::move(tenant), nccl = std::move(nccl)] {
+              absl::StatusOr<v1::FetchResponse> resp = Move(open, tenant, nccl);
+              if (resp.ok()) {
+                service_->plane_bytes_.AddSent(Plane::kNccl, resp->header().payload_bytes());
+              }
+              Answer(resp);
+              Unref();
+            });
+        !s.ok()) {
+      Answer(s);  // the tenant's backlog is full: nothing was sent
+      Unref();
+    }
   }
 
   void OnDone() override { Unref(); }

@@ -18,6 +18,11 @@
 #include "server/rpc/service.h"
 
 namespace kvbank::rpc {
+namespace {
+// A fetch into a region is copied in pieces of this many bytes (the call's end is checked
+// between them).
+constexpr uint64_t kRegionCopyPiece = uint64_t{4} << 20;
+}  // namespace
 
 absl::StatusOr<plane::ShmRegions*> KvBankService::ShmPlane() const {
   if (options_.shm_regions == nullptr) {
@@ -60,12 +65,18 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
 class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // Moves the opened reader's whole payload into the caller's region (it holds the region open).
-  using Sink = std::function<absl::Status(FetchReader& reader)>;
+  // `ended` turns true when the call ends (cancelled, past its deadline): a sink that copies in
+  // pieces stops between them.
+  using Sink = std::function<absl::Status(FetchReader& reader, const std::atomic<bool>& ended)>;
   // wait: copy only once the tokens are committed (FetchRequest.wait_ms).
   // plane: the one `dest` writes through (counted in plane_bytes_ once the copy is done).
-  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, Plane plane,
-                     absl::StatusOr<Sink> dest, OpenFetch open, std::optional<FetchWaitSpec> wait)
-      : service_(service), plane_(plane), stream_(service->watchdog_.Watch(ctx)) {
+  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, std::string tenant,
+                     Plane plane, absl::StatusOr<Sink> dest, OpenFetch open,
+                     std::optional<FetchWaitSpec> wait)
+      : service_(service),
+        tenant_(std::move(tenant)),
+        plane_(plane),
+        stream_(service->watchdog_.Watch(ctx)) {
     if (!dest.ok()) {
       Answer(dest.status());
       return;
@@ -78,18 +89,22 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
     wait_ = std::make_unique<FetchWait>(
         &service_->timers_, [this] { refs_.fetch_add(1, std::memory_order_relaxed); },
         [this] { Unref(); });
-    wait_->Begin(std::move(wait->store), wait->spec, wait->timeout,
-                 [this, dest = *std::move(dest), open = std::move(open)](absl::Status s) {
-                   if (!s.ok()) return Answer(s);
-                   CopyOnWorker(dest, open);
-                 });
+    wait_->Begin(
+        std::move(wait->store), wait->spec, wait->timeout,
+        [this, dest = *std::move(dest), open = std::move(open)](absl::Status s) {
+          if (!s.ok()) return Answer(s);
+          CopyOnWorker(dest, open);
+        },
+        std::move(wait->claim));
   }
 
   void OnWriteDone(bool) override { stream_->Progress(); }
   void OnCancel() override {
+    ended_.store(true, std::memory_order_release);
     if (wait_ != nullptr) wait_->Cancel();
   }
   void OnDone() override {
+    ended_.store(true, std::memory_order_release);
     stream_->Done();
     Unref();
   }
@@ -101,20 +116,33 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
 
   void CopyOnWorker(Sink dest, OpenFetch open) {
     refs_.fetch_add(1, std::memory_order_relaxed);
-    service_->device_work_->Submit(
-        [this, dest = std::move(dest), open = std::move(open)]() mutable {
-          absl::StatusOr<v1::FetchResponse> resp = Copy(std::move(dest), open);
-          if (resp.ok()) service_->plane_bytes_.AddSent(plane_, resp->header().payload_bytes());
-          Answer(resp);
-          Unref();
-        });
+    if (absl::Status s = service_->device_work_->Submit(
+            tenant_, WorkClass::kForeground,
+            [this, dest = std::move(dest), open = std::move(open)]() mutable {
+              absl::StatusOr<v1::FetchResponse> resp = Copy(std::move(dest), open, ended_);
+              if (resp.ok()) {
+                service_->plane_bytes_.AddSent(plane_, resp->header().payload_bytes());
+              }
+              Answer(resp);
+              Unref();
+            });
+        !s.ok()) {
+      Answer(s);  // the tenant's backlog is full: nothing was copied
+      Unref();
+    }
   }
 
-  static absl::StatusOr<v1::FetchResponse> Copy(Sink dest, const OpenFetch& open) {
+  // NOTE: nothing is written into the region once the call has ended: a copy that has not
+  // started by then never starts, and one under way stops at its next piece (the client treats
+  // the region as spoilt after a failed call: the SDK never reuses such a staging region).
+  static absl::StatusOr<v1::FetchResponse> Copy(Sink dest, const OpenFetch& open,
+                                                const std::atomic<bool>& ended) {
+    if (ended.load(std::memory_order_acquire)) return CallEnded();
     auto reader = open();
     if (!reader.ok()) return reader.status();
+    if (ended.load(std::memory_order_acquire)) return CallEnded();
     const uint64_t n = (*reader)->payload_bytes();
-    if (absl::Status s = dest(**reader); !s.ok()) return s;
+    if (absl::Status s = dest(**reader, ended); !s.ok()) return s;
     v1::FetchResponse resp;
     v1::FetchHeader* h = resp.mutable_header();
     h->set_token_begin((*reader)->token_begin());
@@ -138,8 +166,14 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
     StartWriteAndFinish(&message_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
+  static absl::Status CallEnded() {
+    return absl::CancelledError("the fetch ended (cancelled or past its deadline) before its copy");
+  }
+
   KvBankService* const service_;
+  const std::string tenant_;  // whose work the copy is
   const Plane plane_;
+  std::atomic<bool> ended_{false};  // OnCancel or OnDone ran: nothing more goes into the region
   // gRPC's (until OnDone) and the queued copy's: the last to go deletes the reactor.
   std::atomic<int> refs_{1};
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
@@ -159,17 +193,26 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
       bytes.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
                  : absl::StatusOr<RegionFetchReactor::Sink>(bytes.status());
   if (bytes.ok()) {
-    sink = [region = *std::move(bytes)](FetchReader& reader) {
+    sink = [region = *std::move(bytes)](FetchReader& reader, const std::atomic<bool>& ended) {
       const uint64_t n = reader.payload_bytes();
       if (n > region.bytes.size()) {
         return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
                                                        " is less than the payload's ", n,
                                                        " bytes; nothing was written"));
       }
-      return reader.Read(0, region.bytes.subspan(0, n));
+      // In pieces, in order (the cheapest order on staged memory), so that a call that ends
+      // stops the copy within a piece.
+      for (uint64_t at = 0; at < n; at += kRegionCopyPiece) {
+        if (ended.load(std::memory_order_acquire)) {
+          return absl::CancelledError("the fetch ended during its copy: stopped");
+        }
+        const uint64_t len = std::min(kRegionCopyPiece, n - at);
+        if (absl::Status s = reader.Read(at, region.bytes.subspan(at, len)); !s.ok()) return s;
+      }
+      return absl::OkStatus();
     };
   }
-  return new RegionFetchReactor(this, ctx, Plane::kShm, std::move(sink), std::move(open),
+  return new RegionFetchReactor(this, ctx, tenant, Plane::kShm, std::move(sink), std::move(open),
                                 std::move(wait));
 }
 
@@ -220,13 +263,13 @@ absl::Status KvBankService::AppendFromDevice(const std::string& tenant, const Se
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartDeviceFetch(
-    Ctx* ctx, OpenFetch open, absl::StatusOr<plane::DeviceBytes> dest,
+    Ctx* ctx, OpenFetch open, const std::string& tenant, absl::StatusOr<plane::DeviceBytes> dest,
     std::optional<FetchWaitSpec> wait) {
   absl::StatusOr<RegionFetchReactor::Sink> sink =
       dest.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
                 : absl::StatusOr<RegionFetchReactor::Sink>(dest.status());
   if (dest.ok()) {
-    sink = [region = *std::move(dest)](FetchReader& reader) {
+    sink = [region = *std::move(dest)](FetchReader& reader, const std::atomic<bool>&) {
       const uint64_t n = reader.payload_bytes();
       if (n > region.size) {
         return absl::InvalidArgumentError(absl::StrCat("device_dest.length ", region.size,
@@ -236,8 +279,8 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartDeviceFetch(
       return reader.ReadToDevice(region.data);
     };
   }
-  return new RegionFetchReactor(this, ctx, Plane::kCudaIpc, std::move(sink), std::move(open),
-                                std::move(wait));
+  return new RegionFetchReactor(this, ctx, tenant, Plane::kCudaIpc, std::move(sink),
+                                std::move(open), std::move(wait));
 }
 
 }  // namespace kvbank::rpc

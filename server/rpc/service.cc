@@ -65,10 +65,11 @@ grpc::ServerUnaryReactor* KvBankService::ServeWork(Ctx* ctx, const Raw* raw, Raw
     return call;
   }
   auto run = [call, fn = std::move(work->run)] { call->Reply(fn(&call->response)); };
-  if (work->on_worker) {
-    device_work_->Submit(std::move(run));
-  } else {
+  if (!work->on_worker) {
     run();
+  } else if (absl::Status s = device_work_->Submit(caller->tenant, WorkClass::kForeground, run);
+             !s.ok()) {
+    call->Reply(s);  // the tenant's backlog is full: the task was dropped, never run
   }
   return call;
 }
@@ -89,11 +90,22 @@ KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOpt
     : registry_(std::move(registry)),
       options_(std::move(options)),
       auth_(std::move(auth)),
+      ledger_(options_.ledger != nullptr ? options_.ledger : DefaultLedger()),
       watchdog_(options_.stream_idle_timeout),
-      device_work_(std::make_unique<WorkQueue>(std::max(1u, options_.device_workers))),
+      device_work_(std::make_unique<FairWork>(
+          FairWorkOptions{std::max(1u, options_.device_workers)}, ledger_)),
       attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {}
 
 KvBankService::~KvBankService() = default;
+
+std::shared_ptr<TenantLedger> DefaultLedger() {
+  std::shared_ptr<TenantLedger> ledger = TenantLedger::Create();
+  ledger->SetCap(Resource::kQueuedWork, kDefaultMaxQueuedWork);
+  ledger->SetCap(Resource::kQueuedBackground, kDefaultMaxQueuedBackground);
+  ledger->SetCap(Resource::kWatchStreams, kDefaultMaxWatchStreams);
+  ledger->SetCap(Resource::kWaits, kDefaultMaxWaits);
+  return ledger;
+}
 
 absl::StatusOr<Caller> KvBankService::Admit(const grpc::ServerContextBase& ctx) const {
   if (draining_.load(std::memory_order_acquire)) {
@@ -267,11 +279,20 @@ grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* ou
           in_tiers |= r.host_tokens + r.disk_tokens > 0;
         }
         if (req.prefetch() && in_tiers) {
-          // After the answer, on a worker: the caller's next call finds the blocks in the pool.
-          device_work_->Submit(
-              [store = *std::move(model), tenant = caller.tenant, queries = std::move(queries)] {
-                store->Prefetch(tenant, queries);
-              });
+          // After the answer, in the background on a worker: the caller's next call finds the
+          // blocks in the pool. A prefetch is a hint: past the tenant's share of queued
+          // background work it is dropped (counted in the ledger), and the answer stands.
+          uint64_t blocks = 0;
+          for (const MatchQuery& q : queries) {
+            blocks += q.hashes.size() + q.tokens.size() / (*model)->layout().block_tokens;
+          }
+          device_work_
+              ->Submit(
+                  caller.tenant, WorkClass::kBackground,
+                  [store = *std::move(model), tenant = caller.tenant,
+                   queries = std::move(queries)] { store->Prefetch(tenant, queries); },
+                  blocks)
+              .IgnoreError();
         }
         return absl::OkStatus();
       });
@@ -389,15 +410,19 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
  public:
   static constexpr size_t kMaxBatch = 256;
 
+  // `claim`: the stream's place in its tenant's share of Watch streams, held until it ends.
   WatchReactor(KvBankService* service, grpc::CallbackServerContext* ctx,
-               std::shared_ptr<SequenceStore> model, Caller caller, uint64_t after)
+               std::shared_ptr<SequenceStore> model, Caller caller, uint64_t after,
+               LedgerClaim claim)
       : service_(service),
         model_(std::move(model)),
         caller_(std::move(caller)),
+        claim_(std::move(claim)),
         stream_(service->watchdog_.Watch(ctx)),
         cursor_(after) {
     stream_->SetWaiting(false);  // a watch with nothing to send is idle by design
-    model_->events()->Subscribe(this);
+    // Woken only for events this caller may see: its tenant's (everything, for an admin).
+    model_->events()->Subscribe(this, caller_.tenant, caller_.admin);
     service_->AddWatch(this);
     Pump();
   }
@@ -471,6 +496,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
   KvBankService* const service_;
   const std::shared_ptr<SequenceStore> model_;
   const Caller caller_;
+  const LedgerClaim claim_;
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
   absl::Mutex mu_;
   uint64_t cursor_ ABSL_GUARDED_BY(mu_);
@@ -501,9 +527,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Watch(Ctx* ctx, const
   if ((*model)->events() == nullptr) {
     return new FailedWatch(absl::UnimplementedError("this model keeps no KV events"));
   }
+  auto claim = ledger_->Acquire(caller->tenant, Resource::kWatchStreams);
+  if (!claim.ok()) return new FailedWatch(claim.status());
   const uint64_t after =
       req.from_now() ? (*model)->events()->last_sequence() : req.after_sequence();
-  return new WatchReactor(this, ctx, *std::move(model), *std::move(caller), after);
+  return new WatchReactor(this, ctx, *std::move(model), *std::move(caller), after,
+                          *std::move(claim));
 }
 
 void KvBankService::AddWatch(WatchReactor* w) {

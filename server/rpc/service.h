@@ -11,11 +11,13 @@
 #include "absl/synchronization/mutex.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 #include "server/core/model_registry.h"
+#include "server/core/tenant_ledger.h"
 #include "server/plane/cuda_ipc.h"
 #include "server/plane/nccl_plane.h"
 #include "server/plane/shm_regions.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/convert.h"
+#include "server/rpc/fair_work.h"
 #include "server/rpc/fetch_wait.h"
 #include "server/rpc/plane_bytes.h"
 #include "server/rpc/stream_watchdog.h"
@@ -31,9 +33,13 @@ struct ServiceOptions {
   // cores divided among the workers).
   uint32_t attend_workers = 2;
   uint32_t attend_kernel_threads = 0;
-  // Transfers on pool memory that waits on a device (cuda:N, host-staged), and forks there, run
-  // on this many worker threads, so that no gRPC reaction waits on a device copy.
+  // Transfers on pool memory that waits on a device (cuda:N, host-staged), region copies, disk
+  // reads, and forks there, run on this many worker threads (FairWork: fair across tenants,
+  // foreground before background), so that no gRPC reaction waits on a device copy.
   uint32_t device_workers = 4;
+  // What each tenant holds of the server-wide caps (queued work, waits, streams, regions, ...).
+  // Null: the service makes one with DefaultLedger's caps and a single tenant's shares.
+  std::shared_ptr<TenantLedger> ledger;
   // A stream that waits this long on its client (an Append with no next message, a Fetch or
   // Watch whose client does not read) is cancelled and releases what it holds. Zero: never.
   absl::Duration stream_idle_timeout = absl::Seconds(60);
@@ -52,6 +58,15 @@ struct ServiceOptions {
   // GetServerInfoResponse.host_id: this machine's boot id (clients compare it with theirs).
   std::string host_id;
 };
+
+// Server-wide caps of the work and the streams every tenant shares (kvbankd's flags set them; each
+// tenant gets its share: TenantLedger).
+inline constexpr uint64_t kDefaultMaxQueuedWork = 4096;       // foreground tasks queued
+inline constexpr uint64_t kDefaultMaxQueuedBackground = 256;  // prefetches queued
+inline constexpr uint64_t kDefaultMaxWatchStreams = 4096;     // Watch streams open
+inline constexpr uint64_t kDefaultMaxWaits = 65536;           // fetches waiting (wait_ms)
+// A ledger with those caps (the planes add theirs).
+std::shared_ptr<TenantLedger> DefaultLedger();
 
 // Largest message either side accepts: a few chunks' worth; larger ones are refused by gRPC.
 inline constexpr int kMaxMessageBytes = 4 << 20;
@@ -147,6 +162,9 @@ class KvBankService final : public internal::RawKvBankService {
   uint64_t streams_timed_out() const { return watchdog_.timed_out(); }
   // Payload bytes moved by each data plane (appends committed, fetches completed).
   const PlaneBytes& plane_bytes() const { return plane_bytes_; }
+  // The per-tenant ledger of the server-wide caps, and the device workers' queues.
+  const TenantLedger& ledger() const { return *ledger_; }
+  FairWorkStats work_stats() const { return device_work_->Stats(); }
 
  private:
   // Every call starts here: refused while draining, else authenticated.
@@ -181,6 +199,7 @@ class KvBankService final : public internal::RawKvBankService {
     std::shared_ptr<SequenceStore> store;
     FetchSpec spec;
     absl::Duration timeout;
+    LedgerClaim claim;  // the wait's place in its tenant's share of waits
   };
   // The shared-memory plane, or FAILED_PRECONDITION naming --shm-socket when it is off.
   absl::StatusOr<plane::ShmRegions*> ShmPlane() const;
@@ -210,6 +229,7 @@ class KvBankService final : public internal::RawKvBankService {
                                 const v1::RegionSlice& source, AppendTxn* txn) const;
   // A Fetch with a `device_dest` slice: as StartRegionFetch, device to device (regions.cc).
   grpc::ServerWriteReactor<Raw>* StartDeviceFetch(Ctx* ctx, OpenFetch open,
+                                                  const std::string& tenant,
                                                   absl::StatusOr<plane::DeviceBytes> dest,
                                                   std::optional<FetchWaitSpec> wait);
   // The NCCL plane, or FAILED_PRECONDITION saying why it is off (nccl.cc).
@@ -239,6 +259,7 @@ class KvBankService final : public internal::RawKvBankService {
   const std::shared_ptr<ModelRegistry> registry_;
   const ServiceOptions options_;
   const Authenticator auth_;
+  const std::shared_ptr<TenantLedger> ledger_;
   std::atomic<bool> draining_{false};  // set under watches_mu_
   absl::Mutex watches_mu_;             // before any WatchReactor's own lock
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
@@ -247,7 +268,7 @@ class KvBankService final : public internal::RawKvBankService {
   // Payload bytes by data plane (thread-safe counters; plane_bytes.h).
   mutable PlaneBytes plane_bytes_;
   // Last: joined (finishing their calls) first.
-  std::unique_ptr<WorkQueue> device_work_;
+  std::unique_ptr<FairWork> device_work_;
   std::unique_ptr<WorkQueue> attend_work_;
 };
 

@@ -42,10 +42,14 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   }
 
   void OnReadDone(bool ok) override {
+    bool first = false;  // the header's step: the call's work is admitted (or refused) here
+    std::string tenant;
     {
       absl::MutexLock lock(&mu_);
       stream_->Progress();
       if (finished_) return;  // the idle timeout ended the call while this read waited
+      first = txn_ == nullptr;
+      tenant = tenant_;
       if (ok) {
         message_decoded_ = proto::AppendMessage();  // its data spans point into message_'s slices
         if (absl::Status s =
@@ -68,13 +72,22 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     // the next read starts from there. The worker holds a reference, so that the reactor
     // outlives it even when the call ends meanwhile (the idle timeout).
     refs_.fetch_add(1, std::memory_order_relaxed);
-    service_->device_work_->Submit([this, ok] {
+    auto step = [this, ok] {
       {
         absl::MutexLock lock(&mu_);
         if (!finished_) Step(ok);
       }
       Unref();
-    });
+    };
+    if (!first) return service_->device_work_->Continue(tenant, std::move(step));
+    if (absl::Status s = service_->device_work_->Submit(tenant, WorkClass::kForeground, step);
+        !s.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        Fail(s);
+      }
+      Unref();  // the step's reference: it will never run
+    }
   }
 
   void OnDone() override {
@@ -282,9 +295,10 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   // device, so opening (which reads the first staged piece) and every read run on a device
   // worker, never in a reaction.
   // wait: open only once the tokens are committed (FetchRequest.wait_ms).
-  FetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, Open open, bool on_device,
-               std::optional<FetchWaitSpec> wait)
+  FetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, std::string tenant,
+               Open open, bool on_device, std::optional<FetchWaitSpec> wait)
       : service_(service),
+        tenant_(std::move(tenant)),
         chunk_bytes_(service->options_.chunk_bytes),
         on_device_(on_device),
         stream_(service->watchdog_.Watch(ctx)) {
@@ -299,29 +313,34 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
     // The wait may end on the thread of the commit it waited for, inside that append's
     // reaction: opening the fetch there (and reading its first chunk) would delay the append's
     // answer, so the fetch opens on a worker.
-    wait_->Begin(std::move(wait->store), wait->spec, wait->timeout,
-                 [this, open = std::move(open)](absl::Status s) {
-                   refs_.fetch_add(1, std::memory_order_relaxed);
-                   service_->device_work_->Submit([this, s = std::move(s), open] {
-                     if (s.ok()) stream_->SetWaiting(true);
-                     Start(s.ok() ? open() : s);
-                     Unref();
-                   });
-                 });
+    wait_->Begin(
+        std::move(wait->store), wait->spec, wait->timeout,
+        [this, open = std::move(open)](absl::Status s) {
+          // The waits are bounded (the tenant's share of waits): the open that
+          // follows one belongs to the admitted call.
+          refs_.fetch_add(1, std::memory_order_relaxed);
+          service_->device_work_->Continue(tenant_, [this, s = std::move(s), open] {
+            if (s.ok()) stream_->SetWaiting(true);
+            Start(s.ok() ? open() : s);
+            Unref();
+          });
+        },
+        std::move(wait->claim));
   }
 
   // The reactor of a fetch that `open` opens, or that answers open's error (which needs no
   // device worker).
   static FetchReactor* Start(KvBankService* service, grpc::CallbackServerContext* ctx,
-                             absl::StatusOr<Open> open, bool on_device,
+                             std::string tenant, absl::StatusOr<Open> open, bool on_device,
                              std::optional<FetchWaitSpec> wait) {
     if (!open.ok()) {
       return new FetchReactor(
-          service, ctx,
+          service, ctx, std::move(tenant),
           [s = open.status()]() -> absl::StatusOr<std::unique_ptr<FetchReader>> { return s; },
           false, std::nullopt);
     }
-    return new FetchReactor(service, ctx, *std::move(open), on_device, std::move(wait));
+    return new FetchReactor(service, ctx, std::move(tenant), *std::move(open), on_device,
+                            std::move(wait));
   }
 
   void OnCancel() override {
@@ -359,10 +378,15 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   void OpenNow(Open open) {
     if (!on_device_) return Start(open());
     refs_.fetch_add(1, std::memory_order_relaxed);
-    service_->device_work_->Submit([this, open = std::move(open)] {
-      Start(open());
+    if (absl::Status s = service_->device_work_->Submit(tenant_, WorkClass::kForeground,
+                                                        [this, open = std::move(open)] {
+                                                          Start(open());
+                                                          Unref();
+                                                        });
+        !s.ok()) {
+      Start(s);  // the tenant's backlog is full: the call ends with that
       Unref();
-    });
+    }
   }
 
   // The reader is open (or failed to): the header is known, the stream starts.
@@ -428,7 +452,7 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
       if (!build) return;
       if (on_device_ && !on_worker) {
         refs_.fetch_add(1, std::memory_order_relaxed);
-        service_->device_work_->Submit([this, offset] {
+        service_->device_work_->Continue(tenant_, [this, offset] {
           BuildAt(offset);
           Advance(/*on_worker=*/true);
           Unref();
@@ -479,6 +503,7 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   }
 
   const KvBankService* const service_;
+  const std::string tenant_;  // whose work the device steps are
   const uint64_t chunk_bytes_;
   const bool on_device_;
   // gRPC's (until OnDone) and each queued device step's: the last to go deletes the reactor.
@@ -558,7 +583,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
       if (!spec.token_end.has_value()) {
         return absl::InvalidArgumentError("wait_ms needs token_end: the tokens to wait for");
       }
-      wait = FetchWaitSpec{*model, spec, absl::Milliseconds(req.wait_ms())};
+      auto claim = ledger_->Acquire(tenant, Resource::kWaits);
+      if (!claim.ok()) return claim.status();
+      wait = FetchWaitSpec{*model, spec, absl::Milliseconds(req.wait_ms()), *std::move(claim)};
     }
     return FetchReactor::Open(
         [store = *std::move(model), spec = std::move(spec)] { return store->BeginFetch(spec); });
@@ -568,10 +595,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const
     return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::move(wait));
   }
   if (open.ok() && device_dest.has_value()) {
-    return StartDeviceFetch(ctx, *std::move(open), *std::move(device_dest), std::move(wait));
+    return StartDeviceFetch(ctx, *std::move(open), tenant, *std::move(device_dest),
+                            std::move(wait));
   }
   if (open.ok() && nccl.has_value()) return StartNcclFetch(ctx, *std::move(open), tenant, *nccl);
-  return FetchReactor::Start(this, ctx, std::move(open), on_device, std::move(wait));
+  return FetchReactor::Start(this, ctx, std::move(tenant), std::move(open), on_device,
+                             std::move(wait));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
@@ -617,9 +646,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
     return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::nullopt);
   }
   if (open.ok() && device_dest.has_value()) {
-    return StartDeviceFetch(ctx, *std::move(open), *std::move(device_dest), std::nullopt);
+    return StartDeviceFetch(ctx, *std::move(open), tenant, *std::move(device_dest), std::nullopt);
   }
-  return FetchReactor::Start(this, ctx, std::move(open), on_device, std::nullopt);
+  return FetchReactor::Start(this, ctx, std::move(tenant), std::move(open), on_device,
+                             std::nullopt);
 }
 
 }  // namespace kvbank::rpc

@@ -185,5 +185,31 @@ TEST_F(HandoffTest, TimeoutsFreesAndCancelsEndTheWait) {
   EXPECT_TRUE(BytesEqual(fine->payload, LayerBytes(2)));
 }
 
+// A model dropped while fetches wait on its sequences: each wait ends at once with
+// FAILED_PRECONDITION naming the drop (the proto's promise: a dropped model's sequences go at
+// once), a plain wait and one into nothing else alike, instead of running out its wait_ms.
+TEST_F(HandoffTest, DroppingTheModelEndsItsWaits) {
+  const uint64_t a = NewSequence(), b = NewSequence();
+  const absl::Time start = absl::Now();
+  auto first = std::async(std::launch::async, [&] {
+    return client_->Fetch("handoff", a, LayerArgs(1, absl::Seconds(60)));
+  });
+  auto second = std::async(std::launch::async, [&] {
+    return client_->Fetch("handoff", b, LayerArgs(3, absl::Seconds(60)));
+  });
+  ASSERT_NO_FATAL_FAILURE(AwaitWaiting(2));
+  ASSERT_TRUE(client_->DropModel("handoff").ok());
+  for (auto* f : {&first, &second}) {
+    auto r = f->get();
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "was dropped")) << r.status();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "the waits ran out instead of ending";
+  // The name may be registered again at once, empty.
+  auto again = client_->EnsureModel(Layout(), 16 << 20);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(client_->GetSequence("handoff", a).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace kvbank::integ

@@ -34,9 +34,10 @@ uint64_t Mix(uint64_t x) {  // splitmix64
   return x ^ (x >> 31);
 }
 
-// The KV of a prompt's full blocks, each block's rows made from its hash alone: whatever block
-// the server serves under a hash must hold exactly these bytes.
-std::vector<uint8_t> PayloadOf(const ModelLayout& m, const std::vector<BlockHash>& hashes) {
+// The KV of a prompt's full blocks, each block's rows made from its hash (and `salt`) alone:
+// whatever block the server serves under a hash must hold exactly these bytes.
+std::vector<uint8_t> PayloadOf(const ModelLayout& m, const std::vector<BlockHash>& hashes,
+                               uint64_t salt = 0) {
   const BlockLayout bl = ComputeBlockLayout(m);
   const uint64_t n = hashes.size() * uint64_t{m.block_tokens};
   const PayloadLayout p = PayloadLayout::Make(bl, 0, m.num_layers, n);
@@ -46,6 +47,7 @@ std::vector<uint8_t> PayloadOf(const ModelLayout& m, const std::vector<BlockHash
     for (uint64_t t = 0; t < n; ++t) {
       uint64_t seed;
       std::memcpy(&seed, hashes[t / m.block_tokens].data(), sizeof(seed));
+      seed ^= salt;
       uint64_t x = Mix(seed ^ (t % m.block_tokens) ^ (uint64_t{l} << 40));
       for (uint32_t part = 0; part < 2; ++part) {
         const uint64_t row = part == 0 ? v.KRowBytes() : v.VRowBytes();
@@ -84,7 +86,8 @@ class TiersIntegTest : public KvbankdTest {
   // cached. Answers the prompt's hashes.
   static absl::StatusOr<std::vector<BlockHash>> WritePrompt(Client& c, const ModelLayout& m,
                                                             const BlockHash& root,
-                                                            const std::vector<uint32_t>& prompt) {
+                                                            const std::vector<uint32_t>& prompt,
+                                                            uint64_t salt = 0) {
     const std::vector<BlockHash> hashes =
         PrefixHashes(HashAlgorithm::kSha256, root, prompt, m.block_tokens);
     auto seq = c.CreateSequence(m.name);
@@ -92,7 +95,7 @@ class TiersIntegTest : public KvbankdTest {
     Client::AppendArgs a;
     a.num_tokens = prompt.size();
     a.token_ids = prompt;
-    auto appended = c.Append(m.name, seq->id, a, PayloadOf(m, hashes));
+    auto appended = c.Append(m.name, seq->id, a, PayloadOf(m, hashes, salt));
     if (!appended.ok()) return appended.status();
     auto freed = c.Free(m.name, seq->id);
     if (!freed.ok()) return freed.status();
@@ -207,6 +210,118 @@ TEST_F(TiersIntegTest, WarmRestartServesTheCacheFromDisk) {
             std::string::npos)
       << after;
   EXPECT_EQ(st.tiers->corrupt, 0u);
+}
+
+// Two models whose names differ only where a file name cannot (llama-3.1-8b and llama-3_1-8b),
+// with one layout (so one root and the same block hashes for one prompt): each keeps its own disk
+// tier file and is only ever served its own bytes, live and after a restart, whichever model is
+// registered first.
+TEST_F(TiersIntegTest, ModelsNamedAlikeNeverServeEachOthersBlocks) {
+  const ModelLayout dot = SmallLayout("m.a"), under = SmallLayout("m_a");
+  const std::vector<uint32_t> prompt = Tokens(7, 4 * kBt);
+  constexpr uint64_t kDotSalt = 0x0d07, kUnderSalt = 0x5f5f;
+  // Each model's view: its own prompt's blocks, wherever they are, hold its own bytes (or are a
+  // miss); never the other model's.
+  auto check = [&](Client& c, const ModelLayout& m, uint64_t salt, const std::string& when) {
+    auto root = c.GetPrefixRoot(m.name);
+    ASSERT_TRUE(root.ok()) << root.status();
+    const std::vector<BlockHash> hashes =
+        PrefixHashes(HashAlgorithm::kSha256, root->root, prompt, m.block_tokens);
+    auto got = c.FetchBlocks(m.name, hashes);
+    ASSERT_TRUE(got.ok()) << when << ", " << m.name << ": " << got.status();
+    ASSERT_EQ(got->num_tokens, 4 * kBt) << when << ", " << m.name << ": a block went missing";
+    EXPECT_TRUE(BytesEqual(got->payload, PayloadOf(m, hashes, salt)))
+        << when << ", " << m.name << ": served bytes that are not its own";
+  };
+  ASSERT_NO_FATAL_FAILURE(StartServer(Flags("256KiB", "4MiB")));  // 64 blocks a pool
+  {
+    auto c = NewClient();
+    ASSERT_TRUE(c->EnsureModel(under).ok());
+    ASSERT_TRUE(c->EnsureModel(dot).ok());
+    auto root = c->GetPrefixRoot("m_a");
+    ASSERT_TRUE(root.ok()) << root.status();
+    auto dot_root = c->GetPrefixRoot("m.a");
+    ASSERT_TRUE(dot_root.ok()) << dot_root.status();
+    ASSERT_EQ(root->root, dot_root->root) << "one layout, one tenant: the same hashes";
+    ASSERT_TRUE(WritePrompt(*c, under, root->root, prompt, kUnderSalt).ok());
+    ASSERT_TRUE(WritePrompt(*c, dot, root->root, prompt, kDotSalt).ok());
+    // 30 more prompts of 4 blocks in each pool of 64 evict the first one to the disk tiers.
+    for (int i = 0; i < 30; ++i) {
+      ASSERT_TRUE(WritePrompt(*c, under, root->root, Tokens(1000 + i, 4 * kBt), kUnderSalt).ok());
+      ASSERT_TRUE(WritePrompt(*c, dot, root->root, Tokens(2000 + i, 4 * kBt), kDotSalt).ok());
+    }
+    for (const ModelLayout* m : {&under, &dot}) {
+      Client::MatchQuery q;
+      q.tokens = prompt;
+      auto where = c->MatchTiers(m->name, {q});
+      ASSERT_TRUE(where.ok()) << where.status();
+      EXPECT_EQ((*where)[0].disk_tokens, 4 * kBt) << m->name << ": the prompt is on its disk tier";
+    }
+    ASSERT_NO_FATAL_FAILURE(check(*c, under, kUnderSalt, "live"));
+    ASSERT_NO_FATAL_FAILURE(check(*c, dot, kDotSalt, "live"));
+  }
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+    if (e.path().extension() == ".kvbank-tier") files.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(files.size(), 2u) << "one disk tier file a model";
+  // Restarts: SIGTERM writes the pools down; the next server registers the models in either order.
+  for (bool dot_first : {true, false}) {
+    ASSERT_TRUE(server_->Stop().ok()) << server_->Log();
+    server_.reset();
+    ASSERT_NO_FATAL_FAILURE(StartServer(Flags("256KiB", "4MiB")));
+    auto c = NewClient();
+    for (const ModelLayout* m : dot_first ? std::vector{&dot, &under} : std::vector{&under, &dot}) {
+      ASSERT_TRUE(c->EnsureModel(*m).ok());
+    }
+    const std::string when = dot_first ? "restarted, m.a first" : "restarted, m_a first";
+    ASSERT_NO_FATAL_FAILURE(check(*c, under, kUnderSalt, when));
+    ASSERT_NO_FATAL_FAILURE(check(*c, dot, kDotSalt, when));
+  }
+}
+
+// The disk tier's folder is one server's: a second kvbankd on it is refused at start, naming the
+// first; a folder others may write, and a tier file that is a symbolic link, are refused too.
+TEST_F(TiersIntegTest, FolderIsOneServersOwn) {
+  ASSERT_NO_FATAL_FAILURE(StartServer(Flags("256KiB", "4MiB")));
+  auto second = ServerProcess::Start(Flags("256KiB", "4MiB"));
+  ASSERT_FALSE(second.ok()) << "a second kvbankd started on a folder in use";
+  EXPECT_NE(second.status().ToString().find("in use by another kvbankd (pid " +
+                                            std::to_string(server_->pid()) + ")"),
+            std::string::npos)
+      << second.status();
+  // A tier file planted as a link (to a file the test owns) is not followed: the model is refused
+  // and the link's target is untouched.
+  const ModelLayout m = SmallLayout("linked");
+  const std::string target = dir_ + "-target";
+  std::ofstream(target) << "not a tier";
+  auto c = NewClient();
+  ASSERT_TRUE(c->EnsureModel(SmallLayout("plain")).ok());
+  std::string plain_file;
+  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+    if (e.path().extension() == ".kvbank-tier") plain_file = e.path().filename().string();
+  }
+  ASSERT_FALSE(plain_file.empty());
+  // The fingerprint part of the name is the layout's, which both models share.
+  const std::string linked_file = "linked" + plain_file.substr(std::string("plain").size());
+  std::filesystem::create_symlink(target, dir_ + "/" + linked_file);
+  auto refused = c->EnsureModel(m);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("symbolic link"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(std::filesystem::file_size(target), std::string("not a tier").size());
+  std::filesystem::remove(target);
+  ASSERT_TRUE(server_->Stop().ok()) << server_->Log();
+  server_.reset();
+  // A folder that group or others may write.
+  std::filesystem::permissions(dir_, std::filesystem::perms::others_write,
+                               std::filesystem::perm_options::add);
+  auto open_folder = ServerProcess::Start(Flags("256KiB", "4MiB"));
+  ASSERT_FALSE(open_folder.ok()) << "kvbankd started on a folder anyone may write";
+  EXPECT_NE(open_folder.status().ToString().find("lets group or others write it"),
+            std::string::npos)
+      << open_folder.status();
 }
 
 // kill -9 while prompts stream in and the small pool spills to a small disk tier (its slots

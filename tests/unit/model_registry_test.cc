@@ -186,7 +186,13 @@ TEST(ModelRegistryTest, DropReleasesTheBudgetWhenTheLastHolderLetsGo) {
   EXPECT_NE(again.message().find("'a'"), std::string::npos) << again;
   // Still in use: its bytes are still taken, so a model that needs them must wait.
   EXPECT_EQ(reg.pool_bytes_used(), a_bytes);
-  EXPECT_TRUE((*held)->Get(seq->id).ok()) << "the holder's store changed under it";
+  // Its sequences went with it, for a holder too (the drop's promise: a model's sequences go at
+  // once), and nothing new starts in it.
+  auto gone = (*held)->Get(seq->id);
+  EXPECT_EQ(gone.status().code(), StatusCode::kFailedPrecondition) << gone.status();
+  EXPECT_NE(gone.status().message().find("model 'a' was dropped"), std::string::npos)
+      << gone.status();
+  EXPECT_EQ((*held)->Create(absl::ZeroDuration()).status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(reg.Ensure(Config("b", 2 * kMiB)).status().code(), StatusCode::kResourceExhausted);
 
   held->reset();
