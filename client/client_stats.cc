@@ -1,9 +1,34 @@
-// Client::GetStats: the model statistics (pool, activity, tiers, tenants) from their wire form.
+// Client::GetStats and GetTenantUsage: the model statistics (pool, activity, tiers, tenants) and
+// the tenants' usage of the server-wide caps, from their wire form.
 #include "client/client_internal.h"
 #include "kvbank/client.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
 
 namespace kvbank {
+
+Client::TenantUsage::Resource Client::TenantUsage::Of(const std::string& name) const {
+  for (const Resource& r : resources) {
+    if (r.name == name) return r;
+  }
+  return Resource{name};
+}
+
+absl::StatusOr<std::vector<Client::TenantUsage>> Client::GetTenantUsage() {
+  v1::GetStatsRequest req;
+  req.set_usage_only(true);
+  v1::GetStatsResponse resp;
+  if (auto s = impl_->Call(&v1::KvBank::Stub::GetStats, req, &resp); !s.ok()) return s;
+  std::vector<TenantUsage> out;
+  for (const v1::TenantUsage& t : resp.tenants()) {
+    TenantUsage u;
+    u.tenant = t.tenant();
+    for (const v1::ResourceUsage& r : t.resources()) {
+      u.resources.push_back({r.resource(), r.held(), r.share(), r.refused()});
+    }
+    out.push_back(std::move(u));
+  }
+  return out;
+}
 
 absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::string& model) {
   v1::GetStatsRequest req;

@@ -248,6 +248,15 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
       }
     }
   }
+  FamilySnapshot* wakeups =
+      AddFamily(out, "kvbank_watch_wakeups_total",
+                "Watch streams woken to read new KV events (only streams that may see them).",
+                MetricType::kCounter);
+  for (const auto& store : models_->List()) {
+    if (store->events() == nullptr) continue;
+    wakeups->samples.push_back(
+        {"", {{"model", store->layout().name}}, double(store->events()->notifications())});
+  }
 }
 
 void KvbankdMetrics::CollectServer(std::vector<FamilySnapshot>* out) const {
@@ -283,6 +292,40 @@ void KvbankdMetrics::CollectServer(std::vector<FamilySnapshot>* out) const {
                 MetricType::kCounter);
   refused->samples.push_back({"", {{"reason", "over_cap"}}, double(ls.refused_over_cap)});
   refused->samples.push_back({"", {{"reason", "no_descriptors"}}, double(ls.refused_no_fds)});
+  // What each tenant holds of the server-wide caps (TenantLedger), its share, its refusals.
+  const std::vector<TenantLedgerRow> ledger = service_->ledger().Rows();
+  const std::pair<const char*, const char*> ledger_families[] = {
+      {"kvbank_tenant_held", "What the tenant holds of a server-wide cap, by resource."},
+      {"kvbank_tenant_share",
+       "The tenant's share of a server-wide cap (0: no limit): the cap divided among the "
+       "tenants, or its own limit."},
+      {"kvbank_tenant_refused_total",
+       "The tenant's claims on a server-wide cap refused (RESOURCE_EXHAUSTED; a background "
+       "prefetch dropped)."},
+  };
+  for (int k = 0; k < 3; ++k) {
+    FamilySnapshot* fam = AddFamily(out, ledger_families[k].first, ledger_families[k].second,
+                                    k == 2 ? MetricType::kCounter : MetricType::kGauge);
+    for (const TenantLedgerRow& row : ledger) {
+      for (size_t i = 0; i < kNumResources; ++i) {
+        const uint64_t v = k == 0 ? row.held[i] : k == 1 ? row.share[i] : row.refused[i];
+        fam->samples.push_back(
+            {"", {{"tenant", row.tenant}, {"resource", ResourceName(Resource(i))}}, double(v)});
+      }
+    }
+  }
+  const rpc::FairWorkStats work = service_->work_stats();
+  FamilySnapshot* queued =
+      AddFamily(out, "kvbank_device_work_queued",
+                "Device-worker tasks waiting, by class (foreground: a client waits on it; "
+                "background: prefetches).",
+                MetricType::kGauge);
+  queued->samples.push_back({"", {{"class", "foreground"}}, double(work.queued_foreground)});
+  queued->samples.push_back({"", {{"class", "background"}}, double(work.queued_background)});
+  FamilySnapshot* ran = AddFamily(out, "kvbank_device_work_ran_total",
+                                  "Device-worker tasks run, by class.", MetricType::kCounter);
+  ran->samples.push_back({"", {{"class", "foreground"}}, double(work.ran_foreground)});
+  ran->samples.push_back({"", {{"class", "background"}}, double(work.ran_background)});
   AddFamily(out, "kvbank_build_info", "Always 1; the version label names the kvbankd build.",
             MetricType::kGauge)
       ->samples.push_back({"", {{"version", options_.version}}, 1});

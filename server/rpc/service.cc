@@ -167,6 +167,19 @@ grpc::ServerUnaryReactor* KvBankService::GetStats(Ctx* ctx, const Raw* raw, Raw*
       ctx, raw, out,
       [this](const Caller& caller, const v1::GetStatsRequest& req,
              v1::GetStatsResponse* resp) -> absl::Status {
+        for (const TenantLedgerRow& row : ledger_->Rows()) {
+          if (!caller.admin && row.tenant != caller.tenant) continue;
+          v1::TenantUsage* u = resp->add_tenants();
+          u->set_tenant(row.tenant);
+          for (size_t i = 0; i < kNumResources; ++i) {
+            v1::ResourceUsage* r = u->add_resources();
+            r->set_resource(ResourceName(Resource(i)));
+            r->set_held(row.held[i]);
+            r->set_share(row.share[i]);
+            r->set_refused(row.refused[i]);
+          }
+        }
+        if (req.usage_only()) return absl::OkStatus();
         std::vector<std::shared_ptr<SequenceStore>> models;
         if (req.model().empty()) {
           models = registry_->List();

@@ -149,6 +149,18 @@ class Client {
     // other tenants' work (free, cached, pinned blocks, evictions) are withheld (0).
     bool tenant_view = false;
   };
+  // What a tenant holds of the server-wide caps (waits, Watch streams, regions, queued work):
+  // per resource, held now, its share (0: no limit) and its claims refused since start.
+  struct TenantUsage {
+    struct Resource {
+      std::string name;  // "waits", "watch_streams", "shm_regions", "queued_background", ...
+      uint64_t held = 0, share = 0, refused = 0;
+    };
+    std::string tenant;
+    std::vector<Resource> resources;
+    // The named resource's row (a zero row when there is none).
+    Resource Of(const std::string& name) const;
+  };
   // How a sequence starts: with a prompt, its cached full blocks are attached.
   struct CreateArgs {
     std::optional<absl::Duration> lease;  // unset: the server's default; zero: no lease
@@ -267,6 +279,8 @@ class Client {
   // miss).
   absl::StatusOr<ModelInfo> GetModel(const std::string& model);
   absl::StatusOr<std::vector<ModelStats>> GetStats(const std::string& model = "");
+  // The caller's usage of the server-wide caps; every tenant's for an admin (by name).
+  absl::StatusOr<std::vector<TenantUsage>> GetTenantUsage();
   // What the server is and which data planes it serves.
   // What the server is and which data planes it serves (the planes a caller may pick).
   struct ServerInfo {
