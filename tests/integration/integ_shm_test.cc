@@ -8,15 +8,19 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <limits>
 
+#include "absl/strings/str_split.h"
 #include "client/shm_handshake.h"
 #include "grpcpp/grpcpp.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
@@ -76,6 +80,103 @@ bool RegionGone(Client& c, const std::string& model, uint64_t seq, uint64_t id) 
   auto r = c.FetchToRegion(model, seq, {}, {id, 0, 1});
   return r.status().code() == absl::StatusCode::kNotFound &&
          absl::StrContains(r.status().message(), "dest.region_id");
+}
+
+// A memory cgroup of its own for a process (v1 memory controller or cgroup v2), made below this
+// test's own cgroup; the kernel charges the pages the process allocates from then on to it.
+class MemoryCgroup {
+ public:
+  // Null, with *why, when no writable memory cgroup is here.
+  static std::unique_ptr<MemoryCgroup> Make(const std::string& name, std::string* why) {
+    std::ifstream self("/proc/self/cgroup");
+    std::string line, v1_path, v2_path;
+    while (std::getline(self, line)) {
+      const std::vector<std::string> f = absl::StrSplit(line, absl::MaxSplits(':', 2));
+      if (f.size() != 3) continue;
+      if (absl::StrContains(f[1], "memory")) v1_path = f[2];
+      if (f[0] == "0" && f[1].empty()) v2_path = f[2];
+    }
+    std::vector<std::pair<std::string, std::string>> tries;  // (folder, usage file)
+    if (!v1_path.empty()) {
+      tries.push_back({"/sys/fs/cgroup/memory" + v1_path, "memory.usage_in_bytes"});
+    }
+    if (!v2_path.empty()) {
+      tries.push_back({"/sys/fs/cgroup" + v2_path, "memory.current"});
+      tries.push_back({"/sys/fs/cgroup/unified" + v2_path, "memory.current"});
+    }
+    for (const auto& [parent, usage] : tries) {
+      const std::string dir = parent + "/" + name;
+      if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) continue;
+      if (access((dir + "/" + usage).c_str(), R_OK) != 0) {
+        rmdir(dir.c_str());
+        continue;
+      }
+      return std::unique_ptr<MemoryCgroup>(new MemoryCgroup(dir, usage));
+    }
+    *why = "no writable memory cgroup below this process's (v1 memory or v2 memory.current)";
+    return nullptr;
+  }
+  ~MemoryCgroup() { rmdir(dir_.c_str()); }  // empty once the process exited
+  bool Add(pid_t pid) {
+    std::ofstream procs(dir_ + "/cgroup.procs");
+    procs << pid << std::endl;
+    return bool(procs);
+  }
+  int64_t Usage() const {
+    int64_t v = -1;
+    std::ifstream(dir_ + "/" + usage_) >> v;
+    return v;
+  }
+
+ private:
+  MemoryCgroup(std::string dir, std::string usage)
+      : dir_(std::move(dir)), usage_(std::move(usage)) {}
+  const std::string dir_, usage_;
+};
+
+// The pages of a client's region are the client's: kvbankd's copies into it do not grow
+// kvbankd's memory cgroup (the SDK writes its memfds whole; kvbankd maps no memfd with a hole,
+// whose pages its own copies would allocate on its account).
+TEST_F(ShmTest, FetchesIntoRegionsDoNotGrowTheServersMemoryCgroup) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::string why;
+  auto cgroup = MemoryCgroup::Make(absl::StrCat("kvbank-shm-test-", getpid()), &why);
+  if (cgroup == nullptr) GTEST_SKIP() << why;
+  ASSERT_TRUE(cgroup->Add(server_->pid())) << "cannot move kvbankd into its cgroup";
+  std::unique_ptr<Client> c = Shm();
+  ModelLayout m = SmallLayout("m");
+  m.num_layers = 8;
+  m.num_q_heads = 8;
+  m.num_kv_heads = 8;
+  m.head_dim = m.head_dim_v = 128;
+  m.layer_dtypes.assign(m.num_layers, DType::kFp16);
+  ASSERT_TRUE(c->EnsureModel(m, 128 * kMiB).ok());
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  constexpr uint64_t kTokens = 2048;  // 64 MiB at 32 KiB a token
+  const uint64_t payload = kTokens * 2 * 8 * 8 * 128 * 2;
+  Client::AppendArgs args;
+  args.num_tokens = kTokens;
+  ASSERT_TRUE(c->Append("m", seq->id, args, std::vector<uint8_t>(payload, 0x3c)).ok());
+  std::vector<std::unique_ptr<ShmRegion>> regions;
+  for (int i = 0; i < 3; ++i) {
+    auto r = c->RegisterRegion(payload);
+    ASSERT_TRUE(r.ok()) << r.status();
+    regions.push_back(*std::move(r));
+  }
+  const int64_t before = cgroup->Usage();
+  ASSERT_GE(before, 0);
+  for (const auto& r : regions) {
+    auto got = c->FetchToRegion("m", seq->id, {}, r->Slice(0, payload));
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->payload_bytes, payload);
+    EXPECT_EQ(r->data()[payload - 1], 0x3c);
+  }
+  const int64_t after = cgroup->Usage();
+  std::cerr << "[shm] kvbankd's memory cgroup: " << before << " bytes before 192 MiB of fetches "
+            << "into client regions, " << after << " after\n";
+  EXPECT_LT(after - before, int64_t{16} << 20)
+      << "kvbankd's cgroup paid for pages of the client's regions";
 }
 
 TEST_F(ShmTest, AppendAndFetchThroughARegionEqualTheGrpcPath) {

@@ -344,6 +344,35 @@ TEST(KvEventsTest, ListenersReadInsideNotifyAndStopOnUnsubscribe) {
   h.events->Unsubscribe(&later);
 }
 
+// A listener is woken only for events it may see: its tenant's, or everyone's when it sees all.
+// One tenant's events cost nothing for another's listeners, however many there are.
+TEST(KvEventsTest, ListenersWakeOnlyForTheirTenantsEvents) {
+  Harness h(64);
+  Collector b(h.events), admin(h.events);
+  std::vector<std::unique_ptr<Collector>> a;
+  for (int i = 0; i < 50; ++i) {
+    a.push_back(std::make_unique<Collector>(h.events));
+    h.events->Subscribe(a.back().get(), "a", /*see_all=*/false);
+  }
+  h.events->Subscribe(&b, "b", /*see_all=*/false);
+  h.events->Subscribe(&admin, "", /*see_all=*/true);
+  EXPECT_EQ(h.events->listeners(), 52u);
+  const uint64_t seq = h.Fill("b", Tokens(12, 5));  // 3 stored events of b's
+  ASSERT_TRUE(b.AwaitSeen(3));
+  ASSERT_TRUE(admin.AwaitSeen(3));
+  // b's and the admin's listeners only: at most one wake-up each per event.
+  EXPECT_LE(h.events->notifications(), 6u);
+  for (const auto& l : a) EXPECT_EQ(l->notifications(), 0) << "woken for another tenant's events";
+  // An event for everyone (the cache cleared) wakes every listener.
+  ASSERT_TRUE(h.store->Free(seq, "b").ok());
+  h.store->ClearCache();
+  for (const auto& l : a) EXPECT_TRUE(l->AwaitSeen(1)) << "missed an event for everyone";
+  for (const auto& l : a) h.events->Unsubscribe(l.get());
+  h.events->Unsubscribe(&b);
+  h.events->Unsubscribe(&admin);
+  EXPECT_EQ(h.events->listeners(), 0u);
+}
+
 // A listener whose Notify blocks until the gate opens (no listener should, but a slow one must
 // not hold up the appending thread). Counts its calls, and any call after Unsubscribe returned.
 struct Gate {

@@ -4,6 +4,7 @@
 #include "server/plane/shm_regions.h"
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -209,6 +210,48 @@ TEST_F(ShmRegionsTest, RefusesUnsealedEmptyLargeAndReadOnlyRegions) {
   std::remove(file.c_str());
   EXPECT_EQ(regions_->num_pending() + regions_->num_regions(), 0u);
   EXPECT_TRUE(WaitFor([&] { return regions_->num_connections() == 0; }));
+}
+
+// A region's pages must be the client's before kvbankd maps it: a memfd with a hole (its pages
+// would be allocated by kvbankd's copies, on kvbankd's memory cgroup) and a hugetlbfs one (its
+// pages can go under a copy) are refused; a page punched out after registration fails the
+// transfers over it, not the others.
+TEST_F(ShmRegionsTest, RefusesSparseHugetlbAndPunchedRegions) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  const int sparse = Keep(memfd_create("sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(ftruncate(sparse, 65536), 0);
+  ASSERT_EQ(pwrite(sparse, "x", 1, 0), 1);  // the first page only
+  ASSERT_EQ(fcntl(sparse, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  auto h = internal::HandOver(options_.socket_path, sparse);
+  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+  EXPECT_TRUE(absl::StrContains(h.status().message(), "has a hole (no page written at byte 4096)"))
+      << h.status();
+  const int huge = memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+  if (huge < 0) {
+    std::cerr << "[shm] no hugetlbfs memfd on this kernel (" << std::strerror(errno)
+              << "): that case not run\n";
+  } else {
+    Keep(huge);
+    ASSERT_EQ(ftruncate(huge, 2 << 20), 0);
+    if (fcntl(huge, F_ADD_SEALS, F_SEAL_SHRINK) == 0) {
+      h = internal::HandOver(options_.socket_path, huge);
+      EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
+      EXPECT_TRUE(absl::StrContains(h.status().message(), "hugetlbfs")) << h.status();
+    }
+  }
+  // The SDK's memfd is written whole: taken. Then a page is punched out of it.
+  int memfd = -1;
+  auto good = HandOver(65536, &memfd);
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto claimed = regions_->Claim("t", good->handle);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  ASSERT_EQ(fallocate(memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 32768, 4096), 0);
+  auto over_hole = regions_->Resolve("t", claimed->region_id, 30000, 8192, "dest");
+  EXPECT_EQ(over_hole.status().code(), absl::StatusCode::kFailedPrecondition) << over_hole.status();
+  EXPECT_TRUE(absl::StrContains(over_hole.status().message(), "dest: the region has no page"))
+      << over_hole.status();
+  EXPECT_TRUE(regions_->Resolve("t", claimed->region_id, 0, 32768, "dest").ok());
+  EXPECT_TRUE(regions_->Resolve("t", claimed->region_id, 36864, 28672, "dest").ok());
 }
 
 TEST_F(ShmRegionsTest, GarbageOrNoDescriptorClosesThePeerAndNothingElse) {
