@@ -493,6 +493,8 @@ int Main(int argc, char** argv) {
     ipc.device = device->cuda_device;
     ipc.lease = absl::Milliseconds(std::max<uint32_t>(absl::GetFlag(FLAGS_cuda_ipc_lease_ms), 1));
     ipc.max_regions = absl::GetFlag(FLAGS_cuda_ipc_max_regions);
+    ipc.ledger = options.ledger;
+    options.ledger->SetCap(Resource::kDeviceRegions, ipc.max_regions);
     options.cuda_ipc = std::make_shared<plane::CudaIpcRegions>(ipc);
     log::Info("plane").Field("plane", "cuda_ipc").Field("device", device->Name())
         << "CUDA IPC plane on " << device->Name() << " (lease "
@@ -508,6 +510,8 @@ int Main(int argc, char** argv) {
     plane::NcclOptions nccl;
     nccl.device = device->cuda_device;
     nccl.max_comms = absl::GetFlag(FLAGS_nccl_max_comms);
+    nccl.ledger = options.ledger;
+    options.ledger->SetCap(Resource::kNcclComms, nccl.max_comms);
     auto max_transfer = ParseBytes(absl::GetFlag(FLAGS_nccl_max_transfer_bytes));
     if (!max_transfer.ok() || *max_transfer == 0) {
       return Fail("--nccl-max-transfer-bytes must be a byte size above 0");

@@ -7,9 +7,19 @@
 
 namespace kvbank::plane {
 
+namespace {
+std::shared_ptr<TenantLedger> LedgerFor(const CudaIpcOptions& o) {
+  if (o.ledger != nullptr) return o.ledger;
+  std::shared_ptr<TenantLedger> own = TenantLedger::Create();
+  own->SetCap(Resource::kDeviceRegions, o.max_regions);
+  return own;
+}
+}  // namespace
+
 CudaIpcRegions::CudaIpcRegions(CudaIpcOptions options, DeviceOpener open)
     : options_(std::move(options)),
-      open_(open ? std::move(open) : DeviceOpener(OpenCudaIpcHandle)) {}
+      open_(open ? std::move(open) : DeviceOpener(OpenCudaIpcHandle)),
+      ledger_(LedgerFor(options_)) {}
 
 absl::StatusOr<uint64_t> CudaIpcRegions::Register(const std::string& tenant,
                                                   absl::string_view handle, uint64_t offset,
@@ -25,21 +35,35 @@ absl::StatusOr<uint64_t> CudaIpcRegions::Register(const std::string& tenant,
                                                    " (--cuda-ipc-max-region-bytes)"));
   }
   Sweep();
+  const std::string key = absl::StrCat(tenant.size(), ":", tenant, handle, ":", offset, ":", size);
   {
     absl::MutexLock lock(&mu_);
-    if (regions_.size() >= options_.max_regions) {
-      return absl::ResourceExhaustedError(absl::StrCat(options_.max_regions,
-                                                       " device regions are registered already "
-                                                       "(--cuda-ipc-max-regions)"));
+    if (auto it = by_key_.find(key); it != by_key_.end()) {
+      regions_[it->second].expires = absl::Now() + options_.lease;
+      return it->second;
     }
   }
-  // Outside the lock: opening maps memory and may take milliseconds.
+  // The place first (atomically, in the ledger), then the open, outside the lock: opening maps
+  // memory and may take milliseconds.
+  auto claim = ledger_->Acquire(tenant, Resource::kDeviceRegions);
+  if (!claim.ok()) {
+    return absl::Status(claim.status().code(),
+                        absl::StrCat(claim.status().message(), " (--cuda-ipc-max-regions)"));
+  }
   absl::StatusOr<std::shared_ptr<DeviceMapping>> mapping =
       open_(options_.device, handle, offset, size);
-  if (!mapping.ok()) return mapping.status();
+  if (!mapping.ok()) return mapping.status();  // the claim goes back
+  std::shared_ptr<DeviceMapping> extra;        // a racing registration's, closed outside the lock
   absl::MutexLock lock(&mu_);
+  if (auto it = by_key_.find(key); it != by_key_.end()) {  // registered meanwhile: that one
+    extra = *std::move(mapping);
+    regions_[it->second].expires = absl::Now() + options_.lease;
+    return it->second;
+  }
   const uint64_t id = next_id_++;
-  regions_[id] = Region{tenant, *std::move(mapping), absl::Now() + options_.lease};
+  regions_[id] =
+      Region{tenant, key, *std::move(mapping), absl::Now() + options_.lease, *std::move(claim)};
+  by_key_[key] = id;
   return id;
 }
 
@@ -52,6 +76,7 @@ absl::Status CudaIpcRegions::Unregister(const std::string& tenant, uint64_t id) 
         absl::StrCat("region_id ", id, " names no device region of this tenant"));
   }
   closing = std::move(it->second.mapping);
+  by_key_.erase(it->second.key);
   regions_.erase(it);
   return absl::OkStatus();
 }
@@ -91,6 +116,7 @@ size_t CudaIpcRegions::Sweep(absl::Time now) {
   for (auto it = regions_.begin(); it != regions_.end();) {
     if (it->second.expires <= now) {
       closing.push_back(std::move(it->second.mapping));
+      by_key_.erase(it->second.key);
       regions_.erase(it++);
     } else {
       ++it;

@@ -34,6 +34,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/core/tenant_ledger.h"
 
 namespace kvbank::plane {
 
@@ -45,6 +46,9 @@ struct CudaIpcOptions {
   uint64_t max_region_bytes = uint64_t{1} << 40;
   uint32_t max_regions = 256;
   absl::Duration lease = absl::Seconds(60);
+  // Where each tenant's regions count (its share of max_regions); null: a ledger of its own
+  // with max_regions as the cap, one tenant.
+  std::shared_ptr<TenantLedger> ledger;
 };
 
 // One opened IPC allocation; closed when the last holder lets go. Thread-safe (immutable).
@@ -100,8 +104,12 @@ class CudaIpcRegions {
   const CudaIpcOptions& options() const { return options_; }
 
   // Opens `handle` (offset, size within its allocation) for `tenant`; answers the region id.
-  // INVALID_ARGUMENT for a handle that is not kCudaIpcHandleBytes long, size 0 or more than
-  // max_region_bytes, or what the opener refuses; RESOURCE_EXHAUSTED past max_regions.
+  // The same handle, offset and size registered again by the tenant answers the region it has
+  // (its lease renewed): one handle is never opened twice. The region's place in the tenant's
+  // share (and the cap) is taken before the handle is opened, outside the lock, so registrations
+  // racing each other never pass the cap. INVALID_ARGUMENT for a handle that is not
+  // kCudaIpcHandleBytes long, size 0 or more than max_region_bytes, or what the opener refuses;
+  // RESOURCE_EXHAUSTED past the tenant's share of max_regions or the cap itself.
   absl::StatusOr<uint64_t> Register(const std::string& tenant, absl::string_view handle,
                                     uint64_t offset, uint64_t size);
   // Drops the region (closed once no transfer holds it). NOT_FOUND when `tenant` has no region
@@ -120,14 +128,18 @@ class CudaIpcRegions {
  private:
   struct Region {
     std::string tenant;
+    std::string key;  // tenant, handle, offset and size: a registration of the same answers it
     std::shared_ptr<DeviceMapping> mapping;
     absl::Time expires;
+    LedgerClaim claim;  // the region's place in the tenant's share
   };
 
   const CudaIpcOptions options_;
   const DeviceOpener open_;
+  const std::shared_ptr<TenantLedger> ledger_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint64_t> by_key_ ABSL_GUARDED_BY(mu_);  // Region::key -> id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

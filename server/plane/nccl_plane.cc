@@ -46,8 +46,16 @@ std::string NcclText(ncclResult_t r) { return ncclGetErrorString(r); }
 // One communicator: its thread, its job queue and what its thread alone touches.
 class Comm {
  public:
-  Comm(uint64_t id, std::string tenant, int nranks, int rank, int device)
-      : id_(id), tenant_(std::move(tenant)), nranks_(nranks), rank_(rank), device_(device) {}
+  // `failed`: called (on the communicator's thread, no lock held) when it did not form.
+  Comm(uint64_t id, std::string tenant, int nranks, int rank, int device, LedgerClaim claim,
+       std::function<void()> failed)
+      : id_(id),
+        tenant_(std::move(tenant)),
+        nranks_(nranks),
+        rank_(rank),
+        device_(device),
+        claim_(std::move(claim)),
+        on_failed_(std::move(failed)) {}
   ~Comm() { Stop("destroyed"); }
 
   uint64_t id() const { return id_; }
@@ -193,10 +201,13 @@ class Comm {
   void Loop(ncclUniqueId uid, absl::Duration init_timeout) {
     absl::Status init = Init(uid, init_timeout);
     if (!init.ok()) {
-      absl::MutexLock lock(&mu_);
-      if (failed_.ok())
-        failed_ = absl::FailedPreconditionError(
-            absl::StrCat("NCCL communicator ", id_, " did not form: ", init.message()));
+      {
+        absl::MutexLock lock(&mu_);
+        if (failed_.ok())
+          failed_ = absl::FailedPreconditionError(
+              absl::StrCat("NCCL communicator ", id_, " did not form: ", init.message()));
+      }
+      on_failed_();  // the plane lets it go now, not at its idle timeout
     }
     for (;;) {
       std::function<void()> job;
@@ -245,6 +256,8 @@ class Comm {
   const int nranks_;
   const int rank_;
   const int device_;
+  const LedgerClaim claim_;  // its place in the tenant's share of communicators
+  const std::function<void()> on_failed_;
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // queued or running
@@ -259,7 +272,9 @@ class Comm {
 
 class NcclPlaneImpl final : public NcclPlane {
  public:
-  explicit NcclPlaneImpl(NcclOptions options) : options_(options) {
+  explicit NcclPlaneImpl(NcclOptions options)
+      : options_(options),
+        ledger_(options.ledger != nullptr ? options.ledger : OwnLedger(options)) {
     reaper_ = std::thread([this] { Reap(); });
   }
   ~NcclPlaneImpl() override {
@@ -292,16 +307,20 @@ class NcclPlaneImpl final : public NcclPlane {
     }
     ncclUniqueId uid;
     std::memcpy(uid.internal, unique_id.data(), kNcclUniqueIdBytes);
+    auto claim = ledger_->Acquire(tenant, Resource::kNcclComms);
+    if (!claim.ok()) {
+      return absl::Status(claim.status().code(),
+                          absl::StrCat(claim.status().message(), " (--nccl-max-comms)"));
+    }
     std::shared_ptr<Comm> comm;
     {
       absl::MutexLock lock(&mu_);
-      if (comms_.size() >= options_.max_comms) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("kvbankd holds ", comms_.size(),
-                         " NCCL communicators, its limit "
-                         "(--nccl-max-comms); disconnect one first"));
-      }
-      comm = std::make_shared<Comm>(next_id_++, tenant, nranks, rank, options_.device);
+      const uint64_t id = next_id_++;
+      comm = std::make_shared<Comm>(id, tenant, nranks, rank, options_.device, *std::move(claim),
+                                    [this] {
+                                      absl::MutexLock l(&mu_);
+                                      wake_ = true;
+                                    });
       comms_[comm->id()] = comm;
     }
     comm->Start(uid, options_.init_timeout);
@@ -313,7 +332,13 @@ class NcclPlaneImpl final : public NcclPlane {
     {
       absl::MutexLock lock(&mu_);
       auto it = comms_.find(id);
-      if (it == comms_.end() || it->second->tenant() != tenant) return NotFound(id);
+      if (it == comms_.end() || it->second->tenant() != tenant) {
+        // One that failed and went already: disconnected.
+        auto f = failed_.find(id);
+        if (f == failed_.end() || f->second.first != tenant) return NotFound(id);
+        failed_.erase(f);
+        return absl::OkStatus();
+      }
       comm = std::move(it->second);
       comms_.erase(it);
       closing_.push_back(comm);  // the reaper joins it: this caller may be a reaction
@@ -408,10 +433,21 @@ class NcclPlaneImpl final : public NcclPlane {
     return absl::NotFoundError(absl::StrCat("no NCCL communicator ", id));
   }
 
+  static std::shared_ptr<TenantLedger> OwnLedger(const NcclOptions& o) {
+    std::shared_ptr<TenantLedger> own = TenantLedger::Create();
+    own->SetCap(Resource::kNcclComms, o.max_comms);
+    return own;
+  }
+
   absl::StatusOr<std::shared_ptr<Comm>> Find(const std::string& tenant, uint64_t id) const {
     absl::MutexLock lock(&mu_);
     auto it = comms_.find(id);
-    if (it == comms_.end() || it->second->tenant() != tenant) return NotFound(id);
+    if (it == comms_.end() || it->second->tenant() != tenant) {
+      // One that failed to form and was let go: say why, as before it went.
+      auto f = failed_.find(id);
+      if (f != failed_.end() && f->second.first == tenant) return f->second.second;
+      return NotFound(id);
+    }
     return it->second;
   }
 
@@ -435,11 +471,24 @@ class NcclPlaneImpl final : public NcclPlane {
       std::vector<std::shared_ptr<Comm>> done;
       {
         absl::MutexLock lock(&mu_);
-        mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Seconds(1));
+        const auto woken = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stop_ || wake_; };
+        mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Seconds(1));
+        wake_ = false;
         const absl::Time now = absl::Now();
         for (auto it = comms_.begin(); it != comms_.end();) {
           auto next = std::next(it);
-          if (it->second->IdleFor(options_.idle_timeout, now)) {
+          absl::Status usable = it->second->Usable();
+          // A communicator that failed goes at once (its place in the tenant's share with it);
+          // one unused past the idle timeout goes too.
+          if (!usable.ok() || it->second->IdleFor(options_.idle_timeout, now)) {
+            if (!usable.ok()) {
+              failed_[it->first] = {it->second->tenant(), usable};
+              failed_order_.push_back(it->first);
+              while (failed_order_.size() > kFailedKept) {
+                failed_.erase(failed_order_.front());
+                failed_order_.pop_front();
+              }
+            }
             closing_.push_back(std::move(it->second));
             comms_.erase(it);
           }
@@ -452,9 +501,16 @@ class NcclPlaneImpl final : public NcclPlane {
     }
   }
 
+  // Communicators that failed and went, remembered to answer why.
+  static constexpr size_t kFailedKept = 1024;
+
   const NcclOptions options_;
+  const std::shared_ptr<TenantLedger> ledger_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Comm>> comms_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::pair<std::string, absl::Status>> failed_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> failed_order_ ABSL_GUARDED_BY(mu_);
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;  // a communicator failed: the reaper runs now
   std::vector<std::shared_ptr<Comm>> closing_ ABSL_GUARDED_BY(mu_);  // for the reaper to join
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

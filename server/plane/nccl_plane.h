@@ -19,7 +19,9 @@
 // never issued its operation, or issued a different one) aborts the communicator (NCCL cannot
 // cancel one operation); every later call on it answers FAILED_PRECONDITION saying so, and the
 // client connects again. A communicator unused for NcclOptions::idle_timeout is destroyed (its
-// lease), as is one whose client calls Disconnect.
+// lease), as is one whose client calls Disconnect. One that failed to form (a rank that never
+// joined, a bad unique id) goes at once, its place free: calls naming it answer why it failed.
+// Each tenant holds at most its share of max_comms (the tenant ledger).
 //
 // Lock order: NcclPlane's mu_, then a communicator's mu_ (nccl_plane.cc).
 #ifndef KVBANK_SERVER_PLANE_NCCL_PLANE_H_
@@ -35,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "server/core/tenant_ledger.h"
 
 namespace kvbank::plane {
 
@@ -49,6 +52,9 @@ struct NcclOptions {
   absl::Duration transfer_timeout = absl::Seconds(60);  // one send / receive must complete
   absl::Duration idle_timeout = absl::Minutes(10);      // unused this long: destroyed
   uint64_t max_transfer_bytes = uint64_t{4} << 30;      // one payload, staged whole on the device
+  // Where each tenant's communicators count (its share of max_comms); null: a ledger of its own
+  // with max_comms as the cap, one tenant.
+  std::shared_ptr<TenantLedger> ledger;
 };
 
 // True when this build has the NCCL plane (CUDA and NCCL found).
@@ -71,7 +77,9 @@ class NcclPlane {
   // bytes). Answers the communicator's id at once; ncclCommInitRank runs on the communicator's
   // thread, and the first transfer on it waits for it (and fails with its error, if any).
   // INVALID_ARGUMENT for a unique id that is not 128 bytes, nranks outside 1..max_ranks or rank
-  // outside 0..nranks-1; RESOURCE_EXHAUSTED past max_comms. The communicator is `tenant`'s.
+  // outside 0..nranks-1; RESOURCE_EXHAUSTED past the tenant's share of max_comms or max_comms
+  // itself. The communicator is `tenant`'s. (The RPC layer checks first that the unique id's
+  // bootstrap address is the caller's: nccl_bootstrap.h.)
   virtual absl::StatusOr<uint64_t> Connect(const std::string& tenant, absl::string_view unique_id,
                                            int nranks, int rank) = 0;
   // Aborts and destroys `tenant`'s communicator `id` (a transfer in flight on it fails).

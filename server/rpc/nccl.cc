@@ -17,6 +17,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "server/plane/nccl_bootstrap.h"
 #include "server/rpc/handler_util.h"
 #include "server/rpc/service.h"
 
@@ -53,6 +54,17 @@ absl::Status KvBankService::ConnectNccl(const Caller& caller, const v1::NcclConn
   if (req.nranks() > static_cast<uint32_t>(INT32_MAX) ||
       req.server_rank() > static_cast<uint32_t>(INT32_MAX)) {
     return absl::InvalidArgumentError("nranks or server_rank is out of range");
+  }
+  // kvbankd connects to the address the unique id names: only the caller's own.
+  if (req.unique_id().size() != plane::kNcclUniqueIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("unique_id has ", req.unique_id().size(),
+                                                   " bytes; an ncclUniqueId has ",
+                                                   plane::kNcclUniqueIdBytes));
+  }
+  static const std::vector<std::string>* const local =
+      new std::vector<std::string>(plane::LocalAddresses());
+  if (absl::Status s = plane::CheckNcclBootstrap(req.unique_id(), caller.peer, *local); !s.ok()) {
+    return s;
   }
   auto id = (*nccl)->Connect(caller.tenant, req.unique_id(), static_cast<int>(req.nranks()),
                              static_cast<int>(req.server_rank()));

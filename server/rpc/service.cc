@@ -111,7 +111,9 @@ absl::StatusOr<Caller> KvBankService::Admit(const grpc::ServerContextBase& ctx) 
   if (draining_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("kvbankd is draining (shutting down): retry on another replica");
   }
-  return auth_.Authenticate(ctx);
+  auto caller = auth_.Authenticate(ctx);
+  if (caller.ok()) caller->peer = ctx.peer();
+  return caller;
 }
 
 grpc::ServerUnaryReactor* KvBankService::EnsureModel(Ctx* ctx, const Raw* raw, Raw* out) {

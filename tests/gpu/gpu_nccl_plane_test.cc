@@ -317,7 +317,34 @@ TEST_F(NcclPlaneTest, AJoinWhoseOtherRankNeverComesTimesOut) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("did not form"), absl::string_view::npos) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  // Its place is free at once, without a Disconnect (not at the idle timeout); calls naming it
+  // still say why it went.
+  const absl::Time gone_by = absl::Now() + absl::Seconds(5);
+  while (plane_->num_comms() > 0 && absl::Now() < gone_by) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(plane_->num_comms(), 0u);
+  const absl::Status why = plane_->Check("t", *comm, 0, 64);
+  EXPECT_NE(why.message().find("did not form"), absl::string_view::npos) << why;
   KVBANK_ASSERT_OK(plane_->Disconnect("t", *comm));
+}
+
+TEST_F(NcclPlaneTest, EachTenantHasAShareOfTheCommunicators) {
+  plane::NcclOptions o = plane_->options();
+  o.ledger = TenantLedger::Create();
+  o.ledger->SetCap(Resource::kNcclComms, 4);
+  o.ledger->SetTenants({"t", "u"});
+  plane_.reset();
+  auto p = plane::NcclPlane::Create(o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  plane_ = *std::move(p);
+  std::vector<uint64_t> held = {SelfComm(), SelfComm()};
+  auto over = plane_->Connect("t", UniqueId(), 1, 0);
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("share of 2 nccl_communicators"), absl::string_view::npos)
+      << over.status();
+  auto other = plane_->Connect("u", UniqueId(), 1, 0);
+  ASSERT_TRUE(other.ok()) << other.status();
+  for (uint64_t id : held) KVBANK_ASSERT_OK(plane_->Disconnect("t", id));
+  KVBANK_ASSERT_OK(plane_->Disconnect("u", *other));
 }
 
 TEST_F(NcclPlaneTest, TwoRanksOnTwoGpus) {
