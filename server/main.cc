@@ -39,6 +39,7 @@
 #include "server/flags.h"
 #include "server/metrics/kvbankd_metrics.h"
 #include "server/rpc/drain.h"
+#include "server/rpc/early_auth.h"
 #include "server/rpc/request_log.h"
 #include "server/rpc/service.h"
 #include "server/rpc/serving.h"
@@ -537,7 +538,6 @@ int Main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   rpc::ServingOptions serving_options;
   serving_options.listen = absl::GetFlag(FLAGS_listen);
-  serving_options.credentials = *credentials;
   serving_options.max_connections = absl::GetFlag(FLAGS_max_connections);
   serving_options.grpc_memory_bytes = *grpc_memory;
   serving_options.max_connection_idle =
@@ -547,8 +547,10 @@ int Main(int argc, char** argv) {
   auto counter = std::make_unique<rpc::CallCounter>();
   const rpc::CallCounter& calls = *counter;
   serving_options.interceptors.push_back(std::move(counter));
-  serving_options.interceptors.push_back(
-      std::make_unique<rpc::RequestLog>(&auth, absl::GetFlag(FLAGS_log_errors_per_second)));
+  auto request_log =
+      std::make_unique<rpc::RequestLog>(&auth, absl::GetFlag(FLAGS_log_errors_per_second));
+  rpc::RequestLog* const errors = request_log.get();  // gRPC's from here on; it outlives calls
+  serving_options.interceptors.push_back(std::move(request_log));
   // Prometheus metrics (server/metrics/): /metrics on its own port, the RPCs counted by an
   // interceptor, the connections by the listener once it is bound.
   std::unique_ptr<metrics::KvbankdMetrics> exporter;
@@ -561,6 +563,15 @@ int Main(int argc, char** argv) {
     log::Info("metrics").Field("url", exporter->url())
         << "Prometheus metrics on " << exporter->url();
   }
+  // The token is checked as a call's metadata arrives, before any of its messages is read; a
+  // call refused there never reaches the interceptors, so it is logged and counted here.
+  metrics::KvbankdMetrics* const rpc_metrics = exporter.get();
+  serving_options.credentials = rpc::WithEarlyAuth(
+      tls.cert_path.empty() ? nullptr : *credentials, &auth,
+      [errors, rpc_metrics](absl::string_view method, const grpc::Status& status) {
+        errors->Refused(method, status);
+        if (rpc_metrics != nullptr) rpc_metrics->CountRefused(method, int(status.error_code()));
+      });
   auto serving = rpc::Serving::Start(&service, std::move(serving_options));
   if (!serving.ok()) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen), ": ",

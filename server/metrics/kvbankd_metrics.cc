@@ -110,6 +110,7 @@ absl::StatusOr<std::unique_ptr<KvbankdMetrics>> KvbankdMetrics::Start(
   if (methods.empty()) return absl::InternalError(absl::StrCat(kService, " has no methods"));
   auto interceptor = RpcMetrics::Create(&m->registry_, "kvbank", kService, methods);
   if (!interceptor.ok()) return interceptor.status();
+  m->rpc_metrics_ = interceptor->get();
   m->interceptor_ = *std::move(interceptor);
   const KvbankdMetrics* self = m.get();
   m->registry_.AddCollector([self](std::vector<FamilySnapshot>* out) { self->CollectModels(out); });

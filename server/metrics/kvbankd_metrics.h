@@ -15,6 +15,7 @@
 #include "server/core/model_registry.h"
 #include "server/metrics/http_server.h"
 #include "server/metrics/registry.h"
+#include "server/metrics/rpc_interceptor.h"
 #include "server/rpc/listener.h"
 #include "server/rpc/service.h"
 
@@ -40,6 +41,10 @@ class KvbankdMetrics {
   // The interceptor for ServingOptions::interceptors; the first call hands it over, later ones
   // return null.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> TakeInterceptor();
+  // Counts a call refused as its metadata arrived (RpcMetrics::CountRefused). Thread-safe.
+  void CountRefused(absl::string_view method_path, int code) {
+    if (rpc_metrics_ != nullptr) rpc_metrics_->CountRefused(method_path, code);
+  }
   // From now on kvbank_connections* read `listener` (which must outlive this); 0 before.
   void WatchListener(const rpc::Listener* listener);
 
@@ -58,7 +63,8 @@ class KvbankdMetrics {
   std::atomic<const rpc::Listener*> listener_{nullptr};
   Registry registry_;
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> interceptor_;
-  std::unique_ptr<HttpServer> http_;  // last: stops serving before the rest goes
+  RpcMetrics* rpc_metrics_ = nullptr;  // interceptor_, still alive once gRPC owns it
+  std::unique_ptr<HttpServer> http_;   // last: stops serving before the rest goes
 };
 
 }  // namespace kvbank::metrics

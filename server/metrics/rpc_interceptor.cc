@@ -117,6 +117,12 @@ Counter* RpcMetrics::CodeCounter(Method* m, int code) {
   return c;
 }
 
+void RpcMetrics::CountRefused(absl::string_view method_path, int code) {
+  auto it = methods_.find(method_path);
+  if (it == methods_.end()) return;
+  CodeCounter(it->second.get(), code)->Inc();
+}
+
 grpc::experimental::Interceptor* RpcMetrics::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
   auto it = methods_.find(absl::string_view(info->method()));

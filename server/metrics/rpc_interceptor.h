@@ -40,6 +40,10 @@ class RpcMetrics final : public grpc::experimental::ServerInterceptorFactoryInte
 
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;
+  // Counts a call refused before it reached the interceptors (its token checked as its metadata
+  // arrived) under `code` in <prefix>_rpc_total. `method_path`: "/kvbank.v1.KvBank/Fetch"; other
+  // paths are not counted.
+  void CountRefused(absl::string_view method_path, int code);
 
  private:
   static constexpr int kNumCodes = 17;  // grpc::StatusCode OK .. UNAUTHENTICATED

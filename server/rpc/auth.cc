@@ -83,10 +83,17 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase
   if (!enabled_) return Caller{"", true, ""};
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) {
+  if (it == md.end()) return FromAuthorization(std::nullopt);
+  return FromAuthorization(absl::string_view(it->second.data(), it->second.size()));
+}
+
+absl::StatusOr<Caller> Authenticator::FromAuthorization(
+    std::optional<absl::string_view> authorization) const {
+  if (!enabled_) return Caller{"", true, ""};
+  if (!authorization.has_value()) {
     return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
   }
-  absl::string_view value(it->second.data(), it->second.size());
+  absl::string_view value = *authorization;
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return absl::UnauthenticatedError("authorization metadata is not 'Bearer <token>'");
   }

@@ -3,6 +3,7 @@
 #ifndef KVBANK_SERVER_RPC_AUTH_H_
 #define KVBANK_SERVER_RPC_AUTH_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,8 @@ class Authenticator {
   std::vector<std::string> Tenants() const;
   // UNAUTHENTICATED for a call without a known bearer token.
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;
+  // The same from the value of the call's `authorization` metadata (nullopt: none).
+  absl::StatusOr<Caller> FromAuthorization(std::optional<absl::string_view> authorization) const;
   // Sets every tenant's limits on the model (SequenceStore::SetTenantLimits): its block quota
   // (max_blocks_fraction of the pool, at least 1 block) and its live-sequence limit: the
   // tenant's max_sequences=N, else, when the file names more than one tenant, the default share

@@ -33,24 +33,25 @@ grpc::experimental::Interceptor* RequestLog::CreateServerInterceptor(
   return new Interceptor(this, info);
 }
 
-void RequestLog::Failed(grpc::experimental::ServerRpcInfo& info, const grpc::Status& status) {
-  uint64_t suppressed = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    const absl::Time now = absl::Now();
-    if (now - window_start_ >= absl::Seconds(1)) {
-      window_start_ = now;
-      in_window_ = 0;
-    }
-    if (in_window_ >= max_per_second_) {
-      ++suppressed_;
-      suppressed_total_.fetch_add(1, std::memory_order_relaxed);
-      return;
-    }
-    ++in_window_;
-    suppressed = suppressed_;
-    suppressed_ = 0;
+bool RequestLog::Admit(uint64_t* suppressed) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  if (now - window_start_ >= absl::Seconds(1)) {
+    window_start_ = now;
+    in_window_ = 0;
   }
+  if (in_window_ >= max_per_second_) {
+    ++suppressed_;
+    suppressed_total_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  ++in_window_;
+  *suppressed = suppressed_;
+  suppressed_ = 0;
+  return true;
+}
+
+void RequestLog::Failed(grpc::experimental::ServerRpcInfo& info, const grpc::Status& status) {
   // The tenant is looked up again only for calls that failed; a call refused for its token has
   // none.
   std::string tenant;
@@ -59,7 +60,19 @@ void RequestLog::Failed(grpc::experimental::ServerRpcInfo& info, const grpc::Sta
       tenant = caller->tenant;
     }
   }
-  const std::string method(info.method());
+  Log(info.method(), tenant, status);
+}
+
+void RequestLog::Refused(absl::string_view method, const grpc::Status& status) {
+  if (!absl::StartsWith(method, "/kvbank.v1.KvBank/")) return;
+  Log(method, "", status);
+}
+
+void RequestLog::Log(absl::string_view method_view, const std::string& tenant,
+                     const grpc::Status& status) {
+  uint64_t suppressed = 0;
+  if (!Admit(&suppressed)) return;
+  const std::string method(method_view);
   const char* code = metrics::StatusCodeName(int(status.error_code()));
   auto record = log::Warn("rpc_error");
   record.Field("method", method).Field("tenant", tenant).Field("code", code);

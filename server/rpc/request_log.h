@@ -24,6 +24,9 @@ class RequestLog final : public grpc::experimental::ServerInterceptorFactoryInte
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override;
 
+  // Logs a call refused before it reached the interceptors (its token checked as its metadata
+  // arrived): no tenant. Same rate limit.
+  void Refused(absl::string_view method, const grpc::Status& status);
   // Records written and records dropped by the rate limit, so far.
   uint64_t logged() const { return logged_.load(std::memory_order_relaxed); }
   uint64_t suppressed_total() const { return suppressed_total_.load(std::memory_order_relaxed); }
@@ -32,6 +35,10 @@ class RequestLog final : public grpc::experimental::ServerInterceptorFactoryInte
   class Interceptor;
   // Logs the failed call unless the second's budget is spent.
   void Failed(grpc::experimental::ServerRpcInfo& info, const grpc::Status& status);
+  void Log(absl::string_view method, const std::string& tenant, const grpc::Status& status);
+  // Takes a record from the second's budget; false when it is spent (counted). *suppressed:
+  // the records dropped since the last one that went out.
+  bool Admit(uint64_t* suppressed);
 
   const Authenticator* const auth_;
   const uint32_t max_per_second_;
