@@ -270,6 +270,43 @@ TEST_F(SharedServiceTest, APrefetchBurstDoesNotStallAnotherTenant) {
   EXPECT_LT(b_ms * 2, drain_ms) << "b's create waited behind a's backlog";
 }
 
+// Fetches waiting for their tokens (wait_ms): each tenant has its share of --max-waits (6 / 3 =
+// 2); a third wait of a's is RESOURCE_EXHAUSTED at once while b's still waits.
+TEST_F(SharedServiceTest, WaitsHaveAPerTenantShare) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--max-waits=6"}));
+  ASSERT_TRUE(As("ops")->EnsureModel(SmallLayout("m"), 4 * kMiB).ok());
+  std::unique_ptr<Client> a = As("a"), b = As("b");
+  auto seq_a = a->CreateSequence("m");
+  auto seq_b = b->CreateSequence("m");
+  ASSERT_TRUE(seq_a.ok() && seq_b.ok());
+  Client::FetchArgs f;
+  f.token_end = kBt;
+  f.wait = absl::Seconds(60);
+  std::vector<std::thread> waiting;
+  std::atomic<int> gone{0};
+  auto wait_on = [&](Client* c, uint64_t id) {
+    waiting.emplace_back([&, c, id] {
+      auto r = c->Fetch("m", id, f);
+      if (r.status().code() == absl::StatusCode::kFailedPrecondition) gone.fetch_add(1);
+    });
+  };
+  wait_on(a.get(), seq_a->id);
+  wait_on(a.get(), seq_a->id);
+  ASSERT_TRUE(WaitUntil([&] { return Held("a", "waits") == 2; }));
+  auto third = a->Fetch("m", seq_a->id, f);
+  ASSERT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_NE(third.status().message().find("share of 2 waits"), std::string::npos) << third.status();
+  wait_on(b.get(), seq_b->id);
+  ASSERT_TRUE(WaitUntil([&] { return Held("b", "waits") == 1; })) << "b's share is its own";
+  // Freed sequences end their waits, and the shares are free again.
+  ASSERT_TRUE(a->Free("m", seq_a->id).ok());
+  ASSERT_TRUE(b->Free("m", seq_b->id).ok());
+  for (std::thread& t : waiting) t.join();
+  EXPECT_EQ(gone.load(), 3);
+  EXPECT_EQ(Held("a", "waits"), 0u);
+  EXPECT_EQ(Refused("a", "waits"), 1u);
+}
+
 // Shared-memory regions: each tenant has its share of --shm-max-regions (6 / 3 = 2) and of
 // --shm-max-total-bytes; a region past either is refused and another tenant's share stays.
 TEST_F(SharedServiceTest, RegionsHaveAPerTenantShare) {

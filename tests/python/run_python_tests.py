@@ -4,7 +4,8 @@
     run_python_tests.py --kvbankd build/release/bin/kvbankd [pytest args...]
 
 The venv is $KVBANK_PY_VENV (default: $XDG_CACHE_HOME or ~/.cache, then kvbank-venv); it is made
-once (python -m venv, then pytest, numpy, scikit-build-core and pybind11 from PyPI) and reused.
+once (python -m venv, then pytest, numpy, scikit-build-core, pybind11 and grpcio (the tests' fake
+servers) from PyPI) and reused.
 Every run pip-installs ./python into it again, building in a folder kept next to the venv (one per
 clone, so a rebuild only compiles what changed; ccache when it is installed). A lock file keeps
 two runs from installing into the same venv at once. kvbankd reaches the tests as
@@ -23,7 +24,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 SKIP = 77  # ctest: SKIP_RETURN_CODE
-BUILD_REQUIREMENTS = ["pytest>=7", "numpy>=1.21", "scikit-build-core>=0.8", "pybind11>=2.11"]
+BUILD_REQUIREMENTS = ["pytest>=7", "numpy>=1.21", "scikit-build-core>=0.8", "pybind11>=2.11",
+                      "grpcio>=1.51"]
 
 
 def run(cmd, env=None):
@@ -47,7 +49,7 @@ def main():
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(py):
             run([args.python, "-m", "venv", venv])
-        probe = subprocess.run([py, "-c", "import pytest, numpy, scikit_build_core, pybind11"],
+        probe = subprocess.run([py, "-c", "import pytest, numpy, scikit_build_core, pybind11, grpc"],
                                capture_output=True)
         if probe.returncode != 0:
             try:
