@@ -49,6 +49,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/child_process.h"
 #include "kvbank/client.h"
 
 #ifndef KVBANK_KVBANKD_PATH
@@ -56,6 +57,9 @@
 #endif
 
 namespace kvbank {
+using bench::ReadFile;
+using bench::SpawnServer;
+using bench::WaitForPortFile;
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -82,52 +86,6 @@ template <typename T>
 T Check(absl::StatusOr<T> v, const char* what) {
   if (!v.ok()) Die(std::string(what) + ": " + v.status().ToString());
   return *std::move(v);
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// kvbankd as a child process, its output in `log`; dies with this process.
-pid_t SpawnServer(const std::vector<std::string>& args, const std::string& log) {
-  std::vector<std::string> copy = args;
-  std::vector<char*> argv;
-  for (std::string& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const int log_fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  const int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid == 0) {  // only async-signal-safe calls until exec
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(126);
-    dup2(null_fd, 0);
-    dup2(log_fd, 1);
-    dup2(log_fd, 2);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  if (pid < 0) Die("fork");
-  close(log_fd);
-  close(null_fd);
-  return pid;
-}
-
-int WaitForPortFile(pid_t server, const std::string& port_file, const std::string& log) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline) {
-    int status = 0;
-    if (waitpid(server, &status, WNOHANG) == server) {
-      Die("kvbankd exited before serving; its log:\n" + ReadFile(log));
-    }
-    const int port = std::atoi(ReadFile(port_file).c_str());
-    if (port > 0) return port;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  Die("kvbankd wrote no port file within 30 s; its log:\n" + ReadFile(log));
 }
 
 // Pages touched up front: no first-touch faults are timed.

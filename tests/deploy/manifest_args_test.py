@@ -243,6 +243,8 @@ def fill_volumes(spec, container, objects, tmp, claims=()):
         elif "emptyDir" not in vol and "persistentVolumeClaim" not in vol:
             raise Failure("volume %s: the test maps only Secrets, emptyDirs and claims"
                           % m["name"])
+        if "persistentVolumeClaim" in vol:
+            os.chmod(local, 0o2775)  # as a claim with fsGroup is: group-writable, setgid
         if m.get("readOnly"):
             os.chmod(local, 0o555)
         mounts[m["mountPath"].rstrip("/")] = local

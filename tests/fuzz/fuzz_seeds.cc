@@ -214,16 +214,63 @@ bool PrefixHashSeeds(const std::string& dir) {
 
 }  // namespace
 
+// shm_hello_fuzz: integers from the back in its order (attach, memfd size, written, sealed,
+// split), the bytes sent from the front.
+std::string ShmHello(const std::string& bytes, uint8_t attach, uint32_t memfd_size, bool written,
+                     bool sealed, uint8_t split) {
+  return Input()
+      .Front(bytes)
+      .Byte(attach)
+      .Byte(uint8_t(memfd_size >> 16))
+      .Byte(uint8_t(memfd_size >> 8))
+      .Byte(uint8_t(memfd_size))
+      .Byte(written)
+      .Byte(sealed)
+      .Byte(split)
+      .Bytes();
+}
+
+bool ShmHelloSeeds(const std::string& dir) {
+  const std::string hello("KVBSHM01", 8);
+  bool ok = true;
+  ok &= Write(dir, "region", ShmHello(hello, 1, 4096, true, true, 8));
+  ok &= Write(dir, "sparse", ShmHello(hello, 1, 65536, false, true, 8));
+  ok &= Write(dir, "unsealed", ShmHello(hello, 1, 4096, true, false, 8));
+  ok &= Write(dir, "no_descriptor", ShmHello(hello, 0, 0, false, false, 8));
+  ok &= Write(dir, "pipe", ShmHello(hello, 2, 0, false, false, 8));
+  ok &= Write(dir, "split_hello", ShmHello(hello + "more", 3, 4096, true, true, 3));
+  return ok;
+}
+
+bool MetricsHttpSeeds(const std::string& dir) {
+  bool ok = true;
+  ok &= Write(dir, "scrape",
+              Input().Front("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").Byte(0).Bytes());
+  ok &= Write(dir, "head", Input().Front("HEAD /metrics HTTP/1.0\r\n\r\n").Byte(9).Bytes());
+  ok &= Write(
+      dir, "post",
+      Input().Front("POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello").Byte(20).Bytes());
+  ok &= Write(dir, "other_path", Input().Front("GET /healthz HTTP/1.1\r\n\r\n").Byte(0).Bytes());
+  ok &= Write(dir, "chunked",
+              Input()
+                  .Front("GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello"
+                         "\r\n0\r\n\r\n")
+                  .Byte(30)
+                  .Bytes());
+  return ok;
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: fuzz_seeds <corpus dir> (its <target>/ folders must exist)\n");
     return 2;
   }
   const std::string d = argv[1];
-  const bool ok = AppendSeeds(d + "/append_message_fuzz") &&
-                  FetchSeeds(d + "/fetch_decoder_fuzz") && AuthSeeds(d + "/auth_tokens_fuzz") &&
-                  ConfigSeeds(d + "/server_config_fuzz") &&
-                  PrefixHashSeeds(d + "/prefix_hash_fuzz");
+  const bool ok =
+      AppendSeeds(d + "/append_message_fuzz") && FetchSeeds(d + "/fetch_decoder_fuzz") &&
+      AuthSeeds(d + "/auth_tokens_fuzz") && ConfigSeeds(d + "/server_config_fuzz") &&
+      PrefixHashSeeds(d + "/prefix_hash_fuzz") && ShmHelloSeeds(d + "/shm_hello_fuzz") &&
+      MetricsHttpSeeds(d + "/metrics_http_fuzz");
   if (!ok) std::fprintf(stderr, "fuzz_seeds: cannot write under %s\n", d.c_str());
   return ok ? 0 : 1;
 }

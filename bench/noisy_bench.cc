@@ -1,0 +1,421 @@
+// noisy_bench: one tenant's calls while another tenant bursts, on the shipped kvbankd (its own
+// process, three tenants in a tokens file), against the same calls with no burst in the same run.
+//
+//   noisy_bench [--quick] [--iters N] [--kvbankd PATH]
+//
+// Tenant b runs one loop on one connection, each iteration on its own sequence:
+//   create   CreateSequence with a 4-block prompt b published before (its blocks attached; the
+//            model has a disk tier, so the create runs on a device worker)
+//   publish  Append of 16 tokens with their ids: a full block, published (a KV event)
+//   append   Append of 8 tokens (a partial block)
+//   fetch    Fetch of the whole sequence (88 tokens, 1.4 MB)
+//   (Free, not timed)
+// alone, then while tenant a (or a caller without a token) runs each burst, then alone again:
+//   prefetch  3 threads of a send Match(prefetch) of 4 of its 48 prompts, on the disk tier
+//   watchers  a holds 3,000 Watch streams open (its share is taken, the rest refused)
+//   waits     a holds 2,000 fetches waiting (wait_ms 60 s) for tokens that never come
+//   oversized 2 callers without a token send 100 MiB messages in a loop
+//   regions   2 threads of a register a 4 MiB shared-memory region, fetch into it, drop it
+// Each row: b's p50 / p99 / max in ms per call, p99 / alone p99 (alone: both runs alone
+// together), and whether the goal (p99 <= 2x alone and no call over 250 ms) is met. Every process
+// runs on this machine: a burst's client threads take CPU from b as well as from kvbankd.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "bench/child_process.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "kvbank/client.h"
+#include "kvbank/v1/kvbank.grpc.pb.h"
+
+#ifndef KVBANK_KVBANKD_PATH
+#error "KVBANK_KVBANKD_PATH must name the kvbankd binary (bench/CMakeLists.txt)"
+#endif
+
+namespace kvbank {
+namespace {
+
+constexpr char kModel[] = "m";
+constexpr uint32_t kBt = 16;
+constexpr double kGoalRatio = 2.0;
+constexpr double kGoalMaxMs = 250.0;
+
+[[noreturn]] void Die(const std::string& what) { bench::ChildFailed("noisy_bench: " + what); }
+
+template <typename T>
+T Ok(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) Die(std::string(what) + ": " + v.status().ToString());
+  return *std::move(v);
+}
+void Ok(const absl::Status& s, const char* what) {
+  if (!s.ok()) Die(std::string(what) + ": " + s.ToString());
+}
+
+// 4 layers x 8 kv heads x 128 x fp16: 16 KiB a token, 256 KiB a block.
+ModelLayout Layout() {
+  ModelLayout m;
+  m.name = kModel;
+  m.num_layers = 4;
+  m.num_q_heads = 32;
+  m.num_kv_heads = 8;
+  m.head_dim = m.head_dim_v = 128;
+  m.block_tokens = kBt;
+  m.kind = AttentionKind::kGqa;
+  m.input_dtype = DType::kFp16;
+  m.layer_dtypes.assign(m.num_layers, DType::kFp16);
+  return m;
+}
+
+std::vector<uint32_t> Tokens(uint64_t seed, size_t n) {
+  std::vector<uint32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = uint32_t((seed * 7919 + i * 104729) % 128000);
+  return t;
+}
+
+std::vector<uint8_t> Payload(uint64_t tokens, uint8_t seed) {
+  std::vector<uint8_t> p(tokens * 16384, seed);
+  for (size_t i = 1; i < p.size(); i += 2) p[i] = 0x3c;  // finite fp16
+  return p;
+}
+
+std::unique_ptr<Client> As(int port, const std::string& token, ClientOptions o = {}) {
+  o.bearer_token = token;
+  return Ok(Client::Connect("127.0.0.1:" + std::to_string(port), o), "connect");
+}
+
+// Writes `prompt` whole (ids given: its blocks are published) and frees it: cached.
+void WritePrompt(Client& c, const std::vector<uint32_t>& prompt, uint8_t seed) {
+  auto seq = Ok(c.CreateSequence(kModel), "create");
+  Client::AppendArgs a;
+  a.num_tokens = prompt.size();
+  a.token_ids = prompt;
+  Ok(c.Append(kModel, seq.id, a, Payload(prompt.size(), seed)).status(), "append prompt");
+  Ok(c.Free(kModel, seq.id).status(), "free prompt");
+}
+
+// A server stream held open by a callback reactor (no thread of its own): a Watch, or a Fetch
+// that waits for its tokens.
+template <typename Response>
+class Held final : public grpc::ClientReadReactor<Response> {
+ public:
+  void OnReadDone(bool ok) override {
+    if (ok) this->StartRead(&resp_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    status = s;
+    done.Notify();
+  }
+  void Start() {
+    this->StartRead(&resp_);
+    this->StartCall();
+  }
+  ~Held() override {
+    ctx.TryCancel();
+    done.WaitForNotification();
+  }
+  grpc::ClientContext ctx;
+  grpc::Status status;
+  absl::Notification done;
+
+ private:
+  Response resp_;
+};
+
+struct Percentiles {
+  double p50 = 0, p99 = 0, max = 0;
+};
+Percentiles Of(std::vector<double> ms) {
+  Percentiles p;
+  if (ms.empty()) return p;
+  std::sort(ms.begin(), ms.end());
+  p.p50 = ms[ms.size() / 2];
+  p.p99 = ms[std::min(ms.size() - 1, size_t(double(ms.size()) * 0.99))];
+  p.max = ms.back();
+  return p;
+}
+
+constexpr int kOps = 4;
+const char* const kOpNames[kOps] = {"create", "publish", "append", "fetch"};
+using Samples = std::array<std::vector<double>, kOps>;
+
+// b's loop: `iters` iterations, each call timed.
+Samples RunB(Client& b, const std::vector<uint32_t>& prompt, int iters, uint64_t* ids_seed) {
+  Samples s;
+  const std::vector<uint8_t> block = Payload(kBt, 3), half = Payload(kBt / 2, 4);
+  std::vector<uint8_t> out(88 * 16384);
+  for (int i = 0; i < iters; ++i) {
+    auto timed = [&](int op, auto fn) {
+      const absl::Time t0 = absl::Now();
+      auto r = fn();
+      s[op].push_back(absl::ToDoubleMilliseconds(absl::Now() - t0));
+      return r;
+    };
+    Client::CreateArgs ca;
+    ca.prompt = prompt;
+    auto seq = timed(0, [&] { return b.CreateSequence(kModel, ca); });
+    Ok(seq.status(), "b create");
+    if (seq->cached_tokens != prompt.size()) Die("b's prompt was not attached");
+    Client::AppendArgs full;
+    full.num_tokens = kBt;
+    full.token_ids = Tokens(++*ids_seed, kBt);
+    Ok(timed(1, [&] { return b.Append(kModel, seq->id, full, block); }).status(), "b publish");
+    Client::AppendArgs part;
+    part.num_tokens = kBt / 2;
+    Ok(timed(2, [&] { return b.Append(kModel, seq->id, part, half); }).status(), "b append");
+    auto got = timed(3, [&] { return b.FetchInto(kModel, seq->id, {}, absl::MakeSpan(out)); });
+    Ok(got.status(), "b fetch");
+    if (got->payload_bytes != out.size()) Die("b fetched the wrong size");
+    Ok(b.Free(kModel, seq->id).status(), "b free");
+  }
+  return s;
+}
+
+struct Burst {
+  std::string name;
+  std::function<void()> start;  // sets the burst going (returns once it runs)
+  std::function<void()> stop;   // ends it and waits for its threads
+};
+
+}  // namespace
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  int iters = 200;
+  std::string kvbankd = KVBANK_KVBANKD_PATH;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--iters" && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+    } else if (a == "--kvbankd" && i + 1 < argc) {
+      kvbankd = argv[++i];
+    } else {
+      Die("usage: noisy_bench [--quick] [--iters N] [--kvbankd PATH]");
+    }
+  }
+  if (quick) iters = 10;
+  char templ[] = "/tmp/kvbank-noisy-XXXXXX";
+  if (mkdtemp(templ) == nullptr) Die("mkdtemp");
+  const std::string dir = templ;
+  std::ofstream(dir + "/tokens") << "token-a a\ntoken-b b\ntoken-ops ops admin\n";
+  const std::string log = dir + "/kvbankd.log", port_file = dir + "/port";
+  const pid_t server =
+      bench::SpawnServer({kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file,
+                          "--models=", "--auth-tokens-file=" + dir + "/tokens", "--device=host",
+                          "--shm-socket=" + dir + "/shm", "--disk-tier-path=" + dir + "/tiers",
+                          "--disk-tier-bytes=2GiB"},
+                         log);
+  const int port = bench::WaitForPortFile(server, port_file, log);
+  auto ops = As(port, "token-ops");
+  Ok(ops->CheckServing(absl::Seconds(10)), "serving");
+  Ok(ops->EnsureModel(Layout(), 256 * 4 * 2 * 8 * kBt * 128 * 2).status(), "model");  // 256 blocks
+  auto a = As(port, "token-a");
+  auto b = As(port, "token-b");
+  // b's prompt (4 blocks) is cached; a's 48 prompts of 8 blocks (384 blocks) push most of
+  // themselves down to the disk tier.
+  const std::vector<uint32_t> b_prompt = Tokens(1, 4 * kBt);
+  WritePrompt(*b, b_prompt, 1);
+  std::vector<std::vector<uint32_t>> a_prompts;
+  for (int i = 0; i < (quick ? 8 : 48); ++i) {
+    a_prompts.push_back(Tokens(1000 + i, 8 * kBt));
+    WritePrompt(*a, a_prompts.back(), uint8_t(i));
+  }
+  WritePrompt(*b, b_prompt, 1);  // b's blocks again most recently used
+  uint64_t ids_seed = 100;
+
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  auto join = [&] {
+    stop = true;
+    for (std::thread& t : threads) t.join();
+    threads.clear();
+    stop = false;
+  };
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto stub = v1::KvBank::NewStub(channel);
+  std::vector<std::unique_ptr<Held<v1::KvEventBatch>>> watches;
+  std::vector<std::unique_ptr<Held<v1::FetchResponse>>> waits;
+  v1::WatchRequest watch_req;
+  watch_req.set_model(kModel);
+  watch_req.set_from_now(true);
+  uint64_t wait_seq = 0;
+  v1::FetchRequest wait_req;  // every waiting fetch's request: alive while they are
+
+  std::vector<Burst> bursts = {
+      {"prefetch",
+       [&] {
+         for (int t = 0; t < 3; ++t) {
+           threads.emplace_back([&, t] {
+             auto c = As(port, "token-a");
+             for (int i = 0; !stop; ++i) {
+               std::vector<Client::MatchQuery> qs(4);
+               for (int k = 0; k < 4; ++k) {
+                 qs[k].tokens = a_prompts[(t * 7 + i * 4 + k) % a_prompts.size()];
+               }
+               c->MatchTiers(kModel, qs, /*prefetch=*/true).IgnoreError();
+             }
+           });
+         }
+       },
+       join},
+      {"watchers",
+       [&] {
+         for (int i = 0; i < (quick ? 300 : 3000); ++i) {
+           auto w = std::make_unique<Held<v1::KvEventBatch>>();
+           w->ctx.AddMetadata("authorization", "Bearer token-a");
+           stub->async()->Watch(&w->ctx, &watch_req, w.get());
+           w->Start();
+           watches.push_back(std::move(w));
+         }
+       },
+       [&] { watches.clear(); }},
+      {"waits",
+       [&] {
+         wait_seq = Ok(a->CreateSequence(kModel), "a's waited sequence").id;
+         wait_req.set_model(kModel);
+         wait_req.set_sequence_id(wait_seq);
+         wait_req.set_token_end(kBt);
+         wait_req.set_wait_ms(60000);
+         for (int i = 0; i < (quick ? 200 : 2000); ++i) {
+           auto w = std::make_unique<Held<v1::FetchResponse>>();
+           w->ctx.AddMetadata("authorization", "Bearer token-a");
+           stub->async()->Fetch(&w->ctx, &wait_req, w.get());
+           w->Start();
+           waits.push_back(std::move(w));
+         }
+       },
+       [&] {
+         Ok(a->Free(kModel, wait_seq).status(), "free a's waited sequence");  // ends the waits
+         waits.clear();
+       }},
+      {"oversized",
+       [&] {
+         for (int t = 0; t < 2; ++t) {
+           threads.emplace_back([&] {
+             grpc::ChannelArguments args;
+             args.SetMaxSendMessageSize(-1);
+             args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+             auto ch = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+             grpc::GenericStub generic(ch);
+             const std::string big(100 << 20, '\0');
+             while (!stop) {
+               grpc::ClientContext ctx;
+               ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+               grpc::Slice slice(big);
+               grpc::ByteBuffer req(&slice, 1), resp;
+               absl::Notification done;
+               generic.UnaryCall(&ctx, "/kvbank.v1.KvBank/GetStats", grpc::StubOptions(), &req,
+                                 &resp, [&](grpc::Status) { done.Notify(); });
+               done.WaitForNotification();
+             }
+           });
+         }
+       },
+       join},
+      {"regions",
+       [&] {
+         for (int t = 0; t < 2; ++t) {
+           threads.emplace_back([&] {
+             ClientOptions o;
+             o.shm_socket = dir + "/shm";
+             auto c = As(port, "token-a", o);
+             auto seq = Ok(c->CreateSequence(kModel), "a's region sequence");
+             Client::AppendArgs args;
+             args.num_tokens = 4 * kBt;
+             Ok(c->Append(kModel, seq.id, args, Payload(4 * kBt, 9)).status(), "a append");
+             while (!stop) {
+               auto r = c->RegisterRegion(4 << 20);
+               if (!r.ok()) continue;
+               c->FetchToRegion(kModel, seq.id, {}, (*r)->Slice(0, (*r)->size())).IgnoreError();
+             }
+             c->Free(kModel, seq.id).IgnoreError();
+           });
+         }
+       },
+       join},
+  };
+  // Alone, each burst, alone again.
+  struct Row {
+    std::string scenario;
+    Samples samples;
+  };
+  std::vector<Row> rows;
+  auto measure = [&](const std::string& name) {
+    // A short warm-up, not recorded.
+    RunB(*b, b_prompt, 3, &ids_seed);
+    rows.push_back({name, RunB(*b, b_prompt, iters, &ids_seed)});
+  };
+  measure("alone");
+  for (Burst& burst : bursts) {
+    burst.start();
+    absl::SleepFor(absl::Milliseconds(500));  // under way
+    measure(burst.name);
+    burst.stop();
+  }
+  measure("alone, after");
+
+  // What a's bursts met (the ledger's view): refusals by resource.
+  auto usage = Ok(ops->GetTenantUsage(), "usage");
+  std::string refused;
+  for (const auto& u : usage) {
+    if (u.tenant != "a") continue;
+    for (const auto& r : u.resources) {
+      if (r.refused > 0) refused += " " + r.name + "=" + std::to_string(r.refused);
+    }
+  }
+  std::printf(
+      "noisy_bench: tenant b's calls (ms), alone and while tenant a bursts; %d iterations "
+      "a row\n\n",
+      iters);
+  std::printf("| burst | call | p50 | p99 | max | p99 / alone p99 | goal |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  // The baseline: both runs alone together (before and after the bursts), so that a machine
+  // that drifts over the run is not read as a burst's doing.
+  Samples alone = rows.front().samples;
+  for (int op = 0; op < kOps; ++op) {
+    alone[op].insert(alone[op].end(), rows.back().samples[op].begin(),
+                     rows.back().samples[op].end());
+  }
+  rows.insert(rows.begin(), Row{"alone (both runs)", alone});
+  bool all_met = true;
+  for (const Row& row : rows) {
+    for (int op = 0; op < kOps; ++op) {
+      const Percentiles p = Of(row.samples[op]), base = Of(alone[op]);
+      const double ratio = base.p99 > 0 ? p.p99 / base.p99 : 0;
+      const bool met = ratio <= kGoalRatio && p.max <= kGoalMaxMs;
+      if (row.scenario.rfind("alone", 0) != 0) all_met = all_met && met;
+      std::printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %s |\n", row.scenario.c_str(),
+                  kOpNames[op], p.p50, p.p99, p.max, ratio, met ? "met" : "NOT met");
+    }
+  }
+  std::printf("\ntenant a's refused claims:%s\n", refused.empty() ? " none" : refused.c_str());
+  std::printf("goal (b's p99 <= %.0fx alone and no call over %.0f ms, every burst): %s\n",
+              kGoalRatio, kGoalMaxMs, all_met ? "met" : "NOT met");
+  kill(server, SIGTERM);
+  int status = 0;
+  waitpid(server, &status, 0);
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+
+}  // namespace kvbank
+
+int main(int argc, char** argv) { return kvbank::Main(argc, argv); }
