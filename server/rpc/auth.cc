@@ -80,7 +80,7 @@ absl::StatusOr<Authenticator> Authenticator::FromText(const std::string& text) {
 }
 
 absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
-  if (!enabled_) return Caller{"", true, ""};
+  if (!enabled_) return Caller{"", true};
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) return FromAuthorization(std::nullopt);
@@ -89,7 +89,7 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::ServerContextBase
 
 absl::StatusOr<Caller> Authenticator::FromAuthorization(
     std::optional<absl::string_view> authorization) const {
-  if (!enabled_) return Caller{"", true, ""};
+  if (!enabled_) return Caller{"", true};
   if (!authorization.has_value()) {
     return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
   }
@@ -99,7 +99,7 @@ absl::StatusOr<Caller> Authenticator::FromAuthorization(
   }
   auto p = by_token_digest_.find(Digest(value));
   if (p == by_token_digest_.end()) return absl::UnauthenticatedError("unknown bearer token");
-  return Caller{p->second.tenant, p->second.admin, ""};
+  return Caller{p->second.tenant, p->second.admin};
 }
 
 std::vector<std::string> Authenticator::Tenants() const {

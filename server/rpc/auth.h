@@ -17,7 +17,6 @@ namespace kvbank::rpc {
 struct Caller {
   std::string tenant;  // "" when auth is off
   bool admin = false;  // sees every tenant's events and stats
-  std::string peer;    // gRPC's peer address of the call ("ipv4:1.2.3.4:5678")
 };
 
 struct TenantPolicy {

@@ -47,7 +47,8 @@ absl::StatusOr<plane::NcclPlane*> KvBankService::Nccl() const {
   return options_.nccl.get();
 }
 
-absl::Status KvBankService::ConnectNccl(const Caller& caller, const v1::NcclConnectRequest& req,
+absl::Status KvBankService::ConnectNccl(const Caller& caller, const std::string& peer,
+                                        const v1::NcclConnectRequest& req,
                                         v1::NcclConnectResponse* resp) const {
   auto nccl = Nccl();
   if (!nccl.ok()) return nccl.status();
@@ -63,7 +64,7 @@ absl::Status KvBankService::ConnectNccl(const Caller& caller, const v1::NcclConn
   }
   static const std::vector<std::string>* const local =
       new std::vector<std::string>(plane::LocalAddresses());
-  if (absl::Status s = plane::CheckNcclBootstrap(req.unique_id(), caller.peer, *local); !s.ok()) {
+  if (absl::Status s = plane::CheckNcclBootstrap(req.unique_id(), peer, *local); !s.ok()) {
     return s;
   }
   auto id = (*nccl)->Connect(caller.tenant, req.unique_id(), static_cast<int>(req.nranks()),

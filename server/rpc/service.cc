@@ -111,9 +111,7 @@ absl::StatusOr<Caller> KvBankService::Admit(const grpc::ServerContextBase& ctx) 
   if (draining_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("kvbankd is draining (shutting down): retry on another replica");
   }
-  auto caller = auth_.Authenticate(ctx);
-  if (caller.ok()) caller->peer = ctx.peer();
-  return caller;
+  return auth_.Authenticate(ctx);
 }
 
 grpc::ServerUnaryReactor* KvBankService::EnsureModel(Ctx* ctx, const Raw* raw, Raw* out) {
@@ -713,8 +711,10 @@ grpc::ServerUnaryReactor* KvBankService::UnregisterDeviceRegion(Ctx* ctx, const 
 grpc::ServerUnaryReactor* KvBankService::NcclConnect(Ctx* ctx, const Raw* raw, Raw* out) {
   return Serve<v1::NcclConnectRequest, v1::NcclConnectResponse>(
       ctx, raw, out,
-      [this](const Caller& caller, const v1::NcclConnectRequest& req,
-             v1::NcclConnectResponse* resp) { return ConnectNccl(caller, req, resp); });
+      [this, ctx](const Caller& caller, const v1::NcclConnectRequest& req,
+                  v1::NcclConnectResponse* resp) {
+        return ConnectNccl(caller, ctx->peer(), req, resp);
+      });
 }
 
 grpc::ServerUnaryReactor* KvBankService::NcclDisconnect(Ctx* ctx, const Raw* raw, Raw* out) {

@@ -235,8 +235,9 @@ class KvBankService final : public internal::RawKvBankService {
   // The NCCL plane, or FAILED_PRECONDITION saying why it is off (nccl.cc).
   absl::StatusOr<plane::NcclPlane*> Nccl() const;
   // NcclConnect's and NcclDisconnect's handlers (nccl.cc).
-  absl::Status ConnectNccl(const Caller& caller, const v1::NcclConnectRequest& req,
-                           v1::NcclConnectResponse* resp) const;
+  // `peer`: the call's gRPC peer address (the unique id's bootstrap address must be its host).
+  absl::Status ConnectNccl(const Caller& caller, const std::string& peer,
+                           const v1::NcclConnectRequest& req, v1::NcclConnectResponse* resp) const;
   absl::Status DisconnectNccl(const Caller& caller, const v1::NcclDisconnectRequest& req) const;
   // Receives an append's whole payload over NCCL (header.nccl) into `txn`: checks the transfer,
   // calls `ready` (which tells the client to issue its ncclSend), then blocks until the receive
