@@ -332,8 +332,11 @@ class Client {
   absl::StatusOr<SequenceInfo> AppendFromRegion(const std::string& model, uint64_t id,
                                                 const AppendArgs& args, const RegionSlice& source);
   // Fetch written into `dest` from its start (the result's payload stays empty; payload_bytes
-  // says how much was written). INVALID_ARGUMENT, nothing written, when dest is smaller than the
-  // payload.
+  // says how much was written, never more than dest's length: a server that claims more is
+  // INTERNAL). INVALID_ARGUMENT, nothing written, when dest is smaller than the payload.
+  // NOTE: after a call that failed (its deadline passed, it was cancelled) dest's bytes are
+  // unspecified: kvbankd writes nothing once the call has ended, but a copy under way at that
+  // moment may have written part of it. Reuse the slice for a new fetch, not for its old bytes.
   absl::StatusOr<FetchResult> FetchToRegion(const std::string& model, uint64_t id,
                                             const FetchArgs& args, const RegionSlice& dest);
   // Same-host CUDA IPC plane (a kvbankd with a cuda:N pool). `ipc_handle`: the 64-byte
