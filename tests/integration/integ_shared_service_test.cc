@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -338,7 +339,8 @@ TEST_F(SharedServiceTest, RegionsHaveAPerTenantShare) {
 // same tenant's earlier copies) never writes the region: the bytes there stay as they were once
 // the workers are idle again.
 TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
-  ASSERT_NO_FATAL_FAILURE(Start({"--shm-socket=" + dir_ + "/shm"}));
+  // One device worker: the copies queue behind it.
+  ASSERT_NO_FATAL_FAILURE(Start({"--shm-socket=" + dir_ + "/shm", "--device-workers=1"}));
   // 32 KiB a token: 1024 tokens are a 32 MiB payload.
   ModelLayout m = SmallLayout("m");
   m.num_layers = 8;
@@ -358,9 +360,14 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   args.num_tokens = kTokens;
   std::vector<uint8_t> bytes(payload, 0x3c);
   ASSERT_TRUE(a->Append("m", seq->id, args, bytes).ok());
-  // 64 fetches of the whole payload (into one region: what lands there does not matter) keep
-  // the 4 workers busy for a while.
-  constexpr int kBlockers = 64;
+  // The victim's client, connected before the burst (it must reach the server at once).
+  ClientOptions impatient = o;
+  impatient.stream_deadline = absl::Milliseconds(50);
+  std::unique_ptr<Client> quick = As("a", impatient);
+  ASSERT_TRUE(quick->ListModels().ok());
+  // 128 fetches of the whole payload (into one region: what lands there does not matter) keep
+  // the worker busy for a while.
+  constexpr int kBlockers = 128;
   auto sink = a->RegisterRegion(payload);
   ASSERT_TRUE(sink.ok()) << sink.status();
   auto victim = a->RegisterRegion(1 << 20);
@@ -368,6 +375,11 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   std::memset((*victim)->data(), 0xa5, (*victim)->size());
   const double ran_before = Sample(Scrape(), "kvbank_device_work_ran_total{class=\"foreground\"}");
   std::vector<std::thread> blockers;
+  absl::Cleanup join = [&] {
+    for (std::thread& t : blockers) {
+      if (t.joinable()) t.join();
+    }
+  };
   for (int i = 0; i < kBlockers; ++i) {
     blockers.emplace_back([&] {
       auto r = a->FetchToRegion("m", seq->id, {}, (*sink)->Slice(0, payload));
@@ -376,18 +388,15 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   }
   // Wait until copies are queued behind the busy workers.
   ASSERT_TRUE(WaitUntil(
-      [&] { return Sample(Scrape(), "kvbank_device_work_queued{class=\"foreground\"}") >= 16; },
+      [&] { return Sample(Scrape(), "kvbank_device_work_queued{class=\"foreground\"}") >= 32; },
       absl::Seconds(20)))
       << "the blockers never queued";
-  ClientOptions impatient = o;
-  impatient.stream_deadline = absl::Milliseconds(100);
-  std::unique_ptr<Client> quick = As("a", impatient);
   Client::FetchArgs f;
   f.token_end = 4;
   // The victim's region is registered on `a`'s connection: the same tenant may name it.
   auto late = quick->FetchToRegion("m", seq->id, f, (*victim)->Slice(0, (*victim)->size()));
   ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
-  for (std::thread& t : blockers) t.join();
+  std::move(join).Invoke();
   // Every task has run (the victim's too: it was queued behind the blockers) and none waits.
   ASSERT_TRUE(WaitUntil([&] {
     const std::string s = Scrape();
