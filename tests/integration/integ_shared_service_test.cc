@@ -115,24 +115,22 @@ class SharedServiceTest : public KvbankdTest {
   std::string Scrape() {
     return testing_http::Body(testing_http::Request(metrics_port_, "/metrics"));
   }
-  // What `tenant` holds of `resource` (the admin's view of the ledger).
-  uint64_t Held(const std::string& tenant, const std::string& resource) {
+  // `tenant`'s row of `resource` (the admin's view of the ledger).
+  Client::TenantUsage::Resource Usage(const std::string& tenant, const std::string& resource) {
     auto usage = As("ops")->GetTenantUsage();
     EXPECT_TRUE(usage.ok()) << usage.status();
-    if (!usage.ok()) return 0;
-    for (const auto& u : *usage) {
-      if (u.tenant == tenant) return u.Of(resource).held;
+    if (usage.ok()) {
+      for (const auto& u : *usage) {
+        if (u.tenant == tenant) return u.Of(resource);
+      }
     }
-    return 0;
+    return {resource};
+  }
+  uint64_t Held(const std::string& tenant, const std::string& resource) {
+    return Usage(tenant, resource).held;
   }
   uint64_t Refused(const std::string& tenant, const std::string& resource) {
-    auto usage = As("ops")->GetTenantUsage();
-    EXPECT_TRUE(usage.ok()) << usage.status();
-    if (!usage.ok()) return 0;
-    for (const auto& u : *usage) {
-      if (u.tenant == tenant) return u.Of(resource).refused;
-    }
-    return 0;
+    return Usage(tenant, resource).refused;
   }
 
   std::string dir_;
