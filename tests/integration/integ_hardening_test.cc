@@ -120,19 +120,6 @@ TEST_F(HardeningTest, MatchWithMillionsOfQueriesIsRefused) {
 // With its descriptors exhausted, gRPC's own listener logged "Failed accept4: Too many open
 // files" and never accepted again. kvbankd's listener closes what it cannot keep, reports
 // NOT_SERVING meanwhile, and takes new connections as soon as descriptors are free.
-// A sanitizer build's kvbankd holds freed memory back (quarantine, shadow): no memory bound there.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
-
 // A kvbankd status figure of `pid` (/proc/PID/status, kB), or -1.
 int64_t StatusKiB(pid_t pid, const std::string& field) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
@@ -198,7 +185,7 @@ TEST_F(HardeningTest, UnauthenticatedMessagesAreRefusedBeforeTheyAreRead) {
   const int64_t after = StatusKiB(server_->pid(), "VmHWM");
   std::cerr << "[auth] kvbankd's peak RSS " << before << " kB before 4 x 100 MiB unauthenticated "
             << "messages, " << after << " kB after\n";
-  if (!kSanitized) {
+  if (!kSanitizedBuild) {
     EXPECT_LT(after - before, 48 << 10) << "their bytes were buffered";
   }
   // A caller with its token still gets through, on the same kind of connection.

@@ -360,12 +360,12 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   ASSERT_TRUE(a->Append("m", seq->id, args, bytes).ok());
   // The victim's client, connected before the burst (it must reach the server at once).
   ClientOptions impatient = o;
-  impatient.stream_deadline = absl::Milliseconds(50);
+  impatient.stream_deadline = absl::Milliseconds(200);
   std::unique_ptr<Client> quick = As("a", impatient);
   ASSERT_TRUE(quick->ListModels().ok());
-  // 128 fetches of the whole payload (into one region: what lands there does not matter) keep
+  // 192 fetches of the whole payload (into one region: what lands there does not matter) keep
   // the worker busy for a while.
-  constexpr int kBlockers = 128;
+  constexpr int kBlockers = 192;
   auto sink = a->RegisterRegion(payload);
   ASSERT_TRUE(sink.ok()) << sink.status();
   auto victim = a->RegisterRegion(1 << 20);
@@ -386,7 +386,7 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   }
   // Wait until copies are queued behind the busy workers.
   ASSERT_TRUE(WaitUntil(
-      [&] { return Sample(Scrape(), "kvbank_device_work_queued{class=\"foreground\"}") >= 32; },
+      [&] { return Sample(Scrape(), "kvbank_device_work_queued{class=\"foreground\"}") >= 96; },
       absl::Seconds(20)))
       << "the blockers never queued";
   Client::FetchArgs f;

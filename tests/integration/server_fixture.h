@@ -23,6 +23,20 @@
 
 namespace kvbank::integ {
 
+// A sanitizer build (its kvbankd too): memory figures include the sanitizer's shadow and
+// quarantine, so tests bound memory only when this is false.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitizedBuild = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kSanitizedBuild = true;
+#else
+inline constexpr bool kSanitizedBuild = false;
+#endif
+#else
+inline constexpr bool kSanitizedBuild = false;
+#endif
+
 // Path of the kvbankd binary this build made, or $KVBANK_KVBANKD when set.
 const char* KvbankdPath();
 
