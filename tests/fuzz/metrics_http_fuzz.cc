@@ -1,6 +1,7 @@
 // kvbankd's /metrics HTTP server (metrics::HttpServer over civetweb) over fuzzer-chosen request
 // bytes on a TCP connection, sent in one piece or two. Properties: the server never crashes; an
-// answer, when one comes, is an HTTP/1.x status line, 200 only for a GET (or HEAD);
+// answer, when one comes, starts an HTTP status line; the exposition is served only to a GET (or
+// HEAD) request;
 // and a well-formed scrape still answers 200 with the registry's exposition afterwards (checked
 // now and then).
 #include <arpa/inet.h>
@@ -8,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -23,6 +25,7 @@ using kvbank::metrics::Registry;
 
 struct Served {
   Registry registry;
+  std::atomic<uint64_t> scrapes{0};  // the registry was read: the handler served the exposition
   std::unique_ptr<HttpServer> http;
 };
 
@@ -30,7 +33,9 @@ Served& Server() {
   static Served* s = [] {
     auto* served = new Served();
     auto c = served->registry.AddCounter("kvbank_fuzz_total", "A counter for the fuzzer.", {});
-    if (!c.ok()) std::abort();
+    if (!c.ok() || !(*c)->WithLabels({}).ok()) std::abort();  // its one sample, at 0
+    served->registry.AddCollector(
+        [served](std::vector<kvbank::metrics::FamilySnapshot>*) { ++served->scrapes; });
     auto http = HttpServer::Start("127.0.0.1:0", &served->registry);
     if (!http.ok()) std::abort();
     served->http = *std::move(http);
@@ -42,12 +47,26 @@ Served& Server() {
 // Sends `first` then `second` (the write side closed after), and reads the answer until the
 // server closes or goes quiet.
 std::string RoundTrip(int port, const std::string& first, const std::string& second) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(uint16_t(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) std::abort();
+  // Hundreds of thousands of connections: a refused connect (ephemeral ports held in TIME_WAIT)
+  // is tried again, and each connection ends with a reset (SO_LINGER 0), holding no port.
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      fd = -1;
+    }
+    if (fd < 0) {
+      FUZZ_CHECK(attempt < 500);  // 5 s: the server stopped accepting
+      usleep(10000);
+    }
+  }
+  const linger reset{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
   timeval t{2, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof(t));
   for (const std::string* piece : {&first, &second}) {
@@ -73,15 +92,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t split = in.ConsumeIntegralInRange<size_t>(0, 512);
   const std::string request = in.ConsumeRemainingBytesAsString();
   const size_t cut = std::min(split, request.size());
+  const uint64_t scrapes = s.scrapes.load();
   const std::string answer = RoundTrip(s.http->port(), request.substr(0, cut), request.substr(cut));
-  if (!answer.empty()) {
-    FUZZ_CHECK(absl::StartsWith(answer, "HTTP/1."));
-    if (absl::StartsWith(answer.substr(8), " 200")) {
-      // (civetweb skips blank lines before the request line, as HTTP allows.)
-      const size_t line = request.find_first_not_of("\r\n \t");
-      const std::string rest = line == std::string::npos ? "" : request.substr(line);
-      FUZZ_CHECK(absl::StartsWith(rest, "GET") || absl::StartsWith(rest, "HEAD"));
-    }
+  // (civetweb writes a malformed request's version into its own 400 status line, so the status
+  // line proves little beyond its start; whether the exposition was served is counted.)
+  if (!answer.empty()) FUZZ_CHECK(absl::StartsWith(answer, "HTTP/"));
+  if (s.scrapes.load() != scrapes) {
+    // (civetweb skips blank lines before the request line, as HTTP allows.)
+    const size_t line = request.find_first_not_of("\r\n \t");
+    const std::string rest = line == std::string::npos ? "" : request.substr(line);
+    FUZZ_CHECK(absl::StartsWith(rest, "GET ") || absl::StartsWith(rest, "HEAD "));
   }
   static int round = 0;
   if (++round % 64 == 0) {
