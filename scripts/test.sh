@@ -10,6 +10,14 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/check-format.sh
 jobs=$(nproc)
+# The Python tests' venvs (the SDK's, and vLLM's with torch) are mostly downloads: they are made
+# while the release build compiles (their own locks keep the tests waiting for them; a failure
+# here is the tests' to report, when they try again). Logs in build/.
+mkdir -p build
+py=/usr/bin/python3  # the interpreter ctest makes both venvs of (tests/python/CMakeLists.txt)
+[ -x "$py" ] || py=$(command -v python3)
+"$py" tests/python/run_python_tests.py --prepare --python "$py" >build/prepare-python-venv.log 2>&1 &
+scripts/setup-vllm-venv.sh --no-kvbank --python "$py" >build/prepare-vllm-venv.log 2>&1 &
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$jobs"
 ctest --preset release -j "$jobs" --output-on-failure
@@ -23,7 +31,7 @@ if [ "${SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --preset tsan >/dev/null
   cmake --build --preset tsan -j "$jobs"
   ctest --preset tsan -j "$jobs" --output-on-failure
-  scripts/fuzz.sh "${FUZZ_SECONDS:-420}"
+  scripts/fuzz.sh "${FUZZ_SECONDS:-300}"
   # The CUDA code (kernels, cuda:N pool memory) under the GPU and store tests, on an emulated CUDA
   # runtime: index math, barriers and copy bounds are checked on a machine without a GPU.
   tools/cuda_emu/run.sh

@@ -2,6 +2,7 @@
 """Builds the kvbank Python package into a venv outside the clone and runs tests/python there.
 
     run_python_tests.py --kvbankd build/release/bin/kvbankd [pytest args...]
+    run_python_tests.py --prepare     (the venv and its packages only: nothing built, no tests)
 
 The venv is $KVBANK_PY_VENV (default: $XDG_CACHE_HOME or ~/.cache, then kvbank-venv); it is made
 once (python -m venv, then pytest, numpy, scikit-build-core, pybind11 and grpcio (the tests' fake
@@ -35,9 +36,14 @@ def run(cmd, env=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kvbankd", required=True)
+    ap.add_argument("--kvbankd")
+    ap.add_argument("--prepare", action="store_true",
+                    help="make the venv and install its packages, then stop (scripts/test.sh "
+                         "does it while the build runs)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter the venv is made of")
     args, pytest_args = ap.parse_known_args()
+    if not args.prepare and not args.kvbankd:
+        ap.error("--kvbankd is required (or --prepare)")
 
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     venv = os.path.abspath(os.environ.get("KVBANK_PY_VENV") or os.path.join(cache, "kvbank-venv"))
@@ -59,6 +65,9 @@ def main():
                 print("[python-tests] skipped: cannot install %s into %s (is PyPI reachable?)"
                       % (" ".join(BUILD_REQUIREMENTS), venv), flush=True)
                 return SKIP
+        if args.prepare:
+            print("[python-tests] venv ready: %s" % venv, flush=True)
+            return 0
 
         # One build folder per clone, next to the venv: incremental rebuilds.
         tag = hashlib.sha256(REPO.encode()).hexdigest()[:12]
