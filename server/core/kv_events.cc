@@ -68,6 +68,12 @@ void KvEventLog::NotifierLoop() {
       listeners_mu_.Lock();
       notifying_ = nullptr;
     }
+    // Rounds at most every round_interval_: events that come meanwhile go out together in the
+    // next one, so a stream's messages (and their cost) follow time, not the event rate.
+    if (round_interval_ > absl::ZeroDuration()) {
+      const auto stopping = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stop_; };
+      listeners_mu_.AwaitWithTimeout(absl::Condition(&stopping), round_interval_);
+    }
   }
   listeners_mu_.Unlock();
 }

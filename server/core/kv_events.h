@@ -52,10 +52,16 @@ class KvEventListener {
 // having news (O(1) whatever the number of listeners), and one notifier thread, started by the
 // first Subscribe, calls Notify on the listeners that may see the news: those of the events'
 // tenants and those that see all (admins). A publisher's cost, and its watchers' latency, do
-// not depend on how many watchers other tenants have.
+// not depend on how many watchers other tenants have; rounds are at least round_interval apart,
+// so a listener is woken at most every few milliseconds however fast events come.
 class KvEventLog {
  public:
-  explicit KvEventLog(size_t capacity = 65536) : capacity_(capacity) {}
+  // `round_interval`: the notifier's rounds start at least this far apart (events appended
+  // meanwhile are read together in the next): a listener's wake-ups are bounded by time, not by
+  // the event rate. Zero: a round as soon as the last one ends.
+  explicit KvEventLog(size_t capacity = 65536,
+                      absl::Duration round_interval = absl::Milliseconds(5))
+      : capacity_(capacity), round_interval_(round_interval) {}
   // REQUIRES: every listener unsubscribed; not called from inside a Notify. Stops and joins the
   // notifier thread.
   ~KvEventLog();
@@ -90,6 +96,7 @@ class KvEventLog {
   void NotifierLoop();
 
   const size_t capacity_;
+  const absl::Duration round_interval_;
   mutable absl::Mutex mu_;
   std::deque<KvEvent> events_ ABSL_GUARDED_BY(mu_);
   uint64_t last_ ABSL_GUARDED_BY(mu_) = 0;

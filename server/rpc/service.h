@@ -63,7 +63,7 @@ struct ServiceOptions {
 // tenant gets its share: TenantLedger).
 inline constexpr uint64_t kDefaultMaxQueuedWork = 4096;       // foreground tasks queued
 inline constexpr uint64_t kDefaultMaxQueuedBackground = 256;  // prefetches queued
-inline constexpr uint64_t kDefaultMaxWatchStreams = 4096;     // Watch streams open
+inline constexpr uint64_t kDefaultMaxWatchStreams = 512;      // Watch streams open
 inline constexpr uint64_t kDefaultMaxWaits = 65536;           // fetches waiting (wait_ms)
 // A ledger with those caps (the planes add theirs).
 std::shared_ptr<TenantLedger> DefaultLedger();
