@@ -1,9 +1,10 @@
 // noisy_bench: one tenant's calls while another tenant bursts, on the shipped kvbankd (its own
 // process, three tenants in a tokens file), against the same calls with no burst in the same run.
 //
-//   noisy_bench [--quick] [--iters N] [--kvbankd PATH]
+//   noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N]
 //
-// Tenant b runs one loop on one connection, each iteration on its own sequence:
+// Tenant b runs one loop on one connection (1,000 iterations a row), each iteration on its own
+// sequence:
 //   create   CreateSequence with a 4-block prompt b published before (its blocks attached; the
 //            model has a disk tier, so the create runs on a device worker)
 //   publish  Append of 16 tokens with their ids: a full block, published (a KV event)
@@ -17,8 +18,16 @@
 //   oversized 2 callers without a token send 100 MiB messages in a loop
 //   regions   2 threads of a register a 4 MiB shared-memory region, fetch into it, drop it
 // Each row: b's p50 / p99 / max in ms per call, p99 / alone p99 (alone: both runs alone
-// together), and whether the goal (p99 <= 2x alone and no call over 250 ms) is met. Every process
-// runs on this machine: a burst's client threads take CPU from b as well as from kvbankd.
+// together), and whether the goal (p99 <= 2x alone and no call over 250 ms) is met.
+//
+// Each burst runs in a child process (this binary, --burst NAME) at CPU priority --burst-nice
+// (19 by default): on a shared service a's clients are on other machines, and on this one its
+// client threads should take only the CPU that b and kvbankd leave. kvbankd serves a's calls at
+// its own priority, as it serves b's. --burst-nice 0 runs them at the same priority as b.
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,7 +39,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -140,6 +151,21 @@ class Held final : public grpc::ClientReadReactor<Response> {
   Response resp_;
 };
 
+// CPU seconds (user + system) `pid` has used so far; 0 when it cannot be read.
+double CpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(close + 2));
+  std::string f;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i >= 14) ticks += std::atof(f.c_str());  // utime, stime
+  }
+  return ticks / double(sysconf(_SC_CLK_TCK));
+}
+
 struct Percentiles {
   double p50 = 0, p99 = 0, max = 0;
 };
@@ -201,55 +227,29 @@ struct Burst {
 
 }  // namespace
 
-int Main(int argc, char** argv) {
+// What a burst needs: the server, a's prompts, a's and the admin's clients.
+struct BurstContext {
+  int port = 0;
+  std::string dir;  // the tokens file, the shm socket
   bool quick = false;
-  int iters = 200;
-  std::string kvbankd = KVBANK_KVBANKD_PATH;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--quick") {
-      quick = true;
-    } else if (a == "--iters" && i + 1 < argc) {
-      iters = std::atoi(argv[++i]);
-    } else if (a == "--kvbankd" && i + 1 < argc) {
-      kvbankd = argv[++i];
-    } else {
-      Die("usage: noisy_bench [--quick] [--iters N] [--kvbankd PATH]");
-    }
-  }
-  if (quick) iters = 10;
-  char templ[] = "/tmp/kvbank-noisy-XXXXXX";
-  if (mkdtemp(templ) == nullptr) Die("mkdtemp");
-  const std::string dir = templ;
-  std::ofstream(dir + "/tokens") << "token-a a\ntoken-b b\ntoken-ops ops admin\n";
-  const std::string log = dir + "/kvbankd.log", port_file = dir + "/port";
-  const pid_t server =
-      bench::SpawnServer({kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                          "--models=", "--auth-tokens-file=" + dir + "/tokens", "--device=host",
-                          "--shm-socket=" + dir + "/shm", "--disk-tier-path=" + dir + "/tiers",
-                          "--disk-tier-bytes=2GiB"},
-                         log);
-  const int port = bench::WaitForPortFile(server, port_file, log);
-  auto ops = As(port, "token-ops");
-  Ok(ops->CheckServing(absl::Seconds(10)), "serving");
-  Ok(ops->EnsureModel(Layout(), 256 * 4 * 2 * 8 * kBt * 128 * 2).status(), "model");  // 256 blocks
-  auto a = As(port, "token-a");
-  ClientOptions b_options;  // b gives up on a call after 5 s (counted, and timed as 5 s)
-  b_options.call_deadline = absl::Seconds(5);
-  b_options.stream_deadline = absl::Seconds(5);
-  auto b = As(port, "token-b", b_options);
-  // b's prompt (4 blocks) is cached; a's 48 prompts of 8 blocks (384 blocks) push most of
-  // themselves down to the disk tier.
-  const std::vector<uint32_t> b_prompt = Tokens(1, 4 * kBt);
-  WritePrompt(*b, b_prompt, 1);
   std::vector<std::vector<uint32_t>> a_prompts;
-  for (int i = 0; i < (quick ? 8 : 48); ++i) {
-    a_prompts.push_back(Tokens(1000 + i, 8 * kBt));
-    WritePrompt(*a, a_prompts.back(), uint8_t(i));
-  }
-  WritePrompt(*b, b_prompt, 1);  // b's blocks again most recently used
-  uint64_t ids_seed = 100;
+};
 
+std::vector<std::vector<uint32_t>> APrompts(bool quick) {
+  std::vector<std::vector<uint32_t>> p;
+  for (int i = 0; i < (quick ? 8 : 48); ++i) p.push_back(Tokens(1000 + i, 8 * kBt));
+  return p;
+}
+
+// Runs burst `name` as tenant a (or callers without a token): starts it, writes "ready\n" to
+// stdout once it is in its steady state, runs until stdin closes, then stops it.
+int RunBurstProcess(const std::string& name, const BurstContext& cx) {
+  const int port = cx.port;
+  const std::string& dir = cx.dir;
+  const bool quick = cx.quick;
+  const auto& a_prompts = cx.a_prompts;
+  auto ops = As(port, "token-ops");
+  auto a = As(port, "token-a");
   std::atomic<bool> stop{false};
   std::vector<std::thread> threads;
   auto join = [&] {
@@ -268,7 +268,6 @@ int Main(int argc, char** argv) {
   watch_req.set_from_now(true);
   uint64_t wait_seq = 0;
   v1::FetchRequest wait_req;  // every waiting fetch's request: alive while they are
-
   std::vector<Burst> bursts = {
       {"prefetch",
        [&] {
@@ -376,29 +375,161 @@ int Main(int argc, char** argv) {
        },
        join},
   };
+  for (Burst& burst : bursts) {
+    if (burst.name != name) continue;
+    burst.start();
+    if (std::fputs("ready\n", stdout) < 0 || std::fflush(stdout) != 0) Die("tell ready");
+    char c;
+    while (read(0, &c, 1) > 0) {
+    }
+    burst.stop();
+    return 0;
+  }
+  Die("no burst named " + name);
+}
+
+// A burst in a child process (this binary, --burst NAME) at CPU priority `nice`: tenant a's
+// client, as if on another machine, takes only the CPU that b and kvbankd leave (unless nice is
+// 0). Start() returns once the burst is in its steady state; Stop() ends it and waits.
+class BurstProcess {
+ public:
+  BurstProcess(const std::string& name, const BurstContext& cx, int nice_level) {
+    int to_child[2], from_child[2];
+    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) Die("pipe");
+    std::vector<std::string> args = {"/proc/self/exe",        "--burst", name,  "--port",
+                                     std::to_string(cx.port), "--dir",   cx.dir};
+    if (cx.quick) args.push_back("--quick");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = getpid();
+    pid_ = fork();
+    if (pid_ == 0) {  // only async-signal-safe calls until exec
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(126);
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      if (nice_level != 0 && setpriority(PRIO_PROCESS, 0, nice_level) != 0) _exit(125);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    if (pid_ < 0) Die("fork");
+    close(to_child[0]);
+    close(from_child[1]);
+    to_child_ = to_child[1];
+    from_child_ = from_child[0];
+    std::string line;
+    char c;
+    while (read(from_child_, &c, 1) == 1 && c != '\n') line.push_back(c);
+    if (line != "ready") Die("burst " + name + " did not start (it said '" + line + "')");
+  }
+  pid_t pid() const { return pid_; }
+  ~BurstProcess() {
+    close(to_child_);
+    close(from_child_);
+    int status = 0;
+    if (waitpid(pid_, &status, 0) != pid_ || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      Die("a burst process failed");
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int to_child_ = -1, from_child_ = -1;
+};
+
+const char* const kBursts[] = {"prefetch", "watchers", "waits", "oversized", "regions"};
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  int iters = 1000;
+  int burst_nice = 19;
+  std::string kvbankd = KVBANK_KVBANKD_PATH;
+  std::string burst;
+  BurstContext cx;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--iters" && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+    } else if (a == "--kvbankd" && i + 1 < argc) {
+      kvbankd = argv[++i];
+    } else if (a == "--burst-nice" && i + 1 < argc) {
+      burst_nice = std::atoi(argv[++i]);
+    } else if (a == "--burst" && i + 1 < argc) {  // the child's flags
+      burst = argv[++i];
+    } else if (a == "--port" && i + 1 < argc) {
+      cx.port = std::atoi(argv[++i]);
+    } else if (a == "--dir" && i + 1 < argc) {
+      cx.dir = argv[++i];
+    } else {
+      Die("usage: noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N]");
+    }
+  }
+  if (quick) iters = 10;
+  cx.quick = quick;
+  cx.a_prompts = APrompts(quick);
+  if (!burst.empty()) return RunBurstProcess(burst, cx);
+
+  char templ[] = "/tmp/kvbank-noisy-XXXXXX";
+  if (mkdtemp(templ) == nullptr) Die("mkdtemp");
+  const std::string dir = templ;
+  cx.dir = dir;
+  std::ofstream(dir + "/tokens") << "token-a a\ntoken-b b\ntoken-ops ops admin\n";
+  const std::string log = dir + "/kvbankd.log", port_file = dir + "/port";
+  const pid_t server =
+      bench::SpawnServer({kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file,
+                          "--models=", "--auth-tokens-file=" + dir + "/tokens", "--device=host",
+                          "--shm-socket=" + dir + "/shm", "--disk-tier-path=" + dir + "/tiers",
+                          "--disk-tier-bytes=2GiB"},
+                         log);
+  const int port = bench::WaitForPortFile(server, port_file, log);
+  cx.port = port;
+  auto ops = As(port, "token-ops");
+  Ok(ops->CheckServing(absl::Seconds(10)), "serving");
+  Ok(ops->EnsureModel(Layout(), 256 * 4 * 2 * 8 * kBt * 128 * 2).status(), "model");  // 256 blocks
+  auto a = As(port, "token-a");
+  ClientOptions b_options;  // b gives up on a call after 5 s (counted, and timed as 5 s)
+  b_options.call_deadline = absl::Seconds(5);
+  b_options.stream_deadline = absl::Seconds(5);
+  auto b = As(port, "token-b", b_options);
+  // b's prompt (4 blocks) is cached; a's 48 prompts of 8 blocks (384 blocks) push most of
+  // themselves down to the disk tier.
+  const std::vector<uint32_t> b_prompt = Tokens(1, 4 * kBt);
+  WritePrompt(*b, b_prompt, 1);
+  for (size_t i = 0; i < cx.a_prompts.size(); ++i) WritePrompt(*a, cx.a_prompts[i], uint8_t(i));
+  WritePrompt(*b, b_prompt, 1);  // b's blocks again most recently used
+  uint64_t ids_seed = 100;
+
   // Alone, each burst, alone again.
   struct Row {
     std::string scenario;
     Samples samples;
     int failed = 0;
+    double seconds = 0, server_cpu = 0, burst_cpu = 0;  // the row's wall time; CPU seconds
   };
   std::vector<Row> rows;
-  auto measure = [&](const std::string& name) {
+  auto measure = [&](const std::string& name, pid_t burst) {
     // A short warm-up, not recorded.
     int warm_failed = 0;
     RunB(*b, b_prompt, 3, &ids_seed, &warm_failed);
     Row row{name, {}, 0};
+    const double server0 = CpuSeconds(server), burst0 = burst > 0 ? CpuSeconds(burst) : 0;
+    const absl::Time t0 = absl::Now();
     row.samples = RunB(*b, b_prompt, iters, &ids_seed, &row.failed);
+    row.seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+    row.server_cpu = CpuSeconds(server) - server0;
+    row.burst_cpu = burst > 0 ? CpuSeconds(burst) - burst0 : 0;
     rows.push_back(std::move(row));
   };
-  measure("alone");
-  for (Burst& burst : bursts) {
-    burst.start();
+  measure("alone", 0);
+  for (const char* name : kBursts) {
+    BurstProcess running(name, cx, burst_nice);
     absl::SleepFor(absl::Milliseconds(500));  // under way
-    measure(burst.name);
-    burst.stop();
+    measure(name, running.pid());
   }
-  measure("alone, after");
+  measure("alone, after", 0);
 
   // What a's bursts met (the ledger's view): refusals by resource.
   auto usage = Ok(ops->GetTenantUsage(), "usage");
@@ -410,9 +541,9 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf(
-      "noisy_bench: tenant b's calls (ms), alone and while tenant a bursts; %d iterations "
-      "a row\n\n",
-      iters);
+      "noisy_bench: tenant b's calls (ms), alone and while tenant a bursts (its client at nice "
+      "%d); %d iterations a row\n\n",
+      burst_nice, iters);
   std::printf("| burst | call | p50 | p99 | max | p99 / alone p99 | goal |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   int failed = 0;
@@ -435,6 +566,14 @@ int Main(int argc, char** argv) {
       std::printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %s |\n", row.scenario.c_str(),
                   kOpNames[op], p.p50, p.p99, p.max, ratio, met ? "met" : "NOT met");
     }
+  }
+  // Where the CPU went while b measured: kvbankd's and a's client's, in cores (CPU seconds per
+  // second of the row).
+  std::printf("\n| burst | seconds | kvbankd cores | a's client cores |\n|---|---|---|---|\n");
+  for (size_t r = 1; r < rows.size(); ++r) {
+    const Row& row = rows[r];
+    std::printf("| %s | %.1f | %.2f | %.2f |\n", row.scenario.c_str(), row.seconds,
+                row.server_cpu / row.seconds, row.burst_cpu / row.seconds);
   }
   for (size_t r = 1; r < rows.size(); ++r) failed += rows[r].failed;
   std::printf("\nb's calls that failed: %d", failed);

@@ -1,18 +1,26 @@
 #include "server/rpc/fair_work.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <utility>
+
+#include "common/log.h"
 
 namespace kvbank::rpc {
 
 FairWork::FairWork(FairWorkOptions options, std::shared_ptr<TenantLedger> ledger)
-    : options_(options),
-      max_background_running_(options.max_background_running > 0
-                                  ? options.max_background_running
-                                  : std::max<size_t>(1, options.threads / 2)),
-      ledger_(std::move(ledger)) {
-  const size_t n = std::max<size_t>(1, options_.threads);
-  for (size_t i = 0; i < n; ++i) threads_.emplace_back([this] { Run(); });
+    : options_(options), ledger_(std::move(ledger)) {
+  const size_t fg = std::max<size_t>(1, options_.threads);
+  const size_t bg =
+      options_.background_threads > 0 ? options_.background_threads : std::max<size_t>(1, fg / 2);
+  for (size_t i = 0; i < fg; ++i) threads_.emplace_back([this] { Run(WorkClass::kForeground); });
+  for (size_t i = 0; i < bg; ++i) threads_.emplace_back([this] { Run(WorkClass::kBackground); });
 }
 
 FairWork::~FairWork() {
@@ -82,44 +90,32 @@ bool FairWork::TakeFromLocked(Class& c, uint64_t quantum, Task* out) {
   return false;
 }
 
-bool FairWork::PickLocked(Task* out, WorkClass* cls) {
-  Class& fg = classes_[0];
-  Class& bg = classes_[1];
-  const bool bg_may_run = bg.queued > 0 && bg.running < max_background_running_;
-  ++picks_;
-  // Foreground first, but a background task now and then under a steady foreground load.
-  const bool bg_turn = bg_may_run && (fg.queued == 0 || picks_ % kBackgroundEvery == 0);
-  if (!bg_turn && TakeFromLocked(fg, options_.foreground_quantum, out)) {
-    *cls = WorkClass::kForeground;
-    return true;
+void FairWork::Run(WorkClass cls) {
+  if (cls == WorkClass::kBackground && options_.background_nice != 0) {
+    // Linux nice values are per thread: this one only.
+    const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+    if (setpriority(PRIO_PROCESS, tid, options_.background_nice) != 0) {
+      static std::atomic<bool> told{false};
+      if (!told.exchange(true)) {
+        log::Warn("background_priority") << "device workers: background threads stay at the "
+                                            "process's CPU priority (setpriority: "
+                                         << std::strerror(errno) << ")";
+      }
+    }
   }
-  if (bg_may_run && TakeFromLocked(bg, options_.background_quantum, out)) {
-    *cls = WorkClass::kBackground;
-    return true;
-  }
-  if (TakeFromLocked(fg, options_.foreground_quantum, out)) {
-    *cls = WorkClass::kForeground;
-    return true;
-  }
-  return false;
-}
-
-void FairWork::Run() {
+  const uint64_t quantum =
+      cls == WorkClass::kForeground ? options_.foreground_quantum : options_.background_quantum;
   for (;;) {
     Task task;
-    WorkClass cls = WorkClass::kForeground;
     {
       absl::MutexLock lock(&mu_);
-      // Stopping, the queues run dry first (a background task waits for a running one).
-      const auto can_pick = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        const Class& fg = classes_[0];
-        const Class& bg = classes_[1];
-        return fg.queued > 0 || (bg.queued > 0 && bg.running < max_background_running_) ||
-               (stop_ && bg.queued == 0);
-      };
-      mu_.Await(absl::Condition(&can_pick));
-      if (!PickLocked(&task, &cls)) return;  // stopping, nothing left
-      ++classes_[size_t(cls)].running;
+      Class& c = classes_[size_t(cls)];
+      // Stopping, the queue runs dry first.
+      const auto can_take = [this, &c]()
+                                ABSL_NO_THREAD_SAFETY_ANALYSIS { return c.queued > 0 || stop_; };
+      mu_.Await(absl::Condition(&can_take));
+      if (!TakeFromLocked(c, quantum, &task)) return;  // stopping, nothing left
+      ++c.running;
     }
     task.claim.Release();  // out of the backlog: it runs now
     task.run();

@@ -1,10 +1,11 @@
 // The device workers every tenant shares: where reactions hand work that blocks (device copies,
 // disk reads, region copies, NCCL transfers), scheduled fairly across tenants.
 //
-//  - Two classes: foreground (a client waits for it) before background (prefetches a Match asked
-//    for). Background tasks run on at most max_background_running workers at once, so
-//    foreground work always finds a worker soon, and get a worker now and then even under a
-//    steady foreground load (one pick in kBackgroundEvery).
+//  - Two classes: foreground (a client waits for it) and background (prefetches a Match asked
+//    for), each on threads of its own: foreground work never waits behind a background task for
+//    a worker. The background threads run at a lower CPU priority (background_nice, as RocksDB
+//    runs its compactions), so when the CPUs are busy a prefetch takes only the time that calls
+//    leave, on any tenant's behalf.
 //  - Within a class, deficit round robin over the tenants with queued tasks: each visit adds a
 //    quantum to the tenant's deficit and runs its tasks while their cost fits; a tenant's burst
 //    waits behind its own tasks, not in front of everyone else's.
@@ -34,9 +35,13 @@ namespace kvbank::rpc {
 enum class WorkClass : uint8_t { kForeground = 0, kBackground = 1 };
 
 struct FairWorkOptions {
-  size_t threads = 4;
-  // Background tasks running at once; 0: half the threads (at least 1).
-  size_t max_background_running = 0;
+  size_t threads = 4;  // foreground threads
+  // Background threads (the most background tasks running at once); 0: half the foreground
+  // threads, at least 1.
+  size_t background_threads = 0;
+  // The background threads' nice value (Linux: each thread lowers its own priority; raising it
+  // needs no privilege). 0 leaves them at the process's.
+  int background_nice = 10;
   // Cost added to a tenant's deficit on each visit.
   uint64_t foreground_quantum = 1;
   uint64_t background_quantum = 64;
@@ -68,7 +73,6 @@ class FairWork {
   FairWorkStats Stats() const;
 
  private:
-  static constexpr uint64_t kBackgroundEvery = 16;
   struct Task {
     std::function<void()> run;
     uint64_t cost = 1;
@@ -85,17 +89,15 @@ class FairWork {
     uint64_t queued = 0, running = 0, ran = 0;
   };
   void Push(const std::string& tenant, WorkClass cls, Task task);
-  void Run();
-  // The next task to run, by class priority and round robin; false when none may run now.
-  bool PickLocked(Task* out, WorkClass* cls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker of class `cls`: runs that class's tasks until stopped with its queue empty.
+  void Run(WorkClass cls);
+  // The class's next task by deficit round robin over its tenants; false when it has none.
   bool TakeFromLocked(Class& c, uint64_t quantum, Task* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const FairWorkOptions options_;
-  const size_t max_background_running_;
   const std::shared_ptr<TenantLedger> ledger_;
   mutable absl::Mutex mu_;
   Class classes_[2] ABSL_GUARDED_BY(mu_);
-  uint64_t picks_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
