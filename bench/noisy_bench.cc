@@ -1,7 +1,7 @@
 // noisy_bench: one tenant's calls while another tenant bursts, on the shipped kvbankd (its own
 // process, three tenants in a tokens file), against the same calls with no burst in the same run.
 //
-//   noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N]
+//   noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N] [--only BURST]
 //
 // Tenant b runs one loop on one connection (1,000 iterations a row), each iteration on its own
 // sequence:
@@ -445,7 +445,7 @@ int Main(int argc, char** argv) {
   int iters = 1000;
   int burst_nice = 19;
   std::string kvbankd = KVBANK_KVBANKD_PATH;
-  std::string burst;
+  std::string burst, only;
   BurstContext cx;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -455,6 +455,8 @@ int Main(int argc, char** argv) {
       iters = std::atoi(argv[++i]);
     } else if (a == "--kvbankd" && i + 1 < argc) {
       kvbankd = argv[++i];
+    } else if (a == "--only" && i + 1 < argc) {
+      only = argv[++i];
     } else if (a == "--burst-nice" && i + 1 < argc) {
       burst_nice = std::atoi(argv[++i]);
     } else if (a == "--burst" && i + 1 < argc) {  // the child's flags
@@ -464,7 +466,8 @@ int Main(int argc, char** argv) {
     } else if (a == "--dir" && i + 1 < argc) {
       cx.dir = argv[++i];
     } else {
-      Die("usage: noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N]");
+      Die("usage: noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N] [--only "
+          "BURST]");
     }
   }
   if (quick) iters = 10;
@@ -525,6 +528,7 @@ int Main(int argc, char** argv) {
   };
   measure("alone", 0);
   for (const char* name : kBursts) {
+    if (!only.empty() && only != name) continue;
     BurstProcess running(name, cx, burst_nice);
     absl::SleepFor(absl::Milliseconds(500));  // under way
     measure(name, running.pid());
