@@ -2,6 +2,7 @@
 // process, three tenants in a tokens file), against the same calls with no burst in the same run.
 //
 //   noisy_bench [--quick] [--iters N] [--kvbankd PATH] [--burst-nice N] [--only BURST]
+//               [--kvbankd-arg ARG]...
 //
 // Tenant b runs one loop on one connection (1,000 iterations a row), each iteration on its own
 // sequence:
@@ -446,6 +447,7 @@ int Main(int argc, char** argv) {
   int burst_nice = 19;
   std::string kvbankd = KVBANK_KVBANKD_PATH;
   std::string burst, only;
+  std::vector<std::string> server_args;
   BurstContext cx;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -455,6 +457,8 @@ int Main(int argc, char** argv) {
       iters = std::atoi(argv[++i]);
     } else if (a == "--kvbankd" && i + 1 < argc) {
       kvbankd = argv[++i];
+    } else if (a == "--kvbankd-arg" && i + 1 < argc) {
+      server_args.push_back(argv[++i]);
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
     } else if (a == "--burst-nice" && i + 1 < argc) {
@@ -481,12 +485,17 @@ int Main(int argc, char** argv) {
   cx.dir = dir;
   std::ofstream(dir + "/tokens") << "token-a a\ntoken-b b\ntoken-ops ops admin\n";
   const std::string log = dir + "/kvbankd.log", port_file = dir + "/port";
-  const pid_t server =
-      bench::SpawnServer({kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                          "--models=", "--auth-tokens-file=" + dir + "/tokens", "--device=host",
-                          "--shm-socket=" + dir + "/shm", "--disk-tier-path=" + dir + "/tiers",
-                          "--disk-tier-bytes=2GiB"},
-                         log);
+  std::vector<std::string> args = {kvbankd,
+                                   "--listen=127.0.0.1:0",
+                                   "--port-file=" + port_file,
+                                   "--models=",
+                                   "--auth-tokens-file=" + dir + "/tokens",
+                                   "--device=host",
+                                   "--shm-socket=" + dir + "/shm",
+                                   "--disk-tier-path=" + dir + "/tiers",
+                                   "--disk-tier-bytes=2GiB"};
+  args.insert(args.end(), server_args.begin(), server_args.end());
+  const pid_t server = bench::SpawnServer(args, log);
   const int port = bench::WaitForPortFile(server, port_file, log);
   cx.port = port;
   auto ops = As(port, "token-ops");

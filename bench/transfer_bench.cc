@@ -2,7 +2,7 @@
 // moving the same payload sizes in the same run.
 //
 //   transfer_bench [--quick] [--reps N] [--tokens N,N,...] [--chunk-bytes N]
-//                  [--grpc-lookahead-bytes N]
+//                  [--grpc-lookahead-bytes N] [--grpc-bdp-probe 0|1]
 //
 // The kvbank service runs in this process on 127.0.0.1:<ephemeral> (built as server/main.cc builds
 // kvbankd: same message-size limits); the real kvbank::Client talks to it over loopback TCP.
@@ -203,9 +203,10 @@ class TcpPump {
 
 class InProcessServer {
  public:
-  // lookahead_bytes > 0 sets GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES on the server (an experiment:
-  // kvbankd leaves gRPC's default flow-control window).
-  InProcessServer(uint64_t pool_bytes, uint64_t chunk_bytes, int lookahead_bytes) {
+  // lookahead_bytes > 0 sets GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES on the server, bdp_probe >= 0
+  // GRPC_ARG_HTTP2_BDP_PROBE (experiments: kvbankd turns the probe off and sets an 8 MiB
+  // lookahead, rpc::kStreamWindowBytes).
+  InProcessServer(uint64_t pool_bytes, uint64_t chunk_bytes, int lookahead_bytes, int bdp_probe) {
     registry_ = std::make_shared<ModelRegistry>(pool_bytes);
     rpc::ServiceOptions options;
     options.defaults.pool_bytes = pool_bytes;
@@ -215,6 +216,7 @@ class InProcessServer {
     if (lookahead_bytes > 0) {
       serving.channel_args.emplace_back(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, lookahead_bytes);
     }
+    if (bdp_probe >= 0) serving.channel_args.emplace_back(GRPC_ARG_HTTP2_BDP_PROBE, bdp_probe);
     auto started = rpc::Serving::Start(service_.get(), std::move(serving));
     if (!started.ok()) Die("cannot start the in-process kvbank server");
     serving_ = *std::move(started);
@@ -367,6 +369,7 @@ int Main(int argc, char** argv) {
   bool quick = false;
   int reps = 0;
   int lookahead = 0;
+  int bdp_probe = -1;
   uint64_t chunk_bytes = uint64_t{1} << 20;
   std::vector<uint64_t> tokens;
   for (int i = 1; i < argc; ++i) {
@@ -381,10 +384,12 @@ int Main(int argc, char** argv) {
       tokens = ParseTokens(argv[++i]);
     } else if (std::strcmp(argv[i], "--grpc-lookahead-bytes") == 0 && has_value) {
       lookahead = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--grpc-bdp-probe") == 0 && has_value) {
+      bdp_probe = std::atoi(argv[++i]);
     } else {
       std::fprintf(stderr,
                    "usage: transfer_bench [--quick] [--reps N] [--tokens N,N,...] "
-                   "[--chunk-bytes N] [--grpc-lookahead-bytes N]\n");
+                   "[--chunk-bytes N] [--grpc-lookahead-bytes N] [--grpc-bdp-probe 0|1]\n");
       return 2;
     }
   }
@@ -399,7 +404,7 @@ int Main(int argc, char** argv) {
   const uint64_t pool_bytes = std::max<uint64_t>(
       uint64_t{256} << 20, uint64_t{2} * (max_tokens + 16) * (uint64_t{128} << 10));
 
-  InProcessServer server(pool_bytes, chunk_bytes, lookahead);
+  InProcessServer server(pool_bytes, chunk_bytes, lookahead, bdp_probe);
   ClientOptions copts;
   copts.chunk_bytes = chunk_bytes;
   auto client = Check(Client::Connect(server.target(), copts), "Connect");
