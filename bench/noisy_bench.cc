@@ -6,8 +6,8 @@
 //
 // Tenant b runs one loop on one connection (1,000 iterations a row), each iteration on its own
 // sequence:
-//   create   CreateSequence with a 4-block prompt b published before (its blocks attached; the
-//            model has a disk tier, so the create runs on a device worker)
+//   create   CreateSequence with a 4-block prompt b published before (its blocks attached; they
+//            are in the pool, so the create runs in its reaction, not on a device worker)
 //   publish  Append of 16 tokens with their ids: a full block, published (a KV event)
 //   append   Append of 8 tokens (a partial block)
 //   fetch    Fetch of the whole sequence (88 tokens, 1.4 MB)

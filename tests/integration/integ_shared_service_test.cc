@@ -269,6 +269,52 @@ TEST_F(SharedServiceTest, APrefetchBurstDoesNotStallAnotherTenant) {
   EXPECT_LT(b_ms * 2, drain_ms) << "b's create waited behind a's backlog";
 }
 
+// A create whose cached prompt is all in memory runs in its reaction: it takes no device worker,
+// so it never queues behind anyone's device work. One whose prompt is on the disk tier does.
+TEST_F(SharedServiceTest, ACreateWhosePromptIsInMemoryTakesNoDeviceWorker) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--disk-tier-path=" + dir_ + "/tiers", "--disk-tier-bytes=1GiB"}));
+  ModelLayout m = SmallLayout("m");
+  const uint64_t block_bytes = BlockBytes(m);
+  ASSERT_TRUE(As("ops")->EnsureModel(m, 16 * block_bytes).ok());
+  std::unique_ptr<Client> b = As("b");
+  auto write = [&](uint64_t seed) {
+    std::vector<uint32_t> prompt = Tokens(seed, 4 * kBt);
+    auto seq = b->CreateSequence("m");
+    EXPECT_TRUE(seq.ok()) << seq.status();
+    Client::AppendArgs args;
+    args.num_tokens = prompt.size();
+    args.token_ids = prompt;
+    std::vector<uint8_t> payload(4 * block_bytes, uint8_t(seed));
+    EXPECT_TRUE(b->Append("m", seq->id, args, payload).ok());
+    EXPECT_TRUE(b->Free("m", seq->id).ok());
+    return prompt;
+  };
+  const auto ran = [&] {
+    return Sample(Scrape(), "kvbank_device_work_ran_total{class=\"foreground\"}");
+  };
+  const std::vector<uint32_t> hot = write(1);
+  Client::CreateArgs args;
+  args.prompt = hot;
+  const double before = ran();
+  auto created = b->CreateSequence("m", args);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->cached_tokens, hot.size());
+  EXPECT_EQ(ran(), before) << "a create with its prompt in the pool went to a device worker";
+  ASSERT_TRUE(b->Free("m", created->id).ok());
+  // Other prompts push it down to the disk: now the create reads it back on a worker.
+  for (uint64_t seed = 2; seed < 10; ++seed) write(seed);
+  Client::MatchQuery q;
+  q.tokens = hot;
+  auto where = b->MatchTiers("m", {q});
+  ASSERT_TRUE(where.ok()) << where.status();
+  ASSERT_GT((*where)[0].disk_tokens, 0u) << "the prompt did not reach the disk tier";
+  const double before_disk = ran();
+  created = b->CreateSequence("m", args);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->cached_tokens, hot.size());
+  EXPECT_EQ(ran(), before_disk + 1) << "a create that reads the disk ran in its reaction";
+}
+
 // Fetches waiting for their tokens (wait_ms): each tenant has its share of --max-waits (6 / 3 =
 // 2); a third wait of a's is RESOURCE_EXHAUSTED at once while b's still waits.
 TEST_F(SharedServiceTest, WaitsHaveAPerTenantShare) {
