@@ -578,12 +578,28 @@ int Main(int argc, char** argv) {
   for (const char* name : kBursts) {
     if (only.empty() || only == name) scenarios.push_back(name);
   }
+  // After a burst, a's queued background work (prefetches) still runs for a while: the next row
+  // starts once kvbankd is quiet (under 0.1 of a core over 250 ms), so that it measures its own
+  // burst, not the last one's tail.
+  auto wait_quiet = [&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < deadline) {
+      const double before = CpuSeconds(server);
+      absl::SleepFor(absl::Milliseconds(250));
+      if (CpuSeconds(server) - before < 0.025) return;
+    }
+    std::fprintf(stderr, "noisy_bench: kvbankd was not quiet within 60 s; measuring anyway\n");
+  };
   for (int round = 0; round < rounds; ++round) {
+    wait_quiet();
     measure("alone", round, 0);
     for (const std::string& name : scenarios) {
-      BurstProcess running(name, cx, burst_nice);
-      absl::SleepFor(absl::Milliseconds(500));  // under way
-      measure(name, round, running.pid());
+      {
+        BurstProcess running(name, cx, burst_nice);
+        absl::SleepFor(absl::Milliseconds(500));  // under way
+        measure(name, round, running.pid());
+      }
+      wait_quiet();
     }
     measure("alone", round, 0);
   }

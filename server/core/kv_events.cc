@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -67,8 +68,10 @@ void KvEventLog::NotifierLoop() {
     }
     pending_all_ = false;
     pending_tenants_.clear();
+    size_t notified = 0;
     for (KvEventListener* l : round) {
       if (!listeners_.contains(l)) continue;  // unsubscribed during this round
+      ++notified;
       notifying_ = l;
       ++notifications_;
       listeners_mu_.Unlock();
@@ -76,11 +79,14 @@ void KvEventLog::NotifierLoop() {
       listeners_mu_.Lock();
       notifying_ = nullptr;
     }
-    // Rounds at most every round_interval_: events that come meanwhile go out together in the
-    // next one, so a stream's messages (and their cost) follow time, not the event rate.
+    // Rounds at most every round_interval_, and further apart the more listeners the last one
+    // woke (kPausePerListener each): events that come meanwhile go out together in the next
+    // one, so the streams' messages (and their cost) follow time, not the event rate, and the
+    // fan-out stays under about 1 / kPausePerListener writes a second however many watch.
     if (round_interval_ > absl::ZeroDuration()) {
+      const absl::Duration pause = std::max(round_interval_, kPausePerListener * notified);
       const auto stopping = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stop_; };
-      listeners_mu_.AwaitWithTimeout(absl::Condition(&stopping), round_interval_);
+      listeners_mu_.AwaitWithTimeout(absl::Condition(&stopping), pause);
     }
   }
   listeners_mu_.Unlock();

@@ -373,6 +373,30 @@ TEST(KvEventsTest, ListenersWakeOnlyForTheirTenantsEvents) {
   EXPECT_EQ(h.events->listeners(), 0u);
 }
 
+// Rounds spread out with the listeners they wake (KvEventLog::kPausePerListener each): the
+// fan-out's writes a second stay bounded however many watch. 150 listeners: the next round
+// starts at least 30 ms after the last.
+TEST(KvEventsTest, RoundsSpreadOutWithTheListenersTheyWake) {
+  KvEventLog log(1024, absl::Milliseconds(1));
+  std::vector<std::unique_ptr<Collector>> listeners;
+  for (int i = 0; i < 150; ++i) {
+    listeners.push_back(std::make_unique<Collector>(&log));
+    log.Subscribe(listeners.back().get(), "a", /*see_all=*/false);
+  }
+  KvEvent e;
+  e.tenant = "a";
+  log.Append(e);
+  for (const auto& l : listeners) ASSERT_TRUE(l->AwaitSeen(1));
+  const absl::Time first = absl::Now();
+  log.Append(e);
+  ASSERT_TRUE(listeners.front()->AwaitSeen(2));
+  const absl::Duration gap = absl::Now() - first;
+  EXPECT_GE(gap, 150 * KvEventLog::kPausePerListener - absl::Milliseconds(5))
+      << "the next round came " << gap << " after a round that woke 150 listeners";
+  for (const auto& l : listeners) ASSERT_TRUE(l->AwaitSeen(2));
+  for (const auto& l : listeners) log.Unsubscribe(l.get());
+}
+
 // A listener whose Notify blocks until the gate opens (no listener should, but a slow one must
 // not hold up the appending thread). Counts its calls, and any call after Unsubscribe returned.
 struct Gate {
