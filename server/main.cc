@@ -171,6 +171,10 @@ ABSL_FLAG(std::string, metrics_port_file, "",
 namespace kvbank {
 namespace {
 
+// After a drain, how long a connection may take to show that its client has read everything sent
+// on it (see the end of Main). A client in a call reads at once; an idle one may take seconds.
+constexpr absl::Duration kCloseGrace = absl::Seconds(1);
+
 // "1GiB", "512MiB", "4096", "2GB" -> bytes.
 absl::StatusOr<uint64_t> ParseBytes(std::string text) {
   text = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
@@ -694,9 +698,13 @@ int Main(int argc, char** argv) {
     log::Info("drain_done").Field("ms", absl::ToInt64Milliseconds(absl::Now() - drain_start))
         << "drained in " << absl::ToInt64Milliseconds(absl::Now() - drain_start) << " ms";
   }
-  // Nothing is in flight and the clients have every byte (or the drain timed out): cancel what
-  // is left and close the connections now.
-  (*serving)->Stop();
+  // Nothing is in flight and the clients' kernels have every byte (or the drain timed out). A
+  // client may still be reading the end of an answer from its socket buffer, and writing window
+  // updates as it goes: a connection closed under it is reset, and the client fails a call that
+  // succeeded. So each connection closes once its client has read up to the GOAWAY's PING,
+  // within kCloseGrace (idle clients may not answer that soon) and the drain's time.
+  const bool drained = in_flight == 0 && unacked == 0;
+  (*serving)->Stop(drained ? std::min(deadline, absl::Now() + kCloseGrace) : absl::Now());
   // Warm restart: the pools' cached blocks go to the disk tier, in what is left of the drain's
   // time, so the next start serves them.
   for (const auto& model : registry->List()) {

@@ -1,5 +1,6 @@
 #include "server/rpc/serving.h"
 
+#include <algorithm>
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -161,13 +162,13 @@ void Serving::ShutdownHealth() {
   }
 }
 
-void Serving::Stop() {
+void Serving::Stop(absl::Time close_by) {
   if (stopped_ || server_ == nullptr) return;  // stopped, or never started
   stopped_ = true;
   listener_->Stop();
-  // Cancel what is left and close the connections now: a graceful GOAWAY would wait for idle
-  // clients to answer its ping, up to 20 s.
-  server_->Shutdown(std::chrono::system_clock::now());
+  // An idle client may answer the GOAWAY's PING only when it next polls (gRPC's backup poller:
+  // up to 5 s), a raw TCP peer never: the caller bounds the wait.
+  server_->Shutdown(absl::ToChronoTime(std::max(close_by, absl::Now())));
   server_->Wait();
   if (health_server_ != nullptr) {
     health_listener_->Stop();

@@ -71,9 +71,12 @@ class Serving {
   void SetServing(bool serving);
   // The drain: health answers NOT_SERVING from now on, for good.
   void ShutdownHealth();
-  // Stops accepting, cancels what is left and closes every connection now; waits for the
-  // server's threads. Idempotent.
-  void Stop();
+  // Stops accepting and closes every connection, gracefully until `close_by`: each connection
+  // gets a GOAWAY and a PING and is closed once its client answers the PING, which it reads only
+  // after every byte sent before it, so a client still reading the end of an answer is not reset.
+  // At `close_by` what is left is cancelled and closed. Waits for the server's threads.
+  // Idempotent.
+  void Stop(absl::Time close_by = absl::InfinitePast());
 
  private:
   Serving() = default;

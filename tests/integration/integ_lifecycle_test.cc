@@ -734,6 +734,47 @@ TEST_F(DrainTest, NewCallsAreRefusedAndWatchesEndWhileAnAppendIsInFlight) {
   EXPECT_TRUE(exit.ok()) << exit;
 }
 
+// A client that reads slowly still gets all of a fetch that finished during the drain: its last
+// megabytes sit unread in its socket buffer when the server has nothing left in flight, and
+// closing the connection then would reset it and drop them (UNAVAILABLE for a call that succeeded).
+TEST_F(DrainTest, ASlowReaderGetsAllOfAFetchThatEndsDuringTheDrain) {
+  std::unique_ptr<Client> setup;
+  const Client::ModelInfo model = StartWithModel("256MiB", 60000, &setup);
+  ASSERT_FALSE(HasFailure());
+  const uint64_t n = 48 * kMiB / model.payload_bytes_per_token;
+  const std::vector<uint8_t> stored = Random(3201).Bytes(n * model.payload_bytes_per_token);
+  auto seq = setup->CreateSequence("drain", absl::ZeroDuration());
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  Client::AppendArgs args;
+  args.num_tokens = n;
+  ASSERT_TRUE(setup->Append("drain", seq->id, args, stored).ok());
+
+  auto stub = RawStub();
+  grpc::ClientContext ctx;
+  v1::FetchRequest req;
+  req.set_model("drain");
+  req.set_sequence_id(seq->id);
+  auto reader = stub->Fetch(&ctx, req);
+  v1::FetchResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  ASSERT_TRUE(msg.has_header());
+  server_->SendSignal(SIGTERM);
+  // A consumer that works on each 1 MiB message for a while before it reads the next one.
+  std::string got = msg.data();
+  while (reader->Read(&msg)) {
+    got += msg.data();
+    absl::SleepFor(absl::Milliseconds(40));
+  }
+  grpc::Status finished = reader->Finish();
+  ASSERT_TRUE(finished.ok()) << finished.error_code() << ": " << finished.error_message() << "\n"
+                             << server_->Log();
+  ASSERT_EQ(got.size(), stored.size());
+  EXPECT_EQ(std::memcmp(got.data(), stored.data(), stored.size()), 0);
+  absl::Status exit = server_->WaitForExit(absl::Seconds(30));
+  EXPECT_TRUE(exit.ok()) << exit;
+  EXPECT_TRUE(absl::StrContains(server_->Log(), "drained in")) << server_->Log();
+}
+
 // A client that stops reading cannot hold a stopping server: at --drain-timeout-ms the server
 // cancels what is left, says so, and exits 0.
 TEST_F(DrainTest, AStalledReaderIsCutOffAtTheDrainTimeout) {
