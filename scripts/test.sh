@@ -3,12 +3,36 @@
 # check, the release build's tests (unit, integration, python client, GPU tests that skip without
 # a device, benchmark smoke runs), the same suite under AddressSanitizer + UBSan, the unit and
 # integration tests under ThreadSanitizer (clang; its build also checks the lock annotations with
-# -Wthread-safety -Werror) and the fuzz targets for FUZZ_SECONDS each (scripts/fuzz.sh).
+# -Wthread-safety -Werror), the fuzz targets (scripts/fuzz.sh: all of them at once for
+# FUZZ_SECONDS of wall time, default 300) and the CUDA code on an emulated runtime.
 # SKIP_SANITIZERS=1 skips the sanitizer, ThreadSanitizer and fuzz passes (for a quick local run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
-scripts/check-format.sh
+# Each stage's wall time, printed as it ends and again, all together, when the script exits
+# (passed or not).
+stage_log=()
+run_start=$SECONDS
+current=""
+stage() {
+  local name=$1 start=$SECONDS
+  shift
+  current=$name
+  echo "== stage $name" >&2
+  "$@"
+  current=""
+  stage_log+=("$(printf '%6d s  %s' $((SECONDS - start)) "$name")")
+  echo "== stage $name: $((SECONDS - start)) s" >&2
+}
+summary() {
+  local rc=$?
+  echo "== stage times (wall)" >&2
+  printf '%s\n' "${stage_log[@]}" >&2
+  [ -z "$current" ] || echo "  failed in stage $current" >&2
+  printf '%6d s  total (exit %d)\n' $((SECONDS - run_start)) "$rc" >&2
+}
+trap summary EXIT
+stage install-deps scripts/install-deps.sh
+stage check-format scripts/check-format.sh
 jobs=$(nproc)
 # The Python tests' venvs (the SDK's, and vLLM's with torch) are mostly downloads: they are made
 # while the release build compiles (their own locks keep the tests waiting for them; a failure
@@ -19,20 +43,20 @@ py=/usr/bin/python3  # the interpreter ctest makes both venvs of (tests/python/C
 "$py" tests/python/run_python_tests.py --prepare --python "$py" >build/prepare-python-venv.log 2>&1 &
 scripts/setup-vllm-venv.sh --no-kvbank --python "$py" >build/prepare-vllm-venv.log 2>&1 &
 cmake --preset release >/dev/null
-cmake --build --preset release -j "$jobs"
-ctest --preset release -j "$jobs" --output-on-failure
+stage release-build cmake --build --preset release -j "$jobs"
+stage release-tests ctest --preset release -j "$jobs" --output-on-failure
 if [ "${SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake --preset asan-ubsan >/dev/null
-  cmake --build --preset asan-ubsan -j "$jobs"
-  ctest --preset asan-ubsan -j "$jobs" --output-on-failure
+  stage asan-build cmake --build --preset asan-ubsan -j "$jobs"
+  stage asan-tests ctest --preset asan-ubsan -j "$jobs" --output-on-failure
   # ThreadSanitizer: unit and integration tests. attention_test (label tsan-slow) runs only its
   # threaded cases there (attention_threads_test): its single-threaded reference sweeps take
   # minutes under TSan, and the release and ASan passes run them.
   cmake --preset tsan >/dev/null
-  cmake --build --preset tsan -j "$jobs"
-  ctest --preset tsan -j "$jobs" --output-on-failure
-  scripts/fuzz.sh "${FUZZ_SECONDS:-300}"
+  stage tsan-build cmake --build --preset tsan -j "$jobs"
+  stage tsan-tests ctest --preset tsan -j "$jobs" --output-on-failure
+  stage fuzz scripts/fuzz.sh "${FUZZ_SECONDS:-300}"
   # The CUDA code (kernels, cuda:N pool memory) under the GPU and store tests, on an emulated CUDA
   # runtime: index math, barriers and copy bounds are checked on a machine without a GPU.
-  tools/cuda_emu/run.sh
+  stage cuda-emu tools/cuda_emu/run.sh
 fi
