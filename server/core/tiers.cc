@@ -376,18 +376,25 @@ void TierCache::EmitLocked(KvEvent::Type type, const Key& key, const PublishInfo
 
 TierCache::Put TierCache::PutLocked(const Key& key, const PublishInfo& info,
                                     const std::function<const uint8_t*()>& data, bool eviction) {
+  // Inclusive: a copy in any tier below is the block (one promoted from the disk, say, or moved
+  // there as a host victim since its spill-ahead). An eviction makes it its tier's most recently
+  // used; nothing is copied.
+  if (auto it = host_index_.find(key); it != host_index_.end()) {
+    if (eviction) host_lru_.splice(host_lru_.begin(), host_lru_, it->second.lru);
+    return Put::kHeld;
+  }
+  if (auto it = disk_index_.find(key); it != disk_index_.end()) {
+    if (eviction) disk_lru_.splice(disk_lru_.begin(), disk_lru_, it->second.lru);
+    return Put::kHeld;
+  }
+  if (queued_.contains(key)) return Put::kHeld;
   if (has_host()) {
-    auto it = host_index_.find(key);
-    if (it != host_index_.end()) {  // inclusive: the host copy is the block
-      if (eviction) host_lru_.splice(host_lru_.begin(), host_lru_, it->second.lru);
-      return Put::kHeld;
-    }
     const uint8_t* bytes = data();
     if (bytes == nullptr) return Put::kHeld;
     PutHostLocked(key, std::make_shared<const PublishInfo>(info), bytes);
     return Put::kCopied;
   }
-  if (!has_disk() || disk_index_.contains(key) || queued_.contains(key)) return Put::kHeld;
+  if (!has_disk()) return Put::kHeld;
   if (!eviction && QueueFullLocked()) return Put::kFull;  // the spill-ahead tries again later
   const uint8_t* bytes = data();
   if (bytes == nullptr) return Put::kHeld;

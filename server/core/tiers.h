@@ -2,7 +2,7 @@
 // block the pool evicts moves one tier down instead of being forgotten (the pool's
 // EvictionSink); a prompt or a FetchBlocks that finds its blocks in a tier promotes them back
 // into the pool (SequenceStore). Both tiers are inclusive: a promoted block stays in its tier,
-// so evicting it again costs nothing.
+// so evicting it again costs nothing; so does evicting one whose copy moved on to the disk.
 //
 //   host tier  one mapped allocation of slots of block_bytes, LRU. Its victims go to the disk
 //              tier (queued, written by the I/O threads) when there is one.
@@ -123,7 +123,8 @@ class TierCache final : public EvictionSink {
   const std::string& disk_file() const { return disk_file_; }
 
   // EvictionSink: the block goes to the host tier (its LRU victim to the disk), or to the disk
-  // when there is no host tier. Nothing is copied when the tier holds the block already.
+  // when there is no host tier. Nothing is copied when any tier holds the block already (it
+  // becomes that tier's most recently used).
   void Evicted(const PublishInfo& info, const std::string& tenant,
                const std::function<const uint8_t*()>& data) override;
 

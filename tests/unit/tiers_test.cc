@@ -378,6 +378,73 @@ TEST_F(TiersTest, HostVictimsGoToTheDisk) {
   EXPECT_EQ(store->CheckInvariants(), "");
 }
 
+// Inclusive tiers: a block promoted from the disk and evicted again is the disk's copy; nothing
+// is written to the host tier or the disk again, and it still comes back bit for bit.
+TEST_F(TiersTest, EvictingAPromotedBlockAgainCopiesNothing) {
+  auto store = Open(/*pool_blocks=*/2, /*host_blocks=*/2, /*disk=*/true);
+  ASSERT_NE(store, nullptr);
+  TierCache& tiers = *store->tiers();
+  const auto settled = [&] { return tiers.WaitForWrites(absl::Now() + absl::Seconds(30)); };
+  const std::vector<uint8_t> p0 = Write(*store, 0);
+  Write(*store, 1);                                  // prompt 0 to the host tier
+  const std::vector<uint8_t> p2 = Write(*store, 2);  // prompt 1 to the host, 0 on to the disk
+  ASSERT_TRUE(settled());
+  ASSERT_EQ(Match(*store, 0).disk_tokens, kTokens);
+  std::vector<uint8_t> got;
+  ASSERT_EQ(Reuse(*store, 0, &got), kTokens);  // promoted from the disk (prompt 2 goes down)
+  EXPECT_EQ(got, p0);
+  ASSERT_TRUE(settled());
+  const TierStats before = tiers.Stats();
+  EXPECT_EQ(before.promoted_from_disk, 2u);
+
+  ASSERT_EQ(Reuse(*store, 2, &got), kTokens);  // promoted from the host: prompt 0 evicted again
+  EXPECT_EQ(got, p2);
+  ASSERT_TRUE(settled());
+  const TierStats after = tiers.Stats();
+  EXPECT_EQ(store->pool().Stats().evictions, 8u);
+  EXPECT_EQ(after.spilled_to_host, before.spilled_to_host);
+  EXPECT_EQ(after.spilled_to_disk, before.spilled_to_disk);
+  EXPECT_EQ(after.spilled_at_eviction, before.spilled_at_eviction);
+  EXPECT_EQ(Match(*store, 0).disk_tokens, kTokens);
+  ASSERT_EQ(Reuse(*store, 0, &got), kTokens);
+  EXPECT_EQ(got, p0);
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
+// The spill-ahead copies the pool's coldest blocks down before their eviction; a host tier
+// smaller than that passes some of them on to the disk. Evicting them later copies nothing,
+// wherever their copy now is.
+TEST_F(TiersTest, ABlockSpilledAheadIsNotCopiedAgainAtItsEviction) {
+  auto store = Open(/*pool_blocks=*/32, /*host_blocks=*/8, /*disk=*/true, /*disk_blocks=*/256,
+                    /*spill_ahead=*/true);
+  ASSERT_NE(store, nullptr);
+  TierCache& tiers = *store->tiers();
+  std::vector<std::vector<uint8_t>> written;
+  for (int i = 0; i < 16; ++i) written.push_back(Write(*store, i));  // the pool full
+  // The 16 coldest (prompts 0-7) go down: the last 8 copied in the host tier, the first 8 on
+  // the disk.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (tiers.Stats().spilled_to_host < 16 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_GE(tiers.Stats().spilled_to_host, 16u) << "the spill-ahead copied too little";
+  ASSERT_TRUE(tiers.WaitForWrites(absl::Now() + absl::Seconds(30)));
+  ASSERT_EQ(tiers.Find(Hashes(*store, 0)[0], ""), Tier::kDisk);
+  ASSERT_EQ(tiers.Find(Hashes(*store, 7)[0], ""), Tier::kHost);
+
+  for (int i = 16; i < 24; ++i) written.push_back(Write(*store, i));  // evicts prompts 0-7
+  ASSERT_TRUE(tiers.WaitForWrites(absl::Now() + absl::Seconds(30)));
+  const TierStats s = tiers.Stats();
+  EXPECT_EQ(store->pool().Stats().evictions, 16u);
+  EXPECT_EQ(s.spilled_at_eviction, 0u) << s.spilled_to_host << " copied to the host tier";
+  for (int i = 0; i < 24; ++i) {
+    std::vector<uint8_t> got;
+    EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
+    EXPECT_EQ(got, written[i]) << "prompt " << i;
+  }
+  EXPECT_EQ(store->CheckInvariants(), "");
+}
+
 TEST_F(TiersTest, EventsCarryTheTier) {
   auto store = Open(2, 8, false);
   ASSERT_NE(store, nullptr);
@@ -400,6 +467,39 @@ TEST_F(TiersTest, EventsCarryTheTier) {
   EXPECT_EQ(pool_stored, 4);
   EXPECT_EQ(host_stored, 2);
   EXPECT_EQ(pool_removed, 2);
+}
+
+// A promotion stores the block in the pool again and leaves it in its tier (inclusive): a
+// BlockStored for the pool's medium, no BlockRemoved for the tier's.
+TEST_F(TiersTest, APromotionIsStoredInThePoolAndStaysInItsTier) {
+  auto store = Open(2, 8, false);
+  ASSERT_NE(store, nullptr);
+  Write(*store, 0);
+  Write(*store, 1);  // prompt 0's blocks go to the host tier
+  const std::vector<BlockHash> p0 = Hashes(*store, 0);
+  const uint64_t mark = store->events()->last_sequence();
+  ASSERT_EQ(Reuse(*store, 0, nullptr), kTokens);  // promoted; prompt 1 goes down
+  auto batch = store->events()->Read(mark, 1000, "", true);
+  ASSERT_TRUE(batch.ok());
+  const std::string pool_medium = store->pool().medium();
+  int p0_pool_stored = 0, p0_host_removed = 0, host_stored = 0;
+  for (const KvEvent& e : batch->events) {
+    for (const BlockHash& h : e.hashes) {
+      const bool of_p0 = h == p0[0] || h == p0[1];
+      if (of_p0 && e.type == KvEvent::Type::kBlockStored && e.medium == pool_medium) {
+        ++p0_pool_stored;
+      }
+      if (of_p0 && e.type == KvEvent::Type::kBlockRemoved && e.medium == "host") {
+        ++p0_host_removed;
+      }
+      if (e.type == KvEvent::Type::kBlockStored && e.medium == "host") ++host_stored;
+    }
+  }
+  EXPECT_EQ(p0_pool_stored, 2);
+  EXPECT_EQ(p0_host_removed, 0);
+  EXPECT_EQ(host_stored, 2);  // prompt 1's
+  EXPECT_EQ(store->tiers()->Find(p0[0], ""), Tier::kHost);
+  EXPECT_EQ(store->tiers()->Find(p0[1], ""), Tier::kHost);
 }
 
 TEST_F(TiersTest, TiersNeedPrefixCaching) {
