@@ -9,8 +9,9 @@ A CUDA tensor given to Client.append / fetch_into / fetch_blocks_into takes, in 
   cuda_staged  otherwise: a copy through host memory here, then the host planes (shared memory
                or gRPC).
 Client(device_plane=...) narrows the choice ("cuda_ipc", "nccl", "host"); plane_stats() counts
-each. Nothing of these two GPU planes has run on a GPU yet (the project's GPU machines lack
-gRPC): the choice is tested on CPU, the planes' C++ halves in the gpu test suite.
+each. Neither GPU plane has run on a GPU yet: the SDK needs gRPC, and the GPU test build
+(tests/gpu/run_on_device.sh) is made without it. The choice is tested on CPU, the planes' C++
+halves in the gpu test suite.
 """
 
 import collections

@@ -24,8 +24,8 @@ struct Shape {
   uint32_t layers, kv_heads, head_dim, block_tokens;
 };
 
-// The model of the report that found the defect (1 layer, MHA, head_dim 48, blocks of 16), then
-// odd GQA and MLA shapes.
+// First the shape the defects these tests guard against showed on (1 layer, MHA, head_dim 48,
+// blocks of 16), then odd GQA and MLA shapes.
 const Shape kShapes[] = {
     {"mha-1x2x48-bt16", AttentionKind::kMha, 1, 2, 48, 16},
     {"gqa-2x3x5-bt7", AttentionKind::kGqa, 2, 3, 5, 7},
