@@ -61,7 +61,7 @@ BlockPool::BlockPool(BlockLayout layout, std::unique_ptr<PoolMemory> memory, uin
 BlockPool::~BlockPool() = default;
 
 uint32_t BlockPool::InternTenant(const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto [it, inserted] = tenant_ids_.try_emplace(tenant, uint32_t(tenant_names_.size()));
   if (inserted) {
     tenant_names_.push_back(tenant);
@@ -72,17 +72,17 @@ uint32_t BlockPool::InternTenant(const std::string& tenant) {
 }
 
 void BlockPool::SetTenantQuota(uint32_t tenant, uint64_t max_blocks) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   tenant_quota_[tenant] = max_blocks;
 }
 
 uint64_t BlockPool::TenantBlocks(uint32_t tenant) const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   return tenant_used_[tenant];
 }
 
 uint64_t BlockPool::TenantQuota(uint32_t tenant) const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   return tenant_quota_[tenant];
 }
 
@@ -101,92 +101,137 @@ void BlockPool::AddRefLocked(int32_t id) {
   }
 }
 
+namespace {
+// The DeferEvictions scopes open on this thread, innermost first (through their prev_ links).
+thread_local BlockPool::DeferEvictions* open_deferrals = nullptr;
+}  // namespace
+
+BlockPool::DeferEvictions::DeferEvictions(BlockPool* pool) : pool_(pool), prev_(open_deferrals) {
+  open_deferrals = this;
+}
+
+BlockPool::DeferEvictions::~DeferEvictions() {
+  Run();
+  open_deferrals = prev_;
+}
+
+void BlockPool::DeferEvictions::Run() {
+  for (PendingEviction& e : pending_) pool_->CopyEvicted(e);
+  pending_.clear();
+}
+
+void BlockPool::CopyEvicted(PendingEviction& e) {
+  CheckNoCoreLock("an evicted block's copy into a tier");
+  std::vector<uint8_t> staged;  // the block off a device
+  options_.eviction_sink->Evicted(*e.info, e.tenant, [&]() -> const uint8_t* {
+    if (memory_->kind() != MemoryKind::kCuda) return BlockData(e.block.id());
+    staged.resize(layout_.block_bytes);
+    const int32_t id[] = {e.block.id()};
+    if (!memory_->CopyBlocksToHost(id, layout_.block_bytes, staged.data()).ok()) return nullptr;
+    return staged.data();
+  });
+  e.block.Reset();  // the copy is made: the block is its allocator's alone
+}
+
 absl::StatusOr<std::vector<BlockRef>> BlockPool::Allocate(size_t n, uint32_t tenant) {
   std::vector<BlockRef> out;
-  absl::MutexLock lock(&mu_);
-  if (tenant_quota_[tenant] != 0 && tenant_used_[tenant] + n > tenant_quota_[tenant]) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant '", tenant_names_[tenant], "' block quota: ", tenant_used_[tenant],
-                     " of ", tenant_quota_[tenant], " blocks in use, ", n, " more needed"));
-  }
-  // Blocks the spiller holds for a copy come back in a moment: wait for them rather than fail.
-  while (free_list_.size() + evictable_.size() < n && spill_holds_ > 0 &&
-         free_list_.size() + evictable_.size() + spill_holds_ >= n) {
-    mu_.Await(absl::Condition(
-        +[](uint64_t* holds) { return *holds == 0; }, &spill_holds_));
-  }
-  if (free_list_.size() + evictable_.size() < n) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("block pool exhausted: need ", n, " blocks, ", free_list_.size(), " free and ",
-                     evictable_.size(), " evictable of ", num_blocks_));
-  }
-  // Evict (lowest priority, least recently used first); one Removed event per run of a tenant.
-  std::vector<BlockHash> removed;
-  uint32_t removed_tenant = 0;
-  while (free_list_.size() < n) {
-    const int32_t victim = std::get<2>(*evictable_.begin());
-    if (!removed.empty() && records_[victim].tenant != removed_tenant) {
-      EmitRemovedLocked(removed_tenant, std::move(removed));
-      removed.clear();
+  // Evicted blocks a tier keeps: copied once this lock is released (by Allocate itself, or by
+  // the caller's DeferEvictions once the caller's lock is released too). Each holds its block
+  // meanwhile, so the block is not reused before its bytes are copied.
+  std::vector<PendingEviction> pending;
+  {
+    CoreLock lock(&mu_);
+    if (tenant_quota_[tenant] != 0 && tenant_used_[tenant] + n > tenant_quota_[tenant]) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", tenant_names_[tenant], "' block quota: ", tenant_used_[tenant],
+                       " of ", tenant_quota_[tenant], " blocks in use, ", n, " more needed"));
     }
-    removed_tenant = records_[victim].tenant;
-    if (options_.eviction_sink != nullptr && records_[victim].info != nullptr) {
-      // One tier down instead of forgotten: the sink copies the bytes before the block is reused.
-      options_.eviction_sink->Evicted(
-          *records_[victim].info, tenant_names_[removed_tenant],
-          [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS -> const uint8_t* {
-            if (memory_->kind() != MemoryKind::kCuda) {
-              return BlockData(victim);
-            }
-            evict_buffer_.resize(layout_.block_bytes);
-            const int32_t id[] = {victim};
-            if (!memory_->CopyBlocksToHost(id, layout_.block_bytes, evict_buffer_.data()).ok()) {
-              return nullptr;
-            }
-            return evict_buffer_.data();
-          });
+    // Blocks the spiller holds for a copy come back in a moment: wait for them rather than fail.
+    while (free_list_.size() + evictable_.size() < n && spill_holds_ > 0 &&
+           free_list_.size() + evictable_.size() + spill_holds_ >= n) {
+      mu_.Await(absl::Condition(
+          +[](uint64_t* holds) { return *holds == 0; }, &spill_holds_));
     }
-    DropLocked(victim, &removed);
-    ++evictions_;
+    if (free_list_.size() + evictable_.size() < n) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("block pool exhausted: need ", n, " blocks, ", free_list_.size(),
+                       " free and ", evictable_.size(), " evictable of ", num_blocks_));
+    }
+    // Evict (lowest priority, least recently used first); one Removed event per run of a tenant.
+    std::vector<BlockHash> removed;
+    uint32_t removed_tenant = 0;
+    std::vector<std::pair<int32_t, PendingEviction>> victims;  // to copy down, by block
+    while (free_list_.size() < n) {
+      const int32_t victim = std::get<2>(*evictable_.begin());
+      if (!removed.empty() && records_[victim].tenant != removed_tenant) {
+        EmitRemovedLocked(removed_tenant, std::move(removed));
+        removed.clear();
+      }
+      removed_tenant = records_[victim].tenant;
+      if (options_.eviction_sink != nullptr && records_[victim].info != nullptr) {
+        // One tier down instead of forgotten.
+        victims.emplace_back(victim, PendingEviction{BlockRef(), records_[victim].info,
+                                                     tenant_names_[removed_tenant]});
+      }
+      DropLocked(victim, &removed);
+      ++evictions_;
+    }
+    EmitRemovedLocked(removed_tenant, std::move(removed));
+    out.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t id = free_list_.back();
+      free_list_.pop_back();
+      Record& r = records_[id];
+      r = Record();
+      r.refcount = 1;
+      r.tenant = tenant;
+      ++tenant_used_[tenant];
+      out.push_back(BlockRef(this, id));
+    }
+    // Every victim is among the blocks handed out (evictions stop once n are free); each pending
+    // copy holds its own reference.
+    for (auto& [id, e] : victims) {
+      ++records_[id].refcount;
+      e.block = BlockRef(this, id);
+      pending.push_back(std::move(e));
+    }
   }
-  EmitRemovedLocked(removed_tenant, std::move(removed));
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t id = free_list_.back();
-    free_list_.pop_back();
-    Record& r = records_[id];
-    r = Record();
-    r.refcount = 1;
-    r.tenant = tenant;
-    ++tenant_used_[tenant];
-    out.push_back(BlockRef(this, id));
+  if (pending.empty()) return out;
+  DeferEvictions* scope = open_deferrals;
+  while (scope != nullptr && scope->pool_ != this) scope = scope->prev_;
+  for (PendingEviction& e : pending) {
+    if (scope != nullptr) {
+      scope->pending_.push_back(std::move(e));
+    } else {
+      CopyEvicted(e);
+    }
   }
   return out;
 }
 
 BlockRef BlockPool::Share(const BlockRef& r) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   AddRefLocked(r.id());
   return BlockRef(this, r.id());
 }
 
 uint32_t BlockPool::RefCount(int32_t id) const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   return records_[id].refcount;
 }
 
 bool BlockPool::Writable(int32_t id) const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   return records_[id].refcount == 1 && !records_[id].published;
 }
 
 bool BlockPool::Published(int32_t id) const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   return records_[id].published;
 }
 
 void BlockPool::Release(int32_t id, bool touch) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   Record& r = records_[id];
   if (--r.refcount > 0) return;
   if (r.pins == 0) --tenant_used_[r.tenant];  // a pinned block stays on the tenant's quota
@@ -204,7 +249,7 @@ void BlockPool::Release(int32_t id, bool touch) {
 
 bool BlockPool::Publish(const BlockRef& ref, const PublishInfo& info, uint32_t tenant) {
   if (!options_.enable_prefix_caching) return false;
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   Record& r = records_[ref.id()];
   if (r.published || !index_.try_emplace(info.hash, ref.id()).second) return false;
   r.published = true;
@@ -240,7 +285,7 @@ BlockRef BlockPool::Peek(const BlockHash& hash, uint32_t tenant) {
 }
 
 BlockRef BlockPool::LookupImpl(const BlockHash& hash, uint32_t tenant, bool touch) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto it = index_.find(hash);
   if (it == index_.end() || records_[it->second].tenant != tenant) return BlockRef();
   const int32_t id = it->second;
@@ -257,13 +302,13 @@ BlockRef BlockPool::LookupImpl(const BlockHash& hash, uint32_t tenant, bool touc
 }
 
 bool BlockPool::Contains(const BlockHash& hash, uint32_t tenant) const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto it = index_.find(hash);
   return it != index_.end() && records_[it->second].tenant == tenant;
 }
 
 size_t BlockPool::Pin(absl::Span<const BlockHash> hashes, uint32_t tenant, bool pin) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   size_t n = 0;
   for (const BlockHash& h : hashes) {
     auto it = index_.find(h);
@@ -321,7 +366,7 @@ void BlockPool::EmitRemovedLocked(uint32_t tenant, std::vector<BlockHash> hashes
 }
 
 size_t BlockPool::DropCachedBefore(absl::Time cutoff) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   std::vector<int32_t> victims;
   for (const EvictKey& k : evictable_) {
     if (records_[std::get<2>(k)].last_used < cutoff) victims.push_back(std::get<2>(k));
@@ -337,7 +382,7 @@ size_t BlockPool::DropCachedBefore(absl::Time cutoff) {
 
 size_t BlockPool::ClearCache() {
   const size_t n = DropCachedBefore(absl::InfiniteFuture());
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   if (index_.empty() && options_.events != nullptr) {
     KvEvent e;
     e.type = KvEvent::Type::kAllCleared;
@@ -349,26 +394,39 @@ size_t BlockPool::ClearCache() {
 
 size_t BlockPool::ForEachCached(
     const std::function<bool(const PublishInfo&, const std::string&, const uint8_t*)>& fn) {
-  absl::MutexLock lock(&mu_);
-  std::vector<int32_t> ids;  // evictable ones coldest first, then the pinned ones
-  for (const EvictKey& k : evictable_) ids.push_back(std::get<2>(k));
-  for (uint64_t id = 0; id < num_blocks_; ++id) {
-    const Record& r = records_[id];
-    if (r.published && r.refcount == 0 && r.pins > 0) ids.push_back(int32_t(id));
+  struct Held {
+    BlockRef block;
+    std::shared_ptr<const PublishInfo> info;
+    std::string tenant;
+  };
+  std::vector<Held> held;  // evictable ones coldest first, then the pinned ones
+  {
+    CoreLock lock(&mu_);
+    std::vector<int32_t> ids;
+    for (const EvictKey& k : evictable_) ids.push_back(std::get<2>(k));
+    for (uint64_t id = 0; id < num_blocks_; ++id) {
+      const Record& r = records_[id];
+      if (r.published && r.refcount == 0 && r.pins > 0) ids.push_back(int32_t(id));
+    }
+    for (int32_t id : ids) {
+      if (records_[id].info == nullptr) continue;
+      AddRefLocked(id);
+      held.push_back({BlockRef(this, id, /*touch=*/false), records_[id].info,
+                      tenant_names_[records_[id].tenant]});
+    }
   }
+  std::vector<uint8_t> staged;  // a block off a device
   size_t n = 0;
-  for (int32_t id : ids) {
-    const Record& r = records_[id];
-    if (r.info == nullptr) continue;
-    const uint8_t* data = BlockData(id);
+  for (Held& h : held) {
+    const uint8_t* data = BlockData(h.block.id());
     if (memory_->kind() == MemoryKind::kCuda) {
-      evict_buffer_.resize(layout_.block_bytes);
-      const int32_t one[] = {id};
-      if (!memory_->CopyBlocksToHost(one, layout_.block_bytes, evict_buffer_.data()).ok()) break;
-      data = evict_buffer_.data();
+      staged.resize(layout_.block_bytes);
+      const int32_t one[] = {h.block.id()};
+      if (!memory_->CopyBlocksToHost(one, layout_.block_bytes, staged.data()).ok()) break;
+      data = staged.data();
     }
     ++n;
-    if (!fn(*r.info, tenant_names_[r.tenant], data)) break;
+    if (!fn(*h.info, h.tenant, data)) break;
   }
   return n;
 }
@@ -377,7 +435,7 @@ std::vector<BlockPool::SpillHold> BlockPool::HoldColdest(
     size_t max, size_t depth,
     const std::function<bool(const PublishInfo&, const std::string&)>& want) {
   std::vector<SpillHold> out;
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   size_t seen = 0;
   for (auto it = evictable_.begin(); it != evictable_.end() && out.size() < max && seen < depth;
        ++seen) {
@@ -396,7 +454,7 @@ std::vector<BlockPool::SpillHold> BlockPool::HoldColdest(
 }
 
 void BlockPool::ReleaseSpillHolds(const std::vector<SpillHold>& holds) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   for (const SpillHold& h : holds) {
     Record& r = records_[h.id];
     r.spill_hold = false;
@@ -415,7 +473,7 @@ absl::Status BlockPool::CopyIn(absl::Span<const int32_t> ids, const uint8_t* hos
 }
 
 PoolStats BlockPool::Stats() const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   PoolStats s;
   s.total = num_blocks_;
   s.free = free_list_.size();
@@ -427,7 +485,7 @@ PoolStats BlockPool::Stats() const {
 }
 
 std::string BlockPool::CheckInvariants() const {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   std::vector<bool> on_free(num_blocks_, false);
   for (int32_t id : free_list_) {
     if (id < 0 || uint64_t(id) >= num_blocks_) return absl::StrCat("free id ", id, " out of range");

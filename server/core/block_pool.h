@@ -27,6 +27,7 @@
 #include "absl/types/span.h"
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
+#include "server/core/core_lock.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool_memory.h"
 
@@ -108,7 +109,16 @@ struct PublishInfo {
   uint8_t priority = 50;  // 0..100; lower is evicted first
 };
 
-// Thread-safe. Lock order: SequenceStore::mu_, then BlockPool::mu_, then KvEventLog's.
+// An evicted block whose copy into the eviction sink is still to be made (BlockPool::Allocate):
+// the block, held so it is not reused meanwhile, and what publishing it recorded.
+struct PendingEviction {
+  BlockRef block;
+  std::shared_ptr<const PublishInfo> info;
+  std::string tenant;
+};
+
+// Thread-safe. Lock order: SequenceStore::mu_, then BlockPool::mu_, then KvEventLog's. Both are
+// CoreLocks: no block's bytes move under either (an eviction's copy into a tier runs after them).
 class BlockPool {
  public:
   static constexpr uint32_t kDefaultTenant = 0;  // the tenant "" when auth is off
@@ -141,7 +151,30 @@ class BlockPool {
   // Takes n blocks, each with one reference, for `tenant`: free ones first, then evicted cached
   // ones (lowest priority, then least recently used). All or nothing: RESOURCE_EXHAUSTED (nothing
   // taken, nothing evicted) when fewer than n can be had or the tenant's quota would be passed.
+  // An evicted block the eviction sink keeps is copied to it after the pool's lock is released:
+  // before Allocate returns, or, while a DeferEvictions of this pool is open on the thread, when
+  // that runs. The copy holds the block meanwhile (it is not reused before its bytes are read).
   absl::StatusOr<std::vector<BlockRef>> Allocate(size_t n, uint32_t tenant = kDefaultTenant);
+
+  // For a caller that allocates under a lock of its own (the store's): while one is open on a
+  // thread, the eviction copies of this pool's Allocate calls on that thread wait in it, and run
+  // at Run() or when it closes, which the caller places after its lock is released and before
+  // it writes into the blocks. Scopes nest (one per pool).
+  class DeferEvictions {
+   public:
+    explicit DeferEvictions(BlockPool* pool);
+    ~DeferEvictions();
+    DeferEvictions(const DeferEvictions&) = delete;
+    DeferEvictions& operator=(const DeferEvictions&) = delete;
+    // Makes the copies waiting so far. REQUIRES: no CoreLock held.
+    void Run();
+
+   private:
+    friend class BlockPool;
+    BlockPool* const pool_;
+    DeferEvictions* const prev_;
+    std::vector<PendingEviction> pending_;
+  };
   // Another reference to the block `r` refers to. REQUIRES: r.valid().
   BlockRef Share(const BlockRef& r);
 
@@ -172,9 +205,9 @@ class BlockPool {
   // Drops every cached, unpinned block; an AllCleared event when all cached blocks went.
   size_t ClearCache();
   // Calls fn for every cached block (published, unreferenced; pinned ones included) with what
-  // publishing it recorded, its tenant and its bytes in host memory, coldest first. Under the
-  // pool's lock: fn must not call into the pool. Stops when fn answers false. Returns how many
-  // blocks fn saw.
+  // publishing it recorded, its tenant and its bytes in host memory, coldest first, outside the
+  // pool's lock: the blocks are held (without touching the eviction order) until fn saw them.
+  // Stops when fn answers false. Returns how many blocks fn saw.
   size_t ForEachCached(
       const std::function<bool(const PublishInfo&, const std::string&, const uint8_t*)>& fn);
   // Spill-ahead (the store's spiller, off the callers' path): up to `max` of the coldest cached
@@ -234,6 +267,8 @@ class BlockPool {
 
   BlockPool(BlockLayout layout, std::unique_ptr<PoolMemory> memory, uint64_t num_blocks,
             PoolOptions options);
+  // Hands an evicted block's bytes to the eviction sink and drops the entry's hold on it.
+  void CopyEvicted(PendingEviction& e);
   void Release(int32_t id, bool touch);
   BlockRef LookupImpl(const BlockHash& hash, uint32_t tenant, bool touch);
   void AddRefLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -253,9 +288,8 @@ class BlockPool {
   const std::string medium_;
 
   mutable absl::Mutex mu_;
-  std::vector<uint8_t> evict_buffer_ ABSL_GUARDED_BY(mu_);  // an evicted block off a device
-  std::vector<Record> records_ ABSL_GUARDED_BY(mu_);        // block records, apart from the data
-  std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);     // LIFO: recently freed blocks are warm
+  std::vector<Record> records_ ABSL_GUARDED_BY(mu_);     // block records, apart from the data
+  std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // LIFO: recently freed blocks are warm
   std::set<EvictKey> evictable_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<BlockHash, int32_t> index_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;

@@ -43,6 +43,7 @@
 #include "kernels/payload_codec_cuda.h"
 #include "kernels/quant.h"
 #include "kvbank/layout.h"
+#include "server/core/core_lock.h"
 #include "server/core/pool_memory.h"
 
 namespace kvbank {
@@ -305,6 +306,7 @@ class CudaMemory final : public PoolMemory {
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                           uint64_t block_bytes) override {
+    CheckNoCoreLock("a block copy");
     if (src.size() != dst.size()) {
       return absl::InvalidArgumentError(absl::StrCat(name(), ": CopyBlocks of ", src.size(),
                                                      " sources and ", dst.size(), " destinations"));
@@ -331,15 +333,18 @@ class CudaMemory final : public PoolMemory {
 
   absl::Status CopyBlocksToHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
                                 uint8_t* host) override {
+    CheckNoCoreLock("a copy of blocks to host memory");
     return CopyWholeBlocks(ids, block_bytes, host, /*to_host=*/true);
   }
   absl::Status CopyBlocksFromHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
                                   const uint8_t* host) override {
+    CheckNoCoreLock("a copy of blocks from host memory");
     return CopyWholeBlocks(ids, block_bytes, const_cast<uint8_t*>(host), /*to_host=*/false);
   }
 
   absl::Status CopyRows(const BlockLayout& layout,
                         absl::Span<const kernels::RowCopy> copies) override {
+    CheckNoCoreLock("a row copy");
     if (copies.empty()) return absl::OkStatus();
     DeviceGuard guard(device_);
     if (guard.status() != cudaSuccess) return Error(guard.status(), "selecting the device");

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/payload_codec.h"
 #include "kernels/quant.h"
+#include "server/core/core_lock.h"
 #include "server/core/cuda_memory.h"
 
 namespace kvbank {
@@ -35,6 +36,7 @@ absl::Status PoolMemory::ReadPayloadToDevice(const PayloadJob& job, uint8_t* pay
 // Host memory (both host kinds): base() is a host pointer.
 absl::Status PoolMemory::CopyBlocksToHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
                                           uint8_t* host) {
+  CheckNoCoreLock("a copy of blocks to host memory");
   for (size_t i = 0; i < ids.size(); ++i) {
     std::memcpy(host + i * block_bytes, base() + uint64_t(ids[i]) * block_bytes, block_bytes);
   }
@@ -43,6 +45,7 @@ absl::Status PoolMemory::CopyBlocksToHost(absl::Span<const int32_t> ids, uint64_
 
 absl::Status PoolMemory::CopyBlocksFromHost(absl::Span<const int32_t> ids, uint64_t block_bytes,
                                             const uint8_t* host) {
+  CheckNoCoreLock("a copy of blocks from host memory");
   for (size_t i = 0; i < ids.size(); ++i) {
     std::memcpy(base() + uint64_t(ids[i]) * block_bytes, host + i * block_bytes, block_bytes);
   }
@@ -187,12 +190,14 @@ class HostMemory final : public PoolMemory {
 
   absl::Status CopyBlocks(absl::Span<const int32_t> src, absl::Span<const int32_t> dst,
                           uint64_t block_bytes) override {
+    CheckNoCoreLock("a block copy");
     kernels::CopyBlocksCpu(base(), block_bytes, src.data(), dst.data(), src.size());
     return absl::OkStatus();
   }
 
   absl::Status CopyRows(const BlockLayout& layout,
                         absl::Span<const kernels::RowCopy> copies) override {
+    CheckNoCoreLock("a row copy");
     kernels::CopyRowsCpu(base(), layout.block_bytes, layout.layers.data(), copies.data(),
                          copies.size());
     return absl::OkStatus();

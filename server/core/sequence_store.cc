@@ -31,7 +31,7 @@ SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool
 
 SequenceStore::~SequenceStore() {
   StopSpilling();
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   live_.clear();  // drops every block reference before the pool goes
 }
 
@@ -239,7 +239,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   // Blocks of the prompt found in a tier come back into the pool first (off the lock: disk
   // reads); held until the look-up below attaches them.
   const std::vector<BlockRef> promoted = PromoteFromTiers(o.tenant, hashes);
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   if (absl::Status a = AdmitSequence(o.tenant); !a.ok()) return a;
   SeqPtr s = Insert(*ttl, o.tenant);
   s->root = root;
@@ -278,8 +278,9 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
   Sequence snapshot;  // the parent's metadata; its table holds the shared full blocks
   std::vector<BlockRef> copies, sources;
   std::vector<kernels::RowCopy> rows;
+  BlockPool::DeferEvictions evictions(pool_.get());  // copied down once mu_ is released
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     auto found = Find(id, tenant);
     if (!found.ok()) return found.status();
     Sequence& parent = **found;
@@ -328,10 +329,11 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
     snapshot.cached_tokens = parent.cached_tokens;
     Renew(parent);
   }
+  evictions.Run();
   if (absl::Status c = pool_->memory().CopyRows(block_layout(), rows); !c.ok()) return c;
   sources.clear();
 
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   if (absl::Status a = AdmitSequence(snapshot.tenant); !a.ok()) return a;
   SeqPtr child = Insert(ttl, snapshot.tenant);
   child->root = snapshot.root;
@@ -353,7 +355,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
 
 absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_tokens,
                                                      const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   Sequence& s = **found;
@@ -392,7 +394,7 @@ absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id, const std::string& ten
   Fired fired;
   uint64_t released = 0;
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     auto found = Find(id, tenant);
     if (!found.ok()) return found.status();
     released = Remove(*found, "it was freed");
@@ -403,7 +405,7 @@ absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id, const std::string& ten
 }
 
 absl::StatusOr<SequenceInfo> SequenceStore::RenewLease(uint64_t id, const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   Renew(**found);
@@ -411,7 +413,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::RenewLease(uint64_t id, const std::s
 }
 
 absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id, const std::string& tenant) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto found = Find(id, tenant);
   if (!found.ok()) return found.status();
   return Info(**found);
@@ -420,7 +422,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id, const std::string& 
 void SequenceStore::Close(const std::string& reason) {
   Fired fired;
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     closed_ = reason;
     std::vector<SeqPtr> all;
     all.reserve(live_.size());
@@ -439,7 +441,7 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
   Fired fired;
   std::vector<SeqPtr> expired;
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     for (const auto& [id, s] : live_) {
       // An append in flight keeps its sequence: it renews the lease when it ends.
       if (s->lease_deadline <= now && !s->busy()) expired.push_back(s);
@@ -470,7 +472,7 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
   StoreStats st;
   if (tenant != nullptr) {
     st.tenant_view = true;
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     auto it = tenant_counters_.find(*tenant);
     const TenantStats t =
         TenantRow(*tenant, it == tenant_counters_.end() ? TenantCounters{} : it->second);
@@ -481,7 +483,7 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
     return st;
   }
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     st.sequences = live_.size();
     st.tokens_stored = tokens_stored_;
     for (const auto& [name, c] : tenant_counters_) {
@@ -505,7 +507,7 @@ StoreStats SequenceStore::Stats(const std::string* tenant) const {
 
 std::string SequenceStore::CheckInvariants() const {
   if (std::string e = pool_->CheckInvariants(); !e.empty()) return e;
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   for (const auto& [id, s] : live_) {
     const uint64_t max_len = s->MaxLength();
     if (!s->head_len.empty()) {

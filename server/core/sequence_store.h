@@ -282,7 +282,9 @@ class FetchReader {
 
 // Thread-safe. Lock order: mu_, then BlockPool's lock. mu_ guards metadata only (tables,
 // references, lengths, leases, publishing): every byte move (transfers, copy-on-write and fork
-// copies, compaction, attention) runs outside it, on blocks its caller holds references to.
+// copies, compaction, attention, and the copies into a tier of the blocks an allocation evicts:
+// BlockPool::DeferEvictions) runs outside it and the pool's lock, on blocks its caller holds
+// references to. Both are CoreLocks (core_lock.h): the copy paths check that neither is held.
 class SequenceStore {
  public:
   // `layout` must be valid (ValidateLayout) and match the pool's block layout. `events` is the

@@ -58,7 +58,7 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
   std::vector<BlockRef> refs;
   std::vector<Item> per(items.size());
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
       auto found = Find(items[i].sequence_id, o.tenant);
       if (!found.ok()) return found.status();
@@ -142,7 +142,7 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
     }
   }
   // Heavy hitters: the attention mass each token got, summed over heads and layers.
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   for (size_t i = 0; i < items.size(); ++i) {
     if (!per[i].heavy_hitter) continue;
     auto it = live_.find(items[i].sequence_id);

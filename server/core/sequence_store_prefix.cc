@@ -209,7 +209,7 @@ void SequenceStore::SetTenantQuota(const std::string& tenant, uint64_t max_block
 }
 
 void SequenceStore::SetTenantLimits(const std::string& tenant, const TenantLimits& limits) {
-  absl::MutexLock lock(&mu_);  // a Create cannot slip between the two limits
+  CoreLock lock(&mu_);  // a Create cannot slip between the two limits
   pool_->SetTenantQuota(pool_->InternTenant(tenant), limits.max_blocks);
   tenant_counters_[tenant].max_sequences = limits.max_sequences;
 }

@@ -52,8 +52,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
   // Copy on write: logical blocks, their copies, and references on the sources while copied.
   std::vector<size_t> cow;
   std::vector<BlockRef> copies, cow_sources;
+  // Blocks Allocate evicts are copied down a tier after the lock, before any byte moves here.
+  BlockPool::DeferEvictions evictions(pool_.get());
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     auto found = Find(spec.sequence_id, spec.tenant);
     if (!found.ok()) return found.status();
     s = *std::move(found);
@@ -173,6 +175,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
       table.resize(need);  // another append in flight may have grown the table further
     }
   }  // mu_
+  evictions.Run();
   if (!cow.empty()) {
     // Outside the lock: the sources are shared, hence immutable (at most the two blocks at the
     // ends of the append, unless the sequence was forked mid-way), and the copies are no one
@@ -183,7 +186,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
       dst.push_back(copies[j].id());
     }
     const absl::Status c = pool_->memory().CopyBlocks(src, dst, block_layout().block_bytes);
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     s->table_copying = false;
     // Failing drops the transaction (after the lock), which undoes everything.
     if (!c.ok()) return c;
@@ -235,8 +238,9 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   absl::Cleanup wake = [&] { SequenceStore::Fire(std::move(fired)); };
   const uint64_t n = spec_.num_tokens;
   std::optional<SequenceStore::Compaction> compaction;
+  BlockPool::DeferEvictions evictions(st.pool_.get());  // the compaction's blocks, after mu_
   {
-    absl::MutexLock lock(&st.mu_);
+    CoreLock lock(&st.mu_);
     done_ = true;
     if (s.removed) {
       replacements_.clear();  // the blocks go now, not when the caller drops the txn
@@ -302,9 +306,10 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   }
   // The append is visible; no other append, truncate or expiry runs while the kept rows are
   // copied outside the lock.
+  evictions.Run();
   const absl::Status copied = st.pool_->memory().CopyRows(st.block_layout(), compaction->rows);
   compaction->sources.clear();
-  absl::MutexLock lock(&st.mu_);
+  CoreLock lock(&st.mu_);
   s.compacting = false;
   if (!s.removed && copied.ok()) {
     st.ApplyCompaction(s, *std::move(compaction));
@@ -327,10 +332,13 @@ absl::StatusOr<int32_t> AppendTxn::MakePrivate(uint64_t index) {
   SequenceStore& st = *store_;
   BlockRef copy;
   {
-    absl::MutexLock lock(&st.mu_);
-    auto blocks = st.pool_->Allocate(1, seq_->tenant_id);
-    if (!blocks.ok()) return blocks.status();
-    copy = std::move((*blocks)[0]);
+    BlockPool::DeferEvictions evictions(st.pool_.get());  // copied once mu_ is released
+    {
+      CoreLock lock(&st.mu_);
+      auto blocks = st.pool_->Allocate(1, seq_->tenant_id);
+      if (!blocks.ok()) return blocks.status();
+      copy = std::move((*blocks)[0]);
+    }
   }
   // NOTE: the source is the sequence's block, held while the append is in flight; its rows past
   // the sequence's length are this append's, copied along with the rest. The append is
@@ -346,7 +354,7 @@ absl::StatusOr<int32_t> AppendTxn::MakePrivate(uint64_t index) {
 }
 
 void AppendTxn::Abort() {
-  absl::MutexLock lock(&store_->mu_);
+  CoreLock lock(&store_->mu_);
   done_ = true;
   replacements_.clear();
   Sequence& s = *seq_;
@@ -394,7 +402,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
   std::vector<int32_t> table;
   uint64_t n = 0;
   {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     auto found = Find(spec.sequence_id, spec.tenant);
     if (!found.ok()) return found.status();
     Sequence& s = **found;
@@ -439,7 +447,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
 void SequenceStore::CountFetch(const std::string& tenant, uint64_t bytes) {
   fetches_.fetch_add(1, std::memory_order_relaxed);
   bytes_fetched_.fetch_add(bytes, std::memory_order_relaxed);
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   TenantCounters& c = tenant_counters_[tenant];
   ++c.fetches;
   c.bytes_fetched += bytes;

@@ -49,7 +49,7 @@ absl::StatusOr<uint64_t> SequenceStore::WhenCommitted(const FetchSpec& spec,
   w.head_begin = heads->begin;
   w.head_end = heads->count == 0 ? layout_.num_kv_heads : heads->begin + heads->count;
   w.tokens = *spec.token_end;
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto found = Find(spec.sequence_id, spec.tenant);
   if (!found.ok()) return found.status();
   if (Available(**found, w.layer_begin, w.layer_end, w.head_begin, w.head_end) >= w.tokens) {
@@ -68,7 +68,7 @@ absl::StatusOr<uint64_t> SequenceStore::WhenCommitted(const FetchSpec& spec,
 }
 
 bool SequenceStore::CancelWait(uint64_t waiter) {
-  absl::MutexLock lock(&mu_);
+  CoreLock lock(&mu_);
   auto it = waiter_sequence_.find(waiter);
   if (it == waiter_sequence_.end()) return false;
   std::vector<Waiter>& list = waiters_[it->second];

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/core/core_lock.h"
 #include "server/core/tier_folder.h"
 
 namespace kvbank {
@@ -404,6 +405,7 @@ TierCache::Put TierCache::PutLocked(const Key& key, const PublishInfo& info,
 
 void TierCache::Evicted(const PublishInfo& info, const std::string& tenant,
                         const std::function<const uint8_t*()>& data) {
+  CheckNoCoreLock("an eviction into a tier");
   absl::MutexLock lock(&mu_);
   if (PutLocked(Key{info.hash, tenant}, info, data, /*eviction=*/true) == Put::kCopied) {
     ++stats_.spilled_at_eviction;
@@ -411,6 +413,7 @@ void TierCache::Evicted(const PublishInfo& info, const std::string& tenant,
 }
 
 bool TierCache::Spill(const PublishInfo& info, const std::string& tenant, const uint8_t* data) {
+  CheckNoCoreLock("a spill into a tier");
   absl::MutexLock lock(&mu_);
   return PutLocked(
              Key{info.hash, tenant}, info, [data] { return data; },
@@ -564,6 +567,7 @@ void TierCache::IoLoop() {
 
 bool TierCache::WriteToDisk(const PublishInfo& info, const std::string& tenant,
                             const uint8_t* data) {
+  CheckNoCoreLock("a write to the disk tier");
   if (!has_disk() || !Fits(tenant, info)) return false;
   const Key key{info.hash, tenant};
   std::shared_ptr<uint8_t> buf = NewBuffer();
@@ -663,6 +667,7 @@ size_t TierCache::CountChain(absl::Span<const BlockHash> hashes, const std::stri
 std::vector<TierBlock> TierCache::ReadChain(absl::Span<const BlockHash> hashes,
                                             const std::string& tenant,
                                             absl::Span<uint8_t* const> dst) {
+  CheckNoCoreLock("a read from a tier");
   // Under the lock: host blocks and queued ones are copied now; disk blocks are marked as being
   // read (their slots stay) and read after it, in parallel.
   std::vector<TierBlock> out;

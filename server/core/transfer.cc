@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/quant.h"
 #include "server/core/block_table.h"
+#include "server/core/core_lock.h"
 #include "server/core/pool_memory.h"
 #include "server/core/row_codec.h"
 
@@ -37,6 +38,7 @@ PayloadWriter::PayloadWriter(const BlockLayout& blocks, TransferSpec spec, MakeP
       make_private_(std::move(make_private)) {}
 
 absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
+  CheckNoCoreLock("a payload write");
   const PayloadLayout& p = spec_.payload;
   if (data.size() > p.total_bytes - written_) {
     return absl::InvalidArgumentError(
@@ -50,6 +52,7 @@ absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
 }
 
 absl::Status PayloadWriter::WriteFromDevice(const uint8_t* device_payload) {
+  CheckNoCoreLock("a payload write");
   if (written_ != 0) {
     return absl::FailedPreconditionError(absl::StrCat("a payload from device memory comes whole; ",
                                                       written_, " bytes were written already"));
@@ -204,6 +207,7 @@ class StreamingReader final : public PayloadReader {
   }
 
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) override {
+    CheckNoCoreLock("a payload read");
     if (offset > spec_.payload.total_bytes || out.size() > spec_.payload.total_bytes - offset) {
       return absl::OutOfRangeError(
           absl::StrCat("read past the payload's ", spec_.payload.total_bytes, " bytes"));
@@ -431,6 +435,7 @@ class StagedReader final : public PayloadReader {
   }
 
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) override {
+    CheckNoCoreLock("a payload read");
     if (staged_ == nullptr) {  // a device payload's reader, read through the host after all
       auto staged = memory_->Stage(LargestPiece(pieces_));
       if (!staged.ok()) return staged.status();

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
+#include "server/core/core_lock.h"
 #include "server/core/model_registry.h"
 #include "server/core/sequence_store.h"
 #include "tests/unit/test_memory.h"
@@ -500,6 +501,46 @@ TEST_F(TiersTest, APromotionIsStoredInThePoolAndStaysInItsTier) {
   EXPECT_EQ(host_stored, 2);  // prompt 1's
   EXPECT_EQ(store->tiers()->Find(p0[0], ""), Tier::kHost);
   EXPECT_EQ(store->tiers()->Find(p0[1], ""), Tier::kHost);
+}
+
+// No byte of a block moves under the store's or the pool's lock: evictions into the tiers made
+// by appends, forks and copies on write are copied after those locks, and so are promotions,
+// the spill-ahead and the warm-restart flush. (A build with assertions aborts at the first move
+// under a lock; every build counts them.)
+TEST_F(TiersTest, NoByteMovesUnderTheStoreOrPoolLock) {
+  const uint64_t before = MovesUnderCoreLock();
+  auto store = Open(/*pool_blocks=*/8, /*host_blocks=*/4, /*disk=*/true, /*disk_blocks=*/256,
+                    /*spill_ahead=*/true);
+  ASSERT_NE(store, nullptr);
+  for (int i = 0; i < 12; ++i) Write(*store, i);  // appends that evict into the tiers
+  // A fork copies its partial block; an append to a shared block copies it on write.
+  CreateOptions o;
+  o.lease = absl::ZeroDuration();
+  auto parent = store->Create(o);
+  ASSERT_TRUE(parent.ok());
+  AppendSpec a;
+  a.sequence_id = parent->id;
+  a.num_tokens = kTokens + 2;  // two full blocks and a partial one
+  a.dtype = DType::kFp16;
+  ASSERT_TRUE(store->Append(a, Payload(store->block_layout(), a.num_tokens, 7)).ok());
+  for (int i = 12; i < 15; ++i) Write(*store, i);  // the pool full of cached blocks again
+  auto child = store->Fork(parent->id, absl::ZeroDuration());
+  ASSERT_TRUE(child.ok()) << child.status();
+  a.sequence_id = child->id;
+  a.num_tokens = 1;
+  ASSERT_TRUE(store->Append(a, Payload(store->block_layout(), 1, 8)).ok());
+  ASSERT_TRUE(store->Free(child->id).ok());
+  ASSERT_TRUE(store->Free(parent->id).ok());
+  for (int i = 0; i < 15; ++i) {
+    std::vector<uint8_t> got;
+    Reuse(*store, i, &got);  // promotions, and their evictions
+  }
+  ASSERT_TRUE(store->tiers()->WaitForWrites(absl::Now() + absl::Seconds(30)));
+  EXPECT_GT(store->pool().Stats().evictions, 0u);
+  EXPECT_GT(store->tiers()->Stats().spilled_to_host, 0u);
+  EXPECT_GT(store->FlushToDisk(absl::Now() + absl::Seconds(30)), 0u);
+  EXPECT_EQ(MovesUnderCoreLock(), before);
+  EXPECT_EQ(store->CheckInvariants(), "");
 }
 
 TEST_F(TiersTest, TiersNeedPrefixCaching) {
