@@ -25,7 +25,9 @@ from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLoss
                       PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError,
                       UnavailableError, UnimplementedError, UnknownError)
 
-__version__ = "0.1.0"
+# The project's version, written once: project(kvbank VERSION ...) in the repository's
+# CMakeLists.txt, compiled into the extension (the package metadata carries the same).
+from ._kvbank import __version__  # noqa: E402,F401
 
 __all__ = [
     "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",

@@ -848,6 +848,8 @@ void BindFunctions(py::module_& m) {
 
 PYBIND11_MODULE(_kvbank, m) {
   m.doc() = "kvbank C++ SDK bindings (use the kvbank package, not this module)";
+  // The project version CMake passes in (project(kvbank VERSION ...)): kvbank.__version__.
+  m.attr("__version__") = KVBANK_VERSION_STRING;
   kvbank::python::RegisterStatusTranslator();
   kvbank::python::BindClient(m);
   kvbank::python::BindFunctions(m);

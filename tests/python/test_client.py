@@ -1,6 +1,7 @@
 """The Python SDK against the real kvbankd: bytes, errors, threads, futures, prefix hashes."""
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -570,3 +571,17 @@ def test_readme_example_runs(server):
     code = m.group(1).replace("127.0.0.1:50051", server.target)
     assert len(code.strip().splitlines()) <= 14
     exec(compile(code, "README.md", "exec"), {})
+
+
+# ---- version ---------------------------------------------------------------------------------
+
+
+def test_version_is_the_projects(client):
+    """kvbank.__version__, the package metadata and kvbankd's version are all the one written in
+    project(kvbank VERSION ...)."""
+    with open(os.path.join(REPO, "CMakeLists.txt")) as f:
+        found = re.search(r"project\(kvbank\s+VERSION\s+([0-9.]+)", f.read())
+    assert found is not None, "no project(kvbank VERSION ...) in CMakeLists.txt"
+    assert kvbank.__version__ == found.group(1)
+    assert importlib.metadata.version("kvbank") == kvbank.__version__
+    assert client.server_info()["version"] == kvbank.__version__
