@@ -12,30 +12,60 @@
 Errors raise kvbank.Error subclasses named after the gRPC code (kvbank.NotFoundError, ...).
 """
 
-from . import aio  # noqa: E402,F401  (kvbank.aio.AsyncClient)
-from ._client import (Blocks, Client, DeviceRegion, Event, FetchInfo, ModelInfo, PrefixRoot,
-                      SequenceInfo, chain_hash, cuda_ipc_handle, layout_fingerprint,
-                      normalize_layout, numpy_dtype,
-                      prefix_hashes, preset_layout, preset_names, root_hash)
+from . import aio as aio  # kvbank.aio.AsyncClient after a plain `import kvbank`
+from ._client import (
+    Blocks,
+    Client,
+    DeviceRegion,
+    Event,
+    FetchInfo,
+    ModelInfo,
+    PrefixRoot,
+    SequenceInfo,
+    chain_hash,
+    cuda_ipc_handle,
+    layout_fingerprint,
+    normalize_layout,
+    numpy_dtype,
+    prefix_hashes,
+    preset_layout,
+    preset_names,
+    root_hash,
+)
 from ._device import DEVICE_PLANES, choose_device_plane
+from ._errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CancelledError,
+    DataLossError,
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+    UnknownError,
+)
 from ._fleet import Fleet, FleetSequence, Replica
-from ._errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError,
-                      DeadlineExceededError, Error, FailedPreconditionError, InternalError,
-                      InvalidArgumentError, NotFoundError, OutOfRangeError,
-                      PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError,
-                      UnavailableError, UnimplementedError, UnknownError)
 
 # The project's version, written once: project(kvbank VERSION ...) in the repository's
 # CMakeLists.txt, compiled into the extension (the package metadata carries the same).
-from ._kvbank import __version__  # noqa: E402,F401
+from ._kvbank import __version__ as __version__
 
 __all__ = [
     "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",
-    "DeadlineExceededError", "DeviceRegion", "Error", "Event", "FailedPreconditionError", "FetchInfo",
-    "Fleet", "FleetSequence", "Replica",
+    "DeadlineExceededError", "DeviceRegion", "Error", "Event", "FailedPreconditionError",
+    "FetchInfo", "Fleet", "FleetSequence", "Replica",
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
-    "DEVICE_PLANES", "chain_hash", "choose_device_plane", "cuda_ipc_handle", "layout_fingerprint", "normalize_layout", "numpy_dtype", "prefix_hashes",
-    "preset_layout", "preset_names", "root_hash",
+    "DEVICE_PLANES", "chain_hash", "choose_device_plane", "cuda_ipc_handle", "layout_fingerprint",
+    "normalize_layout", "numpy_dtype", "prefix_hashes", "preset_layout", "preset_names",
+    "root_hash",
 ]

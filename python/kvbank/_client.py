@@ -4,21 +4,22 @@ import concurrent.futures
 import ctypes
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union)
+from typing import Any, Literal, Optional, Union, overload
 
 import numpy as np
 
 from . import _kvbank
 from ._device import DeviceRouter, _cuda_driver, is_cuda
-from ._errors import FailedPreconditionError, InvalidArgumentError
+from ._errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 
-Layout = Dict[str, Any]
+Layout = dict[str, Any]
 """A model layout as a dict: name, num_layers, num_q_heads, num_kv_heads, head_dim, head_dim_v,
 block_tokens, kind ("mha", "gqa", "mqa", "mla"), kv_lora_rank, rope_dim, input_dtype,
 layer_dtypes (one per layer), or "dtype" for every layer at once."""
 
-ExtraKeys = Sequence[Tuple[str, Union[str, bytes]]]
+ExtraKeys = Sequence[tuple[str, Union[str, bytes]]]
 """Extra keys of a prefix hash: (kind, value) pairs, kind one of "lora", "multimodal",
 "prompt_embeds", "custom"."""
 
@@ -39,7 +40,7 @@ def numpy_dtype(dtype: str) -> np.dtype:
     try:
         return np.dtype(_NP_DTYPES[dtype])
     except KeyError:
-        raise InvalidArgumentError("unknown dtype '%s'" % dtype) from None
+        raise InvalidArgumentError(f"unknown dtype '{dtype}'") from None
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class SequenceInfo:
     model: str
     id: int
     length: int
-    layer_lengths: List[int]
+    layer_lengths: list[int]
     num_blocks: int
     cached_tokens: int
     lease_ttl_s: float  # 0: no lease
@@ -103,9 +104,9 @@ class Event:
     type: str
     sequence: int
     tenant: str
-    hashes: List[bytes]
+    hashes: list[bytes]
     parent: Optional[bytes]
-    token_ids: List[int]
+    token_ids: list[int]
     block_size: int
     lora: str
 
@@ -117,7 +118,7 @@ class Blocks:
     data: np.ndarray = field(repr=False)
 
 
-def _extra_keys(keys: ExtraKeys) -> List[Tuple[str, bytes]]:
+def _extra_keys(keys: ExtraKeys) -> list[tuple[str, bytes]]:
     out = []
     for kind, value in keys:
         out.append((kind, value.encode() if isinstance(value, str) else bytes(value)))
@@ -137,12 +138,12 @@ def _buffer(obj: Any, writable: bool) -> Any:
     except TypeError:
         pass
     if not hasattr(obj, "data_ptr"):
-        raise TypeError("%s is neither a buffer (numpy array, bytes, memoryview) nor a tensor "
-                        "with data_ptr()" % type(obj).__name__)
+        raise TypeError(f"{type(obj).__name__} is neither a buffer (numpy array, bytes, "
+                        "memoryview) nor a tensor with data_ptr()")
     device = getattr(obj, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise InvalidArgumentError("a %s tensor: kvbank reads and writes host memory (move it to "
-                                   "the CPU, ideally pinned)" % device)
+        raise InvalidArgumentError(f"a {device} tensor: kvbank reads and writes host memory (move "
+                                   "it to the CPU, ideally pinned)")
     if hasattr(obj, "is_contiguous") and not obj.is_contiguous():
         raise InvalidArgumentError("the tensor is not contiguous")
     nbytes = getattr(obj, "nbytes", None)
@@ -171,7 +172,7 @@ class DeviceRegion:
     device: int  # the CUDA device kvbankd opened it on
 
 
-def cuda_ipc_handle(tensor: Any) -> Tuple[bytes, int, int]:
+def cuda_ipc_handle(tensor: Any) -> tuple[bytes, int, int]:
     """The CUDA IPC handle of a contiguous CUDA torch tensor's allocation, the tensor's byte
     offset in it and its size in bytes (what RegisterDeviceRegion takes), from the CUDA driver
     (cuMemGetAddressRange, cuIpcGetMemHandle). Unlike torch's own sharing, this leaves the
@@ -185,11 +186,11 @@ def cuda_ipc_handle(tensor: Any) -> Tuple[bytes, int, int]:
         base, _, handle = _cuda_driver().allocation(ptr)
     except OSError as e:
         raise FailedPreconditionError("CUDA IPC: the CUDA driver (libcuda.so.1) cannot be "
-                                      "loaded: %s" % e) from None
+                                      f"loaded: {e}") from None
     return handle, ptr - base, tensor.numel() * tensor.element_size()
 
 
-def _cuda_span(tensor: Any) -> Tuple[int, int]:
+def _cuda_span(tensor: Any) -> tuple[int, int]:
     """(device address, size in bytes) of a contiguous CUDA torch tensor."""
     if getattr(getattr(tensor, "device", None), "type", None) != "cuda":
         raise InvalidArgumentError("a CUDA tensor is needed for the NCCL plane")
@@ -249,7 +250,7 @@ class Client:
         """"shm" when payloads can move through shared memory with the server, else "grpc"."""
         return self._c.data_plane
 
-    def plane_stats(self) -> Dict[str, Dict[str, int]]:
+    def plane_stats(self) -> dict[str, dict[str, int]]:
         """Calls and payload bytes per plane so far: "shm" (in a registered region, no copy
         here), "shm_staged" (through a staging region; its "dropped" counts staging regions let
         go after a failed call, never reused), "grpc", and for payloads in CUDA
@@ -259,7 +260,7 @@ class Client:
         stats.update(self._device.stats())
         return stats
 
-    def server_info(self) -> Dict[str, Any]:
+    def server_info(self) -> dict[str, Any]:
         """What the server serves: version, replica, shm_socket, cuda_ipc_device (None: no CUDA
         IPC plane), nccl and nccl_off (why not), host_id (its boot id) and on_this_host."""
         return dict(self._c.server_info())
@@ -281,7 +282,7 @@ class Client:
     def unregister_region(self, array: np.ndarray) -> None:
         """Stops routing buffers in this region (from register_region) through it; the region
         goes with the last array viewing it."""
-        base = array
+        base: object = array
         while isinstance(base, (np.ndarray, memoryview)):
             base = base.base if isinstance(base, np.ndarray) else base.obj
         if not isinstance(base, _kvbank.Region):
@@ -389,7 +390,7 @@ class Client:
         (llama-3.1-8b, ...) under `name`, its layers stored in `storage` (default bf16)."""
         if (layout is None) == (preset is None):
             raise InvalidArgumentError("give either a layout or a preset")
-        if preset is not None:
+        if layout is None:
             if not name:
                 raise InvalidArgumentError("a preset model needs a name")
             d = self._c.ensure_preset(name, preset, storage, pool_bytes, block_tokens)
@@ -402,7 +403,7 @@ class Client:
             d = self._c.ensure_model(d, pool_bytes)
         return ModelInfo(**d)
 
-    def list_models(self) -> List[ModelInfo]:
+    def list_models(self) -> list[ModelInfo]:
         return [ModelInfo(**d) for d in self._c.list_models()]
 
     def get_model(self, name: str) -> ModelInfo:
@@ -411,7 +412,7 @@ class Client:
     def drop_model(self, name: str) -> None:
         self._c.drop_model(name)
 
-    def stats(self, model: str = "") -> List[Dict[str, Any]]:
+    def stats(self, model: str = "") -> list[dict[str, Any]]:
         """Per-model statistics (every model when `model` is empty), as dicts."""
         return self._c.stats(model)
 
@@ -427,7 +428,7 @@ class Client:
         "sliding_window" (window, sinks) or "heavy_hitter" (budget, window)."""
         kinds = {"full": 0, "sliding_window": 1, "heavy_hitter": 2}
         if retention not in kinds:
-            raise InvalidArgumentError("retention must be one of %s" % ", ".join(kinds))
+            raise InvalidArgumentError(f"retention must be one of {', '.join(kinds)}")
         return SequenceInfo(**self._c.create_sequence(
             model, lease_s, list(prompt), cache_salt, _extra_keys(extra_keys), priority,
             kinds[retention], window, sinks, budget))
@@ -474,6 +475,27 @@ class Client:
         return SequenceInfo(**self._c.append(model, seq_id, _buffer(payload, False), num_tokens,
                                              layer_begin, layer_end, dtype, ids, kv_head_begin,
                                              kv_head_end))
+
+    @overload
+    def fetch(self, model: str, seq_id: int, *, token_begin: int = ...,
+              token_end: Optional[int] = ..., layer_begin: int = ...,
+              layer_end: Optional[int] = ..., dtype: Optional[str] = ...,
+              kv_head_begin: int = ..., kv_head_end: Optional[int] = ...,
+              as_bytes: Literal[False] = ..., wait_s: float = ...) -> np.ndarray: ...
+
+    @overload
+    def fetch(self, model: str, seq_id: int, *, token_begin: int = ...,
+              token_end: Optional[int] = ..., layer_begin: int = ...,
+              layer_end: Optional[int] = ..., dtype: Optional[str] = ...,
+              kv_head_begin: int = ..., kv_head_end: Optional[int] = ...,
+              as_bytes: Literal[True], wait_s: float = ...) -> bytes: ...
+
+    @overload
+    def fetch(self, model: str, seq_id: int, *, token_begin: int = ...,
+              token_end: Optional[int] = ..., layer_begin: int = ...,
+              layer_end: Optional[int] = ..., dtype: Optional[str] = ...,
+              kv_head_begin: int = ..., kv_head_end: Optional[int] = ...,
+              as_bytes: bool, wait_s: float = ...) -> Union[np.ndarray, bytes]: ...
 
     def fetch(self, model: str, seq_id: int, *, token_begin: int = 0,
               token_end: Optional[int] = None, layer_begin: int = 0,
@@ -607,14 +629,14 @@ class Client:
     # ---- prefix cache ---------------------------------------------------------------------
 
     def match(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
-              extra_keys: ExtraKeys = ()) -> List[int]:
+              extra_keys: ExtraKeys = ()) -> list[int]:
         """Leading cached tokens of each query (in the server's pool or a tier below it): a
         sequence of token ids, a sequence of block hashes (bytes), or a dict with tokens /
         hashes / cache_salt / extra_keys."""
         return self._c.match(model, self._queries(queries, cache_salt, extra_keys))
 
     def match_tiers(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
-                    extra_keys: ExtraKeys = (), prefetch: bool = False) -> List[Dict[str, int]]:
+                    extra_keys: ExtraKeys = (), prefetch: bool = False) -> list[dict[str, int]]:
         """As match, with where the tokens are: a dict per query with tokens, pool_tokens,
         host_tokens and disk_tokens (the last three add up to tokens). prefetch: the server also
         starts bringing the blocks it found in a tier back into its pool, in the background, so
@@ -623,7 +645,7 @@ class Client:
                                    prefetch)
 
     @staticmethod
-    def _queries(queries: Sequence[Any], cache_salt: str, extra_keys: ExtraKeys) -> List[Any]:
+    def _queries(queries: Sequence[Any], cache_salt: str, extra_keys: ExtraKeys) -> list[Any]:
         qs = []
         for q in queries:
             if isinstance(q, Mapping):
@@ -688,40 +710,40 @@ class Client:
         end = time.monotonic() + deadline_s
         after = after_sequence or 0
         from_now = after_sequence is None
+        got: list[tuple[list[dict[str, Any]], int]] = []  # the batch of the current stream
+
+        def on_batch(events: list[dict[str, Any]], last: int) -> bool:
+            got.append((events, last))
+            return False
+
         while True:
             left = end - time.monotonic()
             if left <= 0:
                 return
-            got: List[Any] = []
-
-            def on_batch(events: List[Dict[str, Any]], last: int) -> bool:
-                got.append((events, last))
-                return False
-
+            got.clear()
             try:
                 self._c.watch(model, after, from_now, left, on_batch)
-            except Exception as e:  # the deadline ends a watch; anything else is an error
-                from ._errors import DeadlineExceededError
-                if isinstance(e, DeadlineExceededError) and not got:
+            except DeadlineExceededError:  # the deadline ends a watch; anything else is an error
+                if not got:
                     return
                 raise
             if not got:
                 return  # the server ended the stream
             events, last = got[0]
             after, from_now = last, False
-            for e in events:
-                yield Event(**e)
+            for event in events:
+                yield Event(**event)
 
     # ---- attention ------------------------------------------------------------------------
 
-    def attend(self, model: str, queries: Sequence[Tuple[int, int, Any]], *,
+    def attend(self, model: str, queries: Sequence[tuple[int, int, Any]], *,
                softmax_scale: float = 0.0, window: int = 0,
-               sinks: int = 0) -> List[Tuple[np.ndarray, np.ndarray]]:
+               sinks: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
         """Decode attention on the server: for each (sequence_id, layer, query
         [num_q_heads * head_dim] float32) the output [num_q_heads * head_dim_v] and the
         log-sum-exp per q head, both float32."""
-        qs = [(int(s), int(l), np.ascontiguousarray(q, dtype=np.float32).reshape(-1))
-              for s, l, q in queries]
+        qs = [(int(seq), int(layer), np.ascontiguousarray(q, dtype=np.float32).reshape(-1))
+              for seq, layer, q in queries]
         return self._c.attend(model, qs, softmax_scale, window, sinks)
 
 
@@ -741,7 +763,7 @@ def chain_hash(parent: bytes, tokens: Sequence[int], extra_keys: ExtraKeys = (),
 
 
 def prefix_hashes(root: bytes, tokens: Sequence[int], block_tokens: int,
-                  extra_keys: ExtraKeys = (), *, algorithm: str = "sha256") -> List[bytes]:
+                  extra_keys: ExtraKeys = (), *, algorithm: str = "sha256") -> list[bytes]:
     """The hashes of every full block of `tokens`, chained from `root` (the server's function,
     the same bytes as the C++ SDK's PrefixHashes)."""
     return _kvbank.prefix_hashes(algorithm, bytes(root), list(tokens), block_tokens,
@@ -757,7 +779,7 @@ def preset_layout(preset: str, storage: str = "bf16") -> Layout:
     return _kvbank.preset_layout(preset, storage)
 
 
-def preset_names() -> List[str]:
+def preset_names() -> list[str]:
     return list(_kvbank.preset_names())
 
 

@@ -17,10 +17,15 @@ halves in the gpu test suite.
 import collections
 import ctypes
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Optional
 
-from ._errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError,
-                      UnimplementedError)
+from ._errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnimplementedError,
+)
 
 DEVICE_PLANES = ("cuda_ipc", "nccl", "cuda_staged")
 _MODES = ("auto", "cuda_ipc", "nccl", "host")
@@ -38,8 +43,8 @@ def choose_device_plane(server: Mapping[str, Any], device: int, *, mode: str = "
     one on `device`; a communicator on another device sends this payload through host memory).
     """
     if mode not in _MODES:
-        raise InvalidArgumentError("device_plane must be one of %s, not %r"
-                                   % (", ".join(_MODES), mode))
+        raise InvalidArgumentError(f"device_plane must be one of {', '.join(_MODES)}, "
+                                   f"not {mode!r}")
     if mode in ("auto", "cuda_ipc") and ipc_ok and server.get("cuda_ipc_device") is not None \
             and server.get("on_this_host"):
         return "cuda_ipc"
@@ -68,21 +73,20 @@ class _Driver:
         self._handle = self._lib.cuIpcGetMemHandle
         self._handle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
 
-    def allocation(self, ptr: int) -> Tuple[int, int, bytes]:
+    def allocation(self, ptr: int) -> tuple[int, int, bytes]:
         """(base, size, 64-byte IPC handle) of the cudaMalloc allocation holding `ptr`."""
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         rc = self._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
         if rc != 0:
-            raise InvalidArgumentError("cuMemGetAddressRange failed (CUresult %d) for 0x%x"
-                                       % (rc, ptr))
+            raise InvalidArgumentError(f"cuMemGetAddressRange failed (CUresult {rc}) for "
+                                       f"{ptr:#x}")
         handle = ctypes.create_string_buffer(64)
         rc = self._handle(handle, base)
         if rc != 0:
             # e.g. memory from cuMemCreate (torch's expandable segments) or cudaMallocAsync
             raise FailedPreconditionError(
-                "CUDA IPC: cuIpcGetMemHandle failed (CUresult %d): this allocation cannot be "
-                "shared (torch's expandable_segments or cudaMallocAsync pools "
-                "cannot)" % rc)
+                f"CUDA IPC: cuIpcGetMemHandle failed (CUresult {rc}): this allocation cannot be "
+                "shared (torch's expandable_segments or cudaMallocAsync pools cannot)")
         return base.value, size.value, handle.raw
 
 
@@ -98,10 +102,10 @@ def _cuda_driver() -> _Driver:
         return _driver
 
 
-def cuda_span(tensor: Any) -> Tuple[int, int, int]:
+def cuda_span(tensor: Any) -> tuple[int, int, int]:
     """(device index, address, size in bytes) of a contiguous CUDA tensor."""
     device = getattr(tensor, "device", None)
-    if getattr(device, "type", None) != "cuda":
+    if device is None or getattr(device, "type", None) != "cuda":
         raise InvalidArgumentError("a CUDA tensor is needed")
     if not tensor.is_contiguous():
         raise InvalidArgumentError("the tensor is not contiguous")
@@ -122,20 +126,20 @@ class DeviceRouter:
 
     def __init__(self, c: Any, mode: str) -> None:
         if mode not in _MODES:
-            raise InvalidArgumentError("device_plane must be one of %s, not %r"
-                                       % (", ".join(_MODES), mode))
+            raise InvalidArgumentError(f"device_plane must be one of {', '.join(_MODES)}, "
+                                       f"not {mode!r}")
         self._c = c
         self._mode = mode
         self._lock = threading.Lock()
-        self._server: Optional[Dict[str, Any]] = None
+        self._server: Optional[dict[str, Any]] = None
         self._ipc_ok = True
         self._nccl_ok = True
         self._nccl_device: Optional[int] = None
-        self._regions: "collections.OrderedDict[bytes, int]" = collections.OrderedDict()
+        self._regions: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._counts = {p: {"calls": 0, "bytes": 0} for p in DEVICE_PLANES}
-        self.off_reasons: Dict[str, str] = {}
+        self.off_reasons: dict[str, str] = {}
 
-    def stats(self) -> Dict[str, Dict[str, int]]:
+    def stats(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {p: dict(c) for p, c in self._counts.items()}
 
@@ -162,13 +166,13 @@ class DeviceRouter:
 
     # ---- CUDA IPC ---------------------------------------------------------------------------
 
-    def _region(self, ptr: int) -> Tuple[int, int]:
+    def _region(self, ptr: int) -> tuple[int, int]:
         """(region id, ptr's offset in it): the allocation's registration, made at first use."""
         try:
             driver = _cuda_driver()
         except OSError as e:
             raise FailedPreconditionError("CUDA IPC: the CUDA driver (libcuda.so.1) cannot be "
-                                          "loaded: %s" % e) from None
+                                          f"loaded: {e}") from None
         base, size, handle = driver.allocation(ptr)
         with self._lock:
             rid = self._regions.get(handle)
@@ -249,7 +253,7 @@ class DeviceRouter:
         with self._lock:
             self._nccl_device = device
 
-    def append(self, tensor: Any, model: str, seq_id: int, args: Tuple[Any, ...]) -> Optional[Any]:
+    def append(self, tensor: Any, model: str, seq_id: int, args: tuple[Any, ...]) -> Optional[Any]:
         """append's payload in CUDA memory: the SequenceInfo dict, or None for the host path.
         args: (num_tokens, layer_begin, layer_end, dtype, token_ids, kv_head_begin,
         kv_head_end)."""
@@ -258,7 +262,7 @@ class DeviceRouter:
             lambda rid, off, n: self._c.append_from_device(model, seq_id, rid, off, n, *args),
             lambda ptr, n: self._c.append_over_nccl(model, seq_id, ptr, n, *args))
 
-    def fetch_into(self, out: Any, model: str, seq_id: int, args: Tuple[Any, ...],
+    def fetch_into(self, out: Any, model: str, seq_id: int, args: tuple[Any, ...],
                    wait_s: float) -> Optional[Any]:
         """fetch_into a CUDA tensor: the FetchInfo dict, or None for the host path.
         args: (token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
@@ -272,7 +276,7 @@ class DeviceRouter:
             lambda ptr, n: self._c.fetch_over_nccl(model, seq_id, ptr, n, *args))
 
     def fetch_blocks_into(self, out: Any, model: str, hashes: Any,
-                          args: Tuple[Any, ...]) -> Optional[Any]:
+                          args: tuple[Any, ...]) -> Optional[Any]:
         """fetch_blocks_into a CUDA tensor (CUDA IPC only; NCCL has no block fetch): the
         FetchInfo dict, or None for the host path. args: (layer_begin, layer_end, dtype,
         kv_head_begin, kv_head_end)."""

@@ -1,6 +1,5 @@
 """Typed exceptions: one class per gRPC status code, all deriving from kvbank.Error."""
 
-from typing import Dict, Type
 
 
 class Error(Exception):
@@ -18,7 +17,7 @@ class Error(Exception):
             self.code_name = _NAMES.get(code, "UNKNOWN")
 
     def __str__(self) -> str:
-        return "%s: %s" % (self.code_name, self.message)
+        return f"{self.code_name}: {self.message}"
 
 
 class CancelledError(Error):
@@ -85,7 +84,7 @@ class UnauthenticatedError(Error):
     code, code_name = 16, "UNAUTHENTICATED"
 
 
-_BY_CODE: Dict[int, Type[Error]] = {
+_BY_CODE: dict[int, type[Error]] = {
     cls.code: cls
     for cls in (CancelledError, UnknownError, InvalidArgumentError, DeadlineExceededError,
                 NotFoundError, AlreadyExistsError, PermissionDeniedError, ResourceExhaustedError,

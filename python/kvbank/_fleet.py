@@ -6,14 +6,26 @@ holds it, and fails with UnavailableError naming the replica and the sequence wh
 is gone (never silently elsewhere).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
-
+from typing import Any, Callable, Optional
 
 from . import _kvbank
-from ._client import (Blocks, Event, ExtraKeys, FetchInfo, Layout, ModelInfo, PrefixRoot,
-                      SequenceInfo, _buffer, _extra_keys, _num_tokens_of, normalize_layout,
-                      numpy_dtype)
+from ._client import (
+    Blocks,
+    Event,
+    ExtraKeys,
+    FetchInfo,
+    Layout,
+    ModelInfo,
+    PrefixRoot,
+    SequenceInfo,
+    _buffer,
+    _extra_keys,
+    _num_tokens_of,
+    normalize_layout,
+    numpy_dtype,
+)
 from ._errors import InvalidArgumentError
 
 
@@ -47,7 +59,7 @@ def _query(q: Any, cache_salt: str, extra_keys: ExtraKeys) -> tuple:
 def _fetch_args(token_begin: int = 0, token_end: Optional[int] = None, layer_begin: int = 0,
                 layer_end: Optional[int] = None, dtype: Optional[str] = None,
                 kv_head_begin: int = 0, kv_head_end: Optional[int] = None,
-                wait_s: float = 0.0) -> Dict[str, Any]:
+                wait_s: float = 0.0) -> dict[str, Any]:
     return dict(token_begin=token_begin, token_end=token_end, layer_begin=layer_begin,
                 layer_end=layer_end, dtype=dtype, kv_head_begin=kv_head_begin,
                 kv_head_end=kv_head_end, wait_s=wait_s)
@@ -78,7 +90,7 @@ class Fleet:
 
     # ---- membership -----------------------------------------------------------------------
 
-    def replicas(self) -> List[Replica]:
+    def replicas(self) -> list[Replica]:
         """Every replica that joined, sorted by name."""
         return [Replica(**r) for r in self._f.replicas()]
 
@@ -105,7 +117,7 @@ class Fleet:
         that joins or recovers before it takes placements. pool_bytes: per replica."""
         if (layout is None) == (preset is None):
             raise InvalidArgumentError("give either a layout or a preset")
-        if preset is not None:
+        if layout is None:
             if not name:
                 raise InvalidArgumentError("a preset model needs a name")
             return ModelInfo(**self._f.ensure_preset(name, preset, storage, pool_bytes,
@@ -127,7 +139,7 @@ class Fleet:
         """A new sequence on the prompt's replica (as Client.create_sequence)."""
         kinds = {"full": 0, "sliding_window": 1, "heavy_hitter": 2}
         if retention not in kinds:
-            raise InvalidArgumentError("retention must be one of %s" % ", ".join(kinds))
+            raise InvalidArgumentError(f"retention must be one of {', '.join(kinds)}")
         return self._seq(self._f.create_sequence(model, lease_s, list(prompt), cache_salt,
                                                  _extra_keys(extra_keys), priority,
                                                  kinds[retention], window, sinks, budget))
@@ -187,7 +199,7 @@ class Fleet:
     # ---- prefix cache ---------------------------------------------------------------------
 
     def match(self, model: str, queries: Sequence[Any], *, cache_salt: str = "",
-              extra_keys: ExtraKeys = ()) -> List[int]:
+              extra_keys: ExtraKeys = ()) -> list[int]:
         """As Client.match; each query asked of the replica its prompt would be placed on."""
         return self._f.match(model, [_query(q, cache_salt, extra_keys) for q in queries])
 
@@ -212,7 +224,7 @@ class Fleet:
 
     # ---- KV events ------------------------------------------------------------------------
 
-    def watch(self, model: str, on_batch: Callable[[str, List[Event]], bool], *,
+    def watch(self, model: str, on_batch: Callable[[str, list[Event]], bool], *,
               from_now: bool = False, deadline_s: float = 60.0) -> bool:
         """Merged KV events of every replica: on_batch(replica, events) for each batch, one call
         at a time, until it returns False (then True is returned) or deadline_s passes (False).

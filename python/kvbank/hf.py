@@ -16,7 +16,8 @@ back with one fetch, without a Python loop per token or block.
 torch and transformers are imported when used; the rest of kvbank does not need them.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from ._client import Client, SequenceInfo
 from ._errors import InvalidArgumentError
@@ -43,7 +44,7 @@ def layout_for(config: Any, name: str, *, storage: str = "bf16", input_dtype: Op
     return layout
 
 
-def cache_layers(past: Any) -> List[Tuple[Any, Any]]:
+def cache_layers(past: Any) -> list[tuple[Any, Any]]:
     """(keys, values) of each layer of a DynamicCache (any transformers version that has one)
     or of the legacy tuple form."""
     if hasattr(past, "layers"):  # transformers >= 4.56: DynamicCache.layers[i].keys / .values
@@ -56,8 +57,8 @@ def cache_layers(past: Any) -> List[Tuple[Any, Any]]:
 def _wire_dtype(tensor: Any) -> str:
     name = str(tensor.dtype).replace("torch.", "")
     if name not in _TORCH_DTYPES:
-        raise InvalidArgumentError("cache tensors of %s: kvbank takes float16, bfloat16 or float32"
-                                   % name)
+        raise InvalidArgumentError(f"cache tensors of {name}: kvbank takes float16, bfloat16 or "
+                                   "float32")
     return _TORCH_DTYPES[name]
 
 
@@ -73,24 +74,24 @@ def store(client: Client, model: str, seq_id: int, past: Any, *, start: int = 0,
         raise InvalidArgumentError("the cache has no layers")
     k0 = layers[0][0]
     if k0.dim() != 4 or k0.shape[0] != 1:
-        raise InvalidArgumentError("cache keys are %s; kvbank.hf stores batch 1 [1, kv_heads, "
-                                   "tokens, head_dim]" % (tuple(k0.shape),))
+        raise InvalidArgumentError(f"cache keys are {tuple(k0.shape)}; kvbank.hf stores batch 1 "
+                                   "[1, kv_heads, tokens, head_dim]")
     n = k0.shape[2] - start
     if n <= 0:
-        raise InvalidArgumentError("nothing to store: the cache holds %d tokens, start is %d"
-                                   % (k0.shape[2], start))
+        raise InvalidArgumentError(f"nothing to store: the cache holds {k0.shape[2]} tokens, "
+                                   f"start is {start}")
     # [layers][kv_heads][tokens][head_dim], contiguous on the CPU: the payload's K and V rows.
     k = torch.stack([lk[0, :, start:, :] for lk, _ in layers]).to("cpu").contiguous()
     v = torch.stack([lv[0, :, start:, :] for _, lv in layers]).to("cpu").contiguous()
     ids = list(token_ids) if token_ids is not None else []
     if ids and len(ids) != n:
-        raise InvalidArgumentError("token_ids has %d ids for %d tokens" % (len(ids), n))
+        raise InvalidArgumentError(f"token_ids has {len(ids)} ids for {n} tokens")
     return client.append(model, seq_id, k=k, v=v, num_tokens=n, dtype=_wire_dtype(k),
                          token_ids=ids)
 
 
-def load(client: Client, model: str, seq_id: int, *, dtype: Any = None, token_end: Optional[int] = None,
-         legacy: bool = False, device: Any = "cpu") -> Any:
+def load(client: Client, model: str, seq_id: int, *, dtype: Any = None,
+         token_end: Optional[int] = None, legacy: bool = False, device: Any = "cpu") -> Any:
     """Tokens [0, token_end) of sequence `seq_id` as a DynamicCache (legacy: the tuple form),
     batch 1, in `dtype` (default bfloat16), on `device`."""
     import torch

@@ -61,16 +61,19 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 import kvbank
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata,
-                                                               KVConnectorRole)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,7 +93,7 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # ---- the layout of kvbank's model, from vLLM's config ------------------------------------------
 
 
-def _default_model_name(vllm_config: "VllmConfig") -> str:
+def _default_model_name(vllm_config: VllmConfig) -> str:
     mc = vllm_config.model_config
     served = mc.served_model_name
     if isinstance(served, (list, tuple)):
@@ -101,7 +104,7 @@ def _default_model_name(vllm_config: "VllmConfig") -> str:
     return name
 
 
-def model_layout(vllm_config: "VllmConfig", name: Optional[str] = None) -> Dict[str, Any]:
+def model_layout(vllm_config: VllmConfig, name: str | None = None) -> dict[str, Any]:
     """kvbank's layout dict of the model vLLM serves: layers, every kv head (whatever the tensor
     parallel size: the ranks share one kvbank model), head_dim, vLLM's block size as
     block_tokens, the model's dtype. Raises NotImplementedError for what the connector does not
@@ -111,15 +114,15 @@ def model_layout(vllm_config: "VllmConfig", name: Optional[str] = None) -> Dict[
         raise NotImplementedError("KvbankConnector: MLA models are not supported")
     if pc.pipeline_parallel_size != 1:
         raise NotImplementedError(
-            "KvbankConnector: pipeline_parallel_size %d: only one pipeline stage is supported"
-            % pc.pipeline_parallel_size)
+            f"KvbankConnector: pipeline_parallel_size {pc.pipeline_parallel_size}: only one "
+            "pipeline stage is supported")
     if cc.cache_dtype not in ("auto", None):
-        raise NotImplementedError("KvbankConnector: kv cache dtype %r: only the model's dtype "
-                                  "('auto') is supported" % cc.cache_dtype)
+        raise NotImplementedError(f"KvbankConnector: kv cache dtype {cc.cache_dtype!r}: only the "
+                                  "model's dtype ('auto') is supported")
     dtype = _KV_DTYPES.get(mc.dtype)
     if dtype is None:
-        raise NotImplementedError("KvbankConnector: model dtype %s is not one of %s"
-                                  % (mc.dtype, ", ".join(str(d) for d in _KV_DTYPES)))
+        known = ", ".join(str(d) for d in _KV_DTYPES)
+        raise NotImplementedError(f"KvbankConnector: model dtype {mc.dtype} is not one of {known}")
     q_heads = mc.get_num_attention_heads(pc) * pc.tensor_parallel_size
     kv_heads = mc.get_total_num_kv_heads()
     kind = "mha" if q_heads == kv_heads else ("mqa" if kv_heads == 1 else "gqa")
@@ -135,20 +138,20 @@ def model_layout(vllm_config: "VllmConfig", name: Optional[str] = None) -> Dict[
     }
 
 
-def rank_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> Tuple[int, int, bool]:
+def rank_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int, bool]:
     """The kv heads [begin, end) that tensor-parallel rank `tp_rank` of `tp_size` holds, as vLLM
     splits them (QKVParallelLinear), and whether the rank stores them: with fewer kv heads than
     ranks each head is replicated on tp_size / total_kv_heads ranks, and the first of them
     stores it (the others would append the same rows)."""
     if total_kv_heads >= tp_size:
         if total_kv_heads % tp_size:
-            raise NotImplementedError("KvbankConnector: %d kv heads over %d ranks"
-                                      % (total_kv_heads, tp_size))
+            raise NotImplementedError(f"KvbankConnector: {total_kv_heads} kv heads over "
+                                      f"{tp_size} ranks")
         local = total_kv_heads // tp_size
         return tp_rank * local, (tp_rank + 1) * local, True
     if tp_size % total_kv_heads:
-        raise NotImplementedError("KvbankConnector: %d kv heads over %d ranks"
-                                  % (total_kv_heads, tp_size))
+        raise NotImplementedError(f"KvbankConnector: {total_kv_heads} kv heads over {tp_size} "
+                                  "ranks")
     replicas = tp_size // total_kv_heads
     head = tp_rank // replicas
     return head, head + 1, tp_rank % replicas == 0
@@ -170,13 +173,13 @@ def probe_block_permutation(isa: str, block_size: int, head_dim: int,
     from vllm import _custom_ops as ops
 
     if block_size > 1024 or head_dim > 1024:
-        raise NotImplementedError("KvbankConnector: block_size %d / head_dim %d too large for "
-                                  "the layout probe" % (block_size, head_dim))
+        raise NotImplementedError(f"KvbankConnector: block_size {block_size} / head_dim "
+                                  f"{head_dim} too large for the layout probe")
     # Elements whose bit patterns are 0x4000.. + i (K) and 0x5000.. + i (V), i < 1024: finite
     # normal numbers, all different, so a copy of any kind keeps them apart.
     bits = {2: (torch.int16, 0), 4: (torch.int32, 16)}.get(dtype.itemsize)
     if bits is None:
-        raise NotImplementedError("KvbankConnector: cache dtype %s" % dtype)
+        raise NotImplementedError(f"KvbankConnector: cache dtype {dtype}")
     int_dtype, shift = bits
     k_base, v_base = 0x4000 << shift, 0x5000 << shift
 
@@ -200,8 +203,8 @@ def probe_block_permutation(isa: str, block_size: int, head_dim: int,
     perm = is_v.to(torch.int64) * (block_size * head_dim) + token * head_dim + dim
     if not bool(ok.all()) or torch.unique(perm).numel() != perm.numel():
         raise NotImplementedError(
-            "KvbankConnector: the CPU attention backend's cache layout (ISA %r) is not a "
-            "permutation of K and V within a block" % isa)
+            f"KvbankConnector: the CPU attention backend's cache layout (ISA {isa!r}) is not a "
+            "permutation of K and V within a block")
     return perm
 
 
@@ -288,17 +291,16 @@ def split_kv_dim(shape: Sequence[int], block_size: int, num_kv_heads: int, head_
         for kv_dim, want in ((0, (2, 3) + tail), (1, (3, 2) + tail)):
             if probe == want and tuple(shape[2:]) == tail and shape[kv_dim] == 2:
                 return kv_dim
-        raise NotImplementedError("KvbankConnector: %s's cache shape %s is neither "
+        name = getattr(backend, "__name__", backend)
+        raise NotImplementedError(f"KvbankConnector: {name}'s cache shape {probe} is neither "
                                   "[2][blocks][block_size][kv_heads][head_dim] nor "
-                                  "[blocks][2][...]" % (getattr(backend, "__name__", backend),
-                                                        probe))
+                                  "[blocks][2][...]")
     if len(shape) == 5 and tuple(shape[2:]) == tail:
         fits = [d for d in (0, 1) if shape[d] == 2]
         if len(fits) == 1:
             return fits[0]
-    raise NotImplementedError("KvbankConnector: a GPU cache of shape %s: expected "
-                              "[2][blocks]%s or [blocks][2]%s" % (tuple(shape), list(tail),
-                                                                  list(tail)))
+    raise NotImplementedError(f"KvbankConnector: a GPU cache of shape {tuple(shape)}: expected "
+                              f"[2][blocks]{list(tail)} or [blocks][2]{list(tail)}")
 
 
 # ---- metadata: scheduler -> workers -----------------------------------------------------------
@@ -308,8 +310,8 @@ def split_kv_dim(shape: Sequence[int], block_size: int, num_kv_heads: int, head_
 class LoadSpec:
     """Load the cached blocks `hashes` into vLLM's `block_ids` (same length, in order)."""
     req_id: str
-    hashes: List[bytes]
-    block_ids: List[int]
+    hashes: list[bytes]
+    block_ids: list[int]
 
 
 @dataclass
@@ -320,13 +322,13 @@ class SaveSpec:
     seq_id: int
     token_begin: int
     token_end: int
-    block_ids: List[int]
+    block_ids: list[int]
 
 
 @dataclass
 class KvbankConnectorMetadata(KVConnectorMetadata):
-    loads: List[LoadSpec] = field(default_factory=list)
-    saves: List[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -347,29 +349,29 @@ class KvbankConnectorStats(KVConnectorStats):
     vLLM's stat loggers show reduce()'s summary."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, dict[str, int]] = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "KvbankConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KvbankConnectorStats:
         for plane, c in (other.data or {}).items():
             mine = self.data.setdefault(plane, {"calls": 0, "bytes": 0})
             mine["calls"] += int(c.get("calls", 0))
             mine["bytes"] += int(c.get("bytes", 0))
         return self
 
-    def reduce(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
+    def reduce(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for plane, c in sorted(self.data.items()):
             if c.get("calls"):
-                out["%s calls" % plane] = int(c["calls"])
-                out["%s MiB" % plane] = round(c["bytes"] / (1 << 20), 1)
+                out[f"{plane} calls"] = int(c["calls"])
+                out[f"{plane} MiB"] = round(c["bytes"] / (1 << 20), 1)
         return out
 
     def is_empty(self) -> bool:
         return not any(c.get("calls") for c in self.data.values())
 
 
-def plane_delta(now: Dict[str, Dict[str, int]],
-                before: Dict[str, Dict[str, int]]) -> Dict[str, Dict[str, int]]:
+def plane_delta(now: dict[str, dict[str, int]],
+                before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Calls and bytes per plane between two plane_stats() snapshots (planes that moved any)."""
     out = {}
     for plane, c in now.items():
@@ -385,8 +387,8 @@ def plane_delta(now: Dict[str, Dict[str, int]],
 
 class KvbankConnector(KVConnectorBase_V1):
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         extra = dict(tc.kv_connector_extra_config or {})
@@ -416,28 +418,28 @@ class KvbankConnector(KVConnectorBase_V1):
                     self._bs, info.num_blocks, self._client.data_plane)
 
         # Scheduler side.
-        self._roots: Dict[str, Tuple[bytes, str]] = {}  # cache salt -> (root, algorithm)
-        self._matched: Dict[str, Tuple[int, int]] = {}  # req -> (local tokens, cached tokens)
-        self._pending_loads: List[LoadSpec] = []
-        self._requests: Dict[str, "Request"] = {}
-        self._stores: Dict[str, _StoreState] = {}
+        self._roots: dict[str, tuple[bytes, str]] = {}  # cache salt -> (root, algorithm)
+        self._matched: dict[str, tuple[int, int]] = {}  # req -> (local tokens, cached tokens)
+        self._pending_loads: list[LoadSpec] = []
+        self._requests: dict[str, Request] = {}
+        self._stores: dict[str, _StoreState] = {}
 
         # Worker side.
-        self._kv_caches: Dict[str, torch.Tensor] = {}
-        self._layer_index: Dict[str, int] = {}
-        self._paged: Optional[Any] = None  # PagedLayout (CPU) or SplitKvLayout (GPU)
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._paged: Any | None = None  # PagedLayout (CPU) or SplitKvLayout (GPU)
         self._device = torch.device("cpu")  # where the caches, and so the payloads, live
-        self._fetch_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._append_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._layer_loads: Dict[str, "concurrent.futures.Future[Any]"] = {}
-        self._load_specs: List[LoadSpec] = []
-        self._appends: List["concurrent.futures.Future[Any]"] = []
-        self._failed_block_ids: Set[int] = set()
-        self._broken_seqs: Set[int] = set()
-        self._planes_reported: Dict[str, Dict[str, int]] = {}  # plane_stats() at the last report
+        self._fetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._append_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._layer_loads: dict[str, concurrent.futures.Future[Any]] = {}
+        self._load_specs: list[LoadSpec] = []
+        self._appends: list[concurrent.futures.Future[Any]] = []
+        self._failed_block_ids: set[int] = set()
+        self._broken_seqs: set[int] = set()
+        self._planes_reported: dict[str, dict[str, int]] = {}  # plane_stats() at the last report
         self._lock = threading.Lock()
         # This rank's kv heads, and whether it appends them (rank_heads).
-        self._heads: Tuple[int, int] = (0, int(self._layout["num_kv_heads"]))
+        self._heads: tuple[int, int] = (0, int(self._layout["num_kv_heads"]))
         self._stores_heads = True
         if role == KVConnectorRole.WORKER:
             tp = vllm_config.parallel_config.tensor_parallel_size
@@ -461,29 +463,29 @@ class KvbankConnector(KVConnectorBase_V1):
     # ---- helpers (both sides) -----------------------------------------------------------------
 
     @staticmethod
-    def _keys(request: "Request") -> Tuple[str, List[Tuple[str, str]]]:
+    def _keys(request: Request) -> tuple[str, list[tuple[str, str]]]:
         salt = getattr(request, "cache_salt", None) or ""
         lora = getattr(request, "lora_request", None)
         keys = [("lora", lora.lora_name)] if lora is not None else []
         return salt, keys
 
     @staticmethod
-    def _cacheable(request: "Request") -> bool:
+    def _cacheable(request: Request) -> bool:
         return bool(request.prompt_token_ids) and not getattr(request, "mm_features", None)
 
-    def _root(self, salt: str) -> Tuple[bytes, str]:
+    def _root(self, salt: str) -> tuple[bytes, str]:
         if salt not in self._roots:
             r = self._client.get_prefix_root(self._model, salt)
             if r.block_tokens != self._bs:
-                raise RuntimeError("kvbank model %r has %d-token blocks, vLLM %d"
-                                   % (self._model, r.block_tokens, self._bs))
+                raise RuntimeError(f"kvbank model {self._model!r} has {r.block_tokens}-token "
+                                   f"blocks, vLLM {self._bs}")
             self._roots[salt] = (r.root, r.algorithm)
         return self._roots[salt]
 
     # ---- scheduler side -----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._load or not self._cacheable(request):
             return 0, False
         prompt = request.prompt_token_ids
@@ -505,7 +507,7 @@ class KvbankConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = (num_computed_tokens, hits)
         return hits - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
         matched = self._matched.pop(request.request_id, None)
@@ -514,8 +516,8 @@ class KvbankConnector(KVConnectorBase_V1):
         _, hits = matched
         begin = hits - num_external_tokens
         if begin % self._bs or hits % self._bs:
-            raise RuntimeError("KvbankConnector: a load of tokens [%d, %d) is not block-aligned"
-                               % (begin, hits))
+            raise RuntimeError(f"KvbankConnector: a load of tokens [{begin}, {hits}) is not "
+                               "block-aligned")
         salt, keys = self._keys(request)
         root, algorithm = self._root(salt)
         hashes = kvbank.prefix_hashes(root, request.prompt_token_ids[:hits], self._bs, keys,
@@ -525,12 +527,12 @@ class KvbankConnector(KVConnectorBase_V1):
         self._pending_loads.append(LoadSpec(request.request_id, hashes[b0:b1],
                                             list(block_ids[b0:b1])))
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvbankConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
         if not self._store:
             return meta
-        computed: Dict[str, int] = {}
+        computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
@@ -557,7 +559,7 @@ class KvbankConnector(KVConnectorBase_V1):
             state.stored = end
         return meta
 
-    def _start_store(self, request: "Request") -> Optional[_StoreState]:
+    def _start_store(self, request: Request) -> _StoreState | None:
         salt, keys = self._keys(request)
         try:
             seq = self._client.create_sequence(self._model, prompt=request.prompt_token_ids,
@@ -570,8 +572,8 @@ class KvbankConnector(KVConnectorBase_V1):
         self._stores[request.request_id] = state
         return state
 
-    def request_finished(self, request: "Request",
-                         block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._matched.pop(req_id, None)
@@ -592,7 +594,7 @@ class KvbankConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
-    def _index_layers(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def _index_layers(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keeps each layer's cache under its model layer index; raises unless the layers
         cover the model's once each."""
         from vllm.model_executor.models.utils import extract_layer_index
@@ -601,16 +603,16 @@ class KvbankConnector(KVConnectorBase_V1):
         for name, kv in kv_caches.items():
             index = extract_layer_index(name)
             if not 0 <= index < num_layers:
-                raise NotImplementedError("KvbankConnector: layer %s has index %d of %d"
-                                          % (name, index, num_layers))
+                raise NotImplementedError(f"KvbankConnector: layer {name} has index {index} of "
+                                          f"{num_layers}")
             self._layer_index[name] = index
             self._kv_caches[name] = kv
         if sorted(self._layer_index.values()) != list(range(num_layers)):
-            raise NotImplementedError("KvbankConnector: attention layers %s do not cover the "
-                                      "model's %d layers once each"
-                                      % (sorted(self._layer_index.values()), num_layers))
+            raise NotImplementedError(f"KvbankConnector: attention layers "
+                                      f"{sorted(self._layer_index.values())} do not cover the "
+                                      f"model's {num_layers} layers once each")
 
-    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         h, d = self._heads[1] - self._heads[0], self._layout["head_dim"]
         expected = (h, self._bs, 2 * d)
         fwd = self._vllm_config.compilation_config.static_forward_context
@@ -621,16 +623,16 @@ class KvbankConnector(KVConnectorBase_V1):
             return self._register_gpu_caches(kv_caches, h, d)
         for name, kv in kv_caches.items():
             if kv.device.type != "cpu":
+                on = sorted(str(x) for x in devices)
                 raise NotImplementedError(
-                    "KvbankConnector: layer %s's cache is on %s (caches on %s); supported: "
-                    "vLLM's CPU backend, or GPU backends on one CUDA device"
-                    % (name, kv.device, sorted(str(x) for x in devices)))
+                    f"KvbankConnector: layer {name}'s cache is on {kv.device} (caches on {on}); "
+                    "supported: vLLM's CPU backend, or GPU backends on one CUDA device")
             if kv.dim() != 4 or tuple(kv.shape[1:]) != expected or not kv.is_contiguous():
                 raise NotImplementedError(
-                    "KvbankConnector: layer %s's cache has shape %s (contiguous: %s); expected "
-                    "a contiguous [num_blocks]%s (the CPU attention backend's layout, kernel "
-                    "block size = block_size)" % (name, tuple(kv.shape), kv.is_contiguous(),
-                                                  list(expected)))
+                    f"KvbankConnector: layer {name}'s cache has shape {tuple(kv.shape)} "
+                    f"(contiguous: {kv.is_contiguous()}); expected a contiguous "
+                    f"[num_blocks]{list(expected)} (the CPU attention backend's layout, kernel "
+                    "block size = block_size)")
             layer_isa = getattr(fwd.get(name), "isa", None)
             isa = isa or layer_isa
             dtype = dtype or kv.dtype
@@ -639,13 +641,13 @@ class KvbankConnector(KVConnectorBase_V1):
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
             isa = _get_attn_isa(dtype, self._bs, d)
         if _KV_DTYPES.get(dtype) != self._layout["dtype"]:
-            raise NotImplementedError("KvbankConnector: cache dtype %s vs kvbank's %s"
-                                      % (dtype, self._layout["dtype"]))
+            raise NotImplementedError(f"KvbankConnector: cache dtype {dtype} vs kvbank's "
+                                      f"{self._layout['dtype']}")
         self._paged = PagedLayout(probe_block_permutation(isa, self._bs, d, dtype), h, self._bs, d)
         logger.info("KvbankConnector: %d layers registered, CPU attention ISA %r (%s layout)",
                     len(kv_caches), isa, "plain" if self._paged.identity else "packed")
 
-    def _register_gpu_caches(self, kv_caches: Dict[str, torch.Tensor], h: int, d: int) -> None:
+    def _register_gpu_caches(self, kv_caches: dict[str, torch.Tensor], h: int, d: int) -> None:
         """register_kv_caches for vLLM's GPU attention backends (SplitKvLayout). The payloads
         then live on the GPU and the client moves them by the plane it picks (logged)."""
         fwd = self._vllm_config.compilation_config.static_forward_context
@@ -660,8 +662,8 @@ class KvbankConnector(KVConnectorBase_V1):
                 raise NotImplementedError("KvbankConnector: layers with different cache layouts")
             kv_dim = dim
             if _KV_DTYPES.get(kv.dtype) != self._layout["dtype"]:
-                raise NotImplementedError("KvbankConnector: cache dtype %s vs kvbank's %s"
-                                          % (kv.dtype, self._layout["dtype"]))
+                raise NotImplementedError(f"KvbankConnector: cache dtype {kv.dtype} vs kvbank's "
+                                          f"{self._layout['dtype']}")
         self._index_layers(kv_caches)
         assert kv_dim is not None
         self._paged = SplitKvLayout(kv_dim, h, self._bs, d)
@@ -670,12 +672,13 @@ class KvbankConnector(KVConnectorBase_V1):
                     "payloads move by %s", len(kv_caches), self._device, kv_dim,
                     self._client.device_plane_for(self._device.index or 0))
 
-    def _fetch_layer(self, layer: int, loads: Sequence[LoadSpec]) -> List[Any]:
+    def _fetch_layer(self, layer: int,
+                     loads: Sequence[LoadSpec]) -> list[tuple[int, torch.Tensor] | kvbank.Error]:
         """Per load: its layer's payload (the leading cached run of its blocks) as a uint8
         tensor, or the error. On the CPU the payload lands in a buffer of this thread's (a
         shared-memory region's staging copy on the same host, else gRPC's); on a GPU in a
         device buffer, by CUDA IPC where the client can (else through host memory)."""
-        out = []
+        out: list[tuple[int, torch.Tensor] | kvbank.Error] = []
         token_bytes = 2 * (self._heads[1] - self._heads[0]) * self._layout["head_dim"] * \
             _DTYPE_BYTES[self._layout["dtype"]]
         for spec in loads:
@@ -691,12 +694,13 @@ class KvbankConnector(KVConnectorBase_V1):
                 out.append(e)
         return out
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbankConnectorMetadata)
         if not meta.loads:
             return
         self._load_specs = list(meta.loads)
+        assert self._fetch_pool is not None  # made with the worker side
         for name, _ in sorted(self._layer_index.items(), key=lambda kv: kv[1]):
             self._layer_loads[name] = self._fetch_pool.submit(self._fetch_layer,
                                                               self._layer_index[name],
@@ -708,8 +712,10 @@ class KvbankConnector(KVConnectorBase_V1):
             return
         self._finish_layer_load(layer_name, fut.result())
 
-    def _finish_layer_load(self, layer_name: str, results: List[Any]) -> None:
+    def _finish_layer_load(self, layer_name: str,
+                           results: list[tuple[int, torch.Tensor] | kvbank.Error]) -> None:
         kv = self._kv_caches[layer_name]
+        assert self._paged is not None  # register_kv_caches ran
         for spec, got in zip(self._load_specs, results):
             n = 0
             if isinstance(got, tuple):
@@ -734,12 +740,12 @@ class KvbankConnector(KVConnectorBase_V1):
         for name in list(self._layer_loads):
             self._finish_layer_load(name, self._layer_loads.pop(name).result())
 
-    def get_block_ids_with_load_errors(self) -> Set[int]:
+    def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def _append(self, spec: SaveSpec, layer: int, payload: torch.Tensor,
-                gathered: Optional[Any] = None) -> None:
+                gathered: Any | None = None) -> None:
         if spec.seq_id in self._broken_seqs:
             return
         if gathered is not None:
@@ -758,12 +764,13 @@ class KvbankConnector(KVConnectorBase_V1):
                            spec.token_end, spec.req_id, e)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvbankConnectorMetadata)
         if not meta.saves or not self._stores_heads:
             return
         layer = self._layer_index[layer_name]
+        assert self._paged is not None and self._append_pool is not None  # the worker side
         for spec in meta.saves:
             # The gather copies the blocks out now; the append streams the copy meanwhile.
             payload = self._paged.gather(kv_layer, torch.tensor(spec.block_ids,
@@ -784,7 +791,7 @@ class KvbankConnector(KVConnectorBase_V1):
 
     # ---- stats ------------------------------------------------------------------------------
 
-    def get_kv_connector_stats(self) -> Optional[KvbankConnectorStats]:
+    def get_kv_connector_stats(self) -> KvbankConnectorStats | None:
         """The planes this worker's payloads took since the last call (None: none moved)."""
         now = self._client.plane_stats()
         delta = plane_delta(now, self._planes_reported)
@@ -793,7 +800,7 @@ class KvbankConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(
-            cls, data: Optional[Dict[str, Any]] = None) -> Optional[KvbankConnectorStats]:
+            cls, data: dict[str, Any] | None = None) -> KvbankConnectorStats | None:
         return KvbankConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:

@@ -4,6 +4,7 @@ kvbank.Client on it."""
 import pytest
 
 import kvbank
+
 from kvbankd_process import REPO, Server  # noqa: F401  (REPO: the tests import it from here)
 
 
@@ -27,4 +28,4 @@ _model_counter = [0]
 def model_name():
     """A fresh model name per test (one server serves the whole session)."""
     _model_counter[0] += 1
-    return "m%d" % _model_counter[0]
+    return f"m{_model_counter[0]}"

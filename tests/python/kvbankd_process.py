@@ -23,7 +23,7 @@ def kvbankd_path():
     path = os.environ.get("KVBANK_KVBANKD") or os.path.join(REPO, "build", "release", "bin",
                                                             "kvbankd")
     if not os.access(path, os.X_OK):
-        pytest.exit("no kvbankd at %s (build it, or set KVBANK_KVBANKD)" % path, returncode=2)
+        pytest.exit(f"no kvbankd at {path} (build it, or set KVBANK_KVBANKD)", returncode=2)
     return path
 
 
@@ -45,8 +45,8 @@ class Server:
         self.port = 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("kvbankd exited with %s before serving:\n%s"
-                                   % (self.proc.returncode, self.log()))
+                raise RuntimeError(f"kvbankd exited with {self.proc.returncode} before serving:\n"
+                                   + self.log())
             try:
                 with open(port_file) as f:
                     self.port = int(f.read().strip() or 0)
@@ -59,7 +59,7 @@ class Server:
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError("kvbankd wrote no port file within 20 s:\n" + self.log())
-        self.target = "127.0.0.1:%d" % self.port
+        self.target = f"127.0.0.1:{self.port}"
         kvbank.Client(self.target).check_serving(20.0)
 
     def log(self):
@@ -73,5 +73,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError("kvbankd did not exit within 30 s of SIGTERM:\n" + self.log())
-        assert rc == 0, "kvbankd exited with %d:\n%s" % (rc, self.log())
+            raise AssertionError("kvbankd did not exit within 30 s of SIGTERM:\n"
+                                 + self.log()) from None
+        assert rc == 0, f"kvbankd exited with {rc}:\n{self.log()}"

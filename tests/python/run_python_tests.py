@@ -48,32 +48,34 @@ def main():
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     venv = os.path.abspath(os.environ.get("KVBANK_PY_VENV") or os.path.join(cache, "kvbank-venv"))
     if os.path.commonpath([venv, REPO]) == REPO:
-        sys.exit("KVBANK_PY_VENV=%s is inside the clone; put it outside" % venv)
+        sys.exit(f"KVBANK_PY_VENV={venv} is inside the clone; put it outside")
     os.makedirs(os.path.dirname(venv), exist_ok=True)
     py = os.path.join(venv, "bin", "python")
     with open(venv + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(py):
             run([args.python, "-m", "venv", venv])
-        probe = subprocess.run([py, "-c", "import pytest, numpy, scikit_build_core, pybind11, grpc"],
-                               capture_output=True)
+        probe = subprocess.run(
+            [py, "-c", "import pytest, numpy, scikit_build_core, pybind11, grpc"],
+            capture_output=True)
         if probe.returncode != 0:
             try:
                 run([py, "-m", "pip", "install", "--quiet"] + BUILD_REQUIREMENTS)
             except subprocess.CalledProcessError:
                 # Only this step needs the network: ctest reports the test as skipped (77).
-                print("[python-tests] skipped: cannot install %s into %s (is PyPI reachable?)"
-                      % (" ".join(BUILD_REQUIREMENTS), venv), flush=True)
+                print(f"[python-tests] skipped: cannot install {' '.join(BUILD_REQUIREMENTS)} "
+                      f"into {venv} (is PyPI reachable?)", flush=True)
                 return SKIP
         if args.prepare:
-            print("[python-tests] venv ready: %s" % venv, flush=True)
+            print(f"[python-tests] venv ready: {venv}", flush=True)
             return 0
 
         # One build folder per clone, next to the venv: incremental rebuilds.
         tag = hashlib.sha256(REPO.encode()).hexdigest()[:12]
         build_dir = venv + "-build/" + tag
         env = dict(os.environ)
-        if shutil.which("ccache") and "CMAKE_CXX_COMPILER_LAUNCHER" not in env.get("CMAKE_ARGS", ""):
+        cmake_args = env.get("CMAKE_ARGS", "")
+        if shutil.which("ccache") and "CMAKE_CXX_COMPILER_LAUNCHER" not in cmake_args:
             env["CMAKE_ARGS"] = (env.get("CMAKE_ARGS", "") +
                                  " -DCMAKE_CXX_COMPILER_LAUNCHER=ccache").strip()
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", "1")  # shared machines: one compile at a time

@@ -14,6 +14,7 @@ import pytest
 
 import kvbank
 import kvbank.aio
+
 from conftest import REPO
 
 MiB = 1 << 20
@@ -181,7 +182,7 @@ def test_fetch_into_numpy_writes_in_place_without_a_python_copy(client, model_na
     assert out.ctypes.data == address
     assert out.tobytes() == payload.tobytes()
     # Python allocated far less than the payload while fetching: no bytes object on the way.
-    assert peak < payload.nbytes // 16, "fetch_into allocated %d bytes in Python" % peak
+    assert peak < payload.nbytes // 16, f"fetch_into allocated {peak} bytes in Python"
 
     # A bigger buffer: the payload lands at its start, the rest is untouched.
     big = np.full(payload.size + 100, 7, dtype=np.float16)
@@ -270,34 +271,34 @@ def test_errors_map_to_typed_exceptions_with_the_servers_message(client, model_n
     assert isinstance(e.value, kvbank.Error) and isinstance(e.value, LookupError)
 
     client.ensure_model(small_layout(model_name, "fp16"), pool_bytes=1 * MiB)
-    with pytest.raises(kvbank.NotFoundError) as e:
+    with pytest.raises(kvbank.NotFoundError) as not_found:
         client.get_sequence(model_name, 987654321)
-    assert "987654321" in e.value.message
+    assert "987654321" in not_found.value.message
 
     bad = small_layout(model_name + "x", "fp16")
     bad["num_kv_heads"] = 3  # 4 q heads are not a multiple of 3 kv heads
-    with pytest.raises(kvbank.InvalidArgumentError) as e:
+    with pytest.raises(kvbank.InvalidArgumentError) as invalid:
         client.ensure_model(bad)
-    assert e.value.code == 3 and "head" in e.value.message
+    assert invalid.value.code == 3 and "head" in invalid.value.message
 
     # The same name with another layout: the server refuses, naming the model.
     other = small_layout(model_name, "fp32")
-    with pytest.raises(kvbank.Error) as e:
+    with pytest.raises(kvbank.Error) as refused:
         client.ensure_model(other)
-    assert e.value.code in (6, 9) and model_name in e.value.message
+    assert refused.value.code in (6, 9) and model_name in refused.value.message
 
     # A payload of the wrong size.
     seq = client.create_sequence(model_name)
-    with pytest.raises(kvbank.InvalidArgumentError) as e:
+    with pytest.raises(kvbank.InvalidArgumentError) as wrong_size:
         client.append(model_name, seq.id, np.zeros(10, np.float16), num_tokens=1)
-    assert "20" in e.value.message or "bytes" in e.value.message
+    assert "20" in wrong_size.value.message or "bytes" in wrong_size.value.message
 
     # More tokens than the 1 MiB pool holds (4 KiB a token: 256 tokens at most).
     model = client.get_model(model_name)
     n = model.num_blocks * model.layout["block_tokens"] + 16
-    with pytest.raises(kvbank.ResourceExhaustedError) as e:
+    with pytest.raises(kvbank.ResourceExhaustedError) as exhausted:
         client.append(model_name, seq.id, np.zeros(elements(model, n), np.float16), num_tokens=n)
-    assert e.value.code == 8 and e.value.message
+    assert exhausted.value.code == 8 and exhausted.value.message
     assert client.get_sequence(model_name, seq.id).length == 0, "a failed append changes nothing"
 
     # Bad arguments the SDK refuses before any RPC are InvalidArgumentError too.
@@ -363,11 +364,11 @@ def test_gil_is_released_during_a_fetch(client, model_name):
         during = [x for x in ticks if t0 <= x <= t1]
         edges = [t0] + during + [t1]
         longest_gap = max(b - a for a, b in zip(edges, edges[1:]))
-        print("fetch %.1f ms, %d ticks during it, longest gap %.1f ms"
-              % ((t1 - t0) * 1e3, len(during), longest_gap * 1e3))
+        print(f"fetch {(t1 - t0) * 1e3:.1f} ms, {len(during)} ticks during it, longest gap "
+              f"{longest_gap * 1e3:.1f} ms")
         assert t1 - t0 > 0.02, "the fetch is too short to tell"
         shares.append(longest_gap / (t1 - t0))
-    assert min(shares) < 0.5, "the ticker stalled through every fetch: %s" % shares
+    assert min(shares) < 0.5, f"the ticker stalled through every fetch: {shares}"
 
 
 def test_futures_overlap_transfers_with_a_call_in_flight(client, model_name):
@@ -515,7 +516,7 @@ def test_prefix_cache_match_fetch_blocks_pin_and_watch(client, model_name):
 
 def test_attend_matches_a_numpy_reference(client, model_name):
     layout = small_layout(model_name, "fp32", layers=2, kv_heads=2, head_dim=16)
-    model = client.ensure_model(layout)
+    client.ensure_model(layout)
     rng = np.random.default_rng(7008)
     n = 21
     k = rng.standard_normal((2, 2, n, 16)).astype(np.float32)

@@ -6,6 +6,7 @@ import pytest
 
 import kvbank
 from kvbank._device import plane_refused
+
 from kvbankd_process import Server
 
 GPU_SERVER = {"cuda_ipc_device": 0, "on_this_host": True, "nccl": True}

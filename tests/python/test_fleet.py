@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvbank
+
 from kvbankd_process import Server
 
 LAYOUT = {"name": "fleet", "num_layers": 2, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16,
@@ -18,7 +19,7 @@ BT = 16
 
 @pytest.fixture
 def replicas():
-    servers = [Server(["--replica-name=py-%d" % i, "--pool-bytes=16MiB"]) for i in range(3)]
+    servers = [Server([f"--replica-name=py-{i}", "--pool-bytes=16MiB"]) for i in range(3)]
     yield servers
     for s in servers:
         if s.proc.poll() is None:
@@ -92,8 +93,8 @@ def test_fleet_killed_replica_fails_only_its_sequences(replicas):
         if seq.replica == victim:
             with pytest.raises(kvbank.UnavailableError) as e:
                 fleet.get_sequence(seq)
-            assert "replica %s" % victim in e.value.message
-            assert "sequence %d" % seq.id in e.value.message
+            assert f"replica {victim}" in e.value.message
+            assert f"sequence {seq.id}" in e.value.message
         else:
             assert fleet.get_sequence(seq).length == BT
     # New placements all succeed, none on the victim.
@@ -121,7 +122,7 @@ def test_fleet_watch_tags_events_with_replica(replicas):
                     seen[h] = replica
         return not all(k in seen for k in want)
 
-    result = {}
+    result: dict[str, bool] = {}
     watcher = threading.Thread(
         target=lambda: result.setdefault("stopped", fleet.watch("fleet", on_batch,
                                                                  deadline_s=30)))
@@ -177,8 +178,8 @@ def test_fleet_and_client_refuse_bad_arguments_alike(replicas):
     # head_dim, layer dtypes from "dtype"), so both register the same model.
     partial = {"name": "partial", "num_layers": 3, "num_q_heads": 2, "num_kv_heads": 1,
                "head_dim": 8, "dtype": "bf16"}
-    via_fleet = fleet.ensure_model(partial, pool_bytes=1 << 20)
-    assert via_fleet.layout["head_dim_v"] == 8
-    assert via_fleet.layout["layer_dtypes"] == ["bf16"] * 3
-    assert client.get_model("partial").fingerprint == via_fleet.fingerprint
+    registered = fleet.ensure_model(partial, pool_bytes=1 << 20)
+    assert registered.layout["head_dim_v"] == 8
+    assert registered.layout["layer_dtypes"] == ["bf16"] * 3
+    assert client.get_model("partial").fingerprint == registered.fingerprint
     fleet.free(seq)

@@ -65,8 +65,8 @@ def test_generation_continues_from_a_cache_stored_in_kvbank(client, model_name, 
         got, got_logits = greedy(model, cache, first, len(prompt), GENERATE)
     error = float((got_logits - want_logits).abs().max())
     scale = float(want_logits.abs().max())
-    print("[hf] %s storage, %s cache: first-step logit error %.3g (logits up to %.3g); tokens %s"
-          % (storage, torch_dtype, error, scale, "equal" if got == want else "differ"))
+    print(f"[hf] {storage} storage, {torch_dtype} cache: first-step logit error {error:.3g} "
+          f"(logits up to {scale:.3g}); tokens {'equal' if got == want else 'differ'}")
     if storage in ("bf16", "fp16"):
         assert error == 0.0
         assert got == want

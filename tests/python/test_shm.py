@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvbank
+
 from kvbankd_process import Server
 
 
@@ -62,7 +63,7 @@ def test_the_plane_is_found_and_moves_the_same_bytes(shm_server):
         assert blocks.view(np.uint8)[:got.payload_bytes].tobytes() == want.tobytes()
 
         st = c.plane_stats()
-        print("[shm] plane_stats %s" % st)
+        print(f"[shm] plane_stats {st}")
         assert st["shm_staged"]["calls"] == 3  # append, fetch_into, fetch_blocks_into
         assert st["shm"]["calls"] == 2 and st["shm"]["bytes"] == 2 * payload.nbytes
         assert st["grpc"]["calls"] == 0

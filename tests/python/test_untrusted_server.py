@@ -133,7 +133,7 @@ def fake():
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
-        return "127.0.0.1:%d" % port, handler
+        return f"127.0.0.1:{port}", handler
 
     yield start, tmp
     for s in servers:
