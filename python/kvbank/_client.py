@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union, overload
+from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 
 import numpy as np
 
@@ -18,6 +18,8 @@ Layout = dict[str, Any]
 """A model layout as a dict: name, num_layers, num_q_heads, num_kv_heads, head_dim, head_dim_v,
 block_tokens, kind ("mha", "gqa", "mqa", "mla"), kv_lora_rank, rope_dim, input_dtype,
 layer_dtypes (one per layer), or "dtype" for every layer at once."""
+
+_T = TypeVar("_T")
 
 ExtraKeys = Sequence[tuple[str, Union[str, bytes]]]
 """Extra keys of a prefix hash: (kind, value) pairs, kind one of "lora", "multimodal",
@@ -218,7 +220,8 @@ class Client:
         """target: "host:port", "dns:///name:port" or "unix:/path". token: bearer token.
         deadline_s: unary calls; stream_deadline_s: appends, fetches. chunk_bytes: payload bytes
         per append message. tls: root_ca_path / root_ca_pem, cert_chain_*, private_key_*,
-        server_name_override (unset: plaintext). max_workers: threads of the *_async calls.
+        server_name_override (unset: plaintext). max_workers: threads of the *_async calls
+        and of kvbank.aio.AsyncClient's.
 
         shm: the same-host shared-memory plane. True: used when the server names a --shm-socket
         that exists on this host (GetServerInfo); False: gRPC only; a path: that socket. Payloads
@@ -603,7 +606,9 @@ class Client:
 
     # ---- futures --------------------------------------------------------------------------
 
-    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> "concurrent.futures.Future[Any]":
+    def _submit(self, fn: Callable[..., _T], *args: Any,
+                **kwargs: Any) -> "concurrent.futures.Future[_T]":
+        """fn(*args, **kwargs) on one of this client's worker threads (started at the first)."""
         with self._pool_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(

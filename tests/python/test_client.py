@@ -414,7 +414,7 @@ def test_asyncio_wrapper_keeps_the_loop_running(client, model_name):
         tick_task = asyncio.ensure_future(ticker())
         infos = await asyncio.gather(*[aclient.fetch_into(model_name, seq.id, o) for o in outs])
         fetched = await aclient.fetch(model_name, seq.id, token_end=1)
-        info = await aclient.get_sequence(model_name, seq.id)  # any method, via __getattr__
+        info = await aclient.get_sequence(model_name, seq.id)  # every Client method, awaited
         done = True
         await tick_task
         return outs, infos, fetched, info, ticks
