@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Quick start, part 2: install what is missing, build, and run the whole test suite: the format
-# check, the release build's tests (unit, integration, python client, GPU tests that skip without
-# a device, benchmark smoke runs), the same suite under AddressSanitizer + UBSan, the unit and
-# integration tests under ThreadSanitizer (clang; its build also checks the lock annotations with
-# -Wthread-safety -Werror), the fuzz targets (scripts/fuzz.sh: all of them at once for
-# FUZZ_SECONDS of wall time, default 300) and the CUDA code on an emulated runtime.
+# check, the Python lint (ruff, mypy), the release build's tests (unit, integration, python
+# client, GPU tests that skip without a device, benchmark smoke runs), the same suite under
+# AddressSanitizer + UBSan, the unit and integration tests under ThreadSanitizer (clang; its build
+# also checks the lock annotations with -Wthread-safety -Werror), the fuzz targets
+# (scripts/fuzz.sh: all of them at once for FUZZ_SECONDS of wall time, default 300) and the CUDA
+# code on an emulated runtime.
 # SKIP_SANITIZERS=1 skips the sanitizer, ThreadSanitizer and fuzz passes (for a quick local run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,9 @@ summary() {
 trap summary EXIT
 stage install-deps scripts/install-deps.sh
 stage check-format scripts/check-format.sh
+# ruff and mypy over the Python SDK and its tests; 77: the tools could not be installed (offline).
+lint_python() { scripts/lint-python.sh || [ $? -eq 77 ]; }
+stage lint-python lint_python
 jobs=$(nproc)
 # The Python tests' venvs (the SDK's, and vLLM's with torch) are mostly downloads: they are made
 # while the release build compiles (their own locks keep the tests waiting for them; a failure
