@@ -4,7 +4,7 @@
 //   transfer_bench [--quick] [--reps N] [--tokens N,N,...] [--chunk-bytes N]
 //                  [--grpc-lookahead-bytes N] [--grpc-bdp-probe 0|1]
 //
-// The kvbank service runs in this process on 127.0.0.1:<ephemeral> (built as server/main.cc builds
+// The kvbank service runs in this process on 127.0.0.1:<ephemeral> (built as server/kvbankd builds
 // kvbankd: same message-size limits); the real kvbank::Client talks to it over loopback TCP.
 // Model: llama-3.1-8b bf16 (128 KiB of payload per token); default sizes 8, 128, 1024 tokens.
 //

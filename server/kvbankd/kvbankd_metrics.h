@@ -3,8 +3,8 @@
 // /metrics is scraped: the models' and tenants' figures through the same SequenceStore::Stats and
 // ModelStats conversion GetStats answers with (as an admin sees them), the data planes' byte
 // counters of the service, and the listener's connection counts.
-#ifndef KVBANK_SERVER_METRICS_KVBANKD_METRICS_H_
-#define KVBANK_SERVER_METRICS_KVBANKD_METRICS_H_
+#ifndef KVBANK_SERVER_KVBANKD_KVBANKD_METRICS_H_
+#define KVBANK_SERVER_KVBANKD_KVBANKD_METRICS_H_
 
 #include <atomic>
 #include <memory>
@@ -69,4 +69,4 @@ class KvbankdMetrics {
 
 }  // namespace kvbank::metrics
 
-#endif  // KVBANK_SERVER_METRICS_KVBANKD_METRICS_H_
+#endif  // KVBANK_SERVER_KVBANKD_KVBANKD_METRICS_H_

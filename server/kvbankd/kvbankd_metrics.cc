@@ -1,4 +1,4 @@
-#include "server/metrics/kvbankd_metrics.h"
+#include "server/kvbankd/kvbankd_metrics.h"
 
 #include "google/protobuf/descriptor.h"
 #include "kvbank/v1/kvbank.pb.h"
