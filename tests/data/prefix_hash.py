@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An independent Python implementation of kvbank's prefix hash (client/include/kvbank/prefix_hash.h).
+"""An independent Python implementation of kvbank's prefix hash (base/include/kvbank/prefix_hash.h).
 
   python3 tests/data/prefix_hash.py --write   # regenerates prefix_hash_vectors.json
   python3 tests/data/prefix_hash.py           # checks itself against prefix_hash_vectors.json
@@ -87,7 +87,7 @@ def main():
                 root, hashes = compute(c, algo)
                 vectors.append(dict(c, algorithm=algo, root=root, hashes=hashes))
         with open(path, "w") as f:
-            json.dump({"spec": "client/include/kvbank/prefix_hash.h", "vectors": vectors}, f,
+            json.dump({"spec": "base/include/kvbank/prefix_hash.h", "vectors": vectors}, f,
                       indent=1)
         print(f"wrote {len(vectors)} vectors to {path}")
         return 0

@@ -1,4 +1,4 @@
-// Prefix hashes (client/include/kvbank/prefix_hash.h) of fuzzer-chosen token ids, extra keys,
+// Prefix hashes (base/include/kvbank/prefix_hash.h) of fuzzer-chosen token ids, extra keys,
 // root fields and block sizes, with either algorithm. Properties: one hash per full block; the
 // hashes of a prefix of the blocks are that prefix of the hashes; each hash is the chain hash of
 // its block over its parent (the root for the first); another extra key, salt or tenant, or the
