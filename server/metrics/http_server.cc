@@ -41,9 +41,11 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
                            "request_timeout_ms", "10000",         nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof(callbacks));
+  callbacks.init_connection = &HttpServer::ConnectionOpened;
+  callbacks.connection_closed = &HttpServer::ConnectionClosed;
   mg_init_data init;
   init.callbacks = &callbacks;
-  init.user_data = nullptr;
+  init.user_data = server.get();
   init.configuration_options = options;
   char text[256] = "";
   unsigned code = 0;
@@ -64,6 +66,17 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
   server->url_ = absl::StrCat("http://", address.substr(0, address.rfind(':')), ":", server->port_,
                               "/metrics");
   return server;
+}
+
+int HttpServer::ConnectionOpened(const mg_connection* conn, void** /*conn_data*/) {
+  static_cast<HttpServer*>(mg_get_user_data(mg_get_context(conn)))
+      ->open_.fetch_add(1, std::memory_order_acq_rel);
+  return 0;
+}
+
+void HttpServer::ConnectionClosed(const mg_connection* conn) {
+  static_cast<HttpServer*>(mg_get_user_data(mg_get_context(conn)))
+      ->open_.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 HttpServer::~HttpServer() {

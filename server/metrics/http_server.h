@@ -4,6 +4,8 @@
 #ifndef KVBANK_SERVER_METRICS_HTTP_SERVER_H_
 #define KVBANK_SERVER_METRICS_HTTP_SERVER_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -31,17 +33,23 @@ class HttpServer {
   HttpServer& operator=(const HttpServer&) = delete;
 
   int port() const { return port_; }
+  // Connections a worker holds now: accepted and not yet closed (a request being read or
+  // answered, or a kept-alive connection waiting for the next one).
+  uint64_t open_connections() const { return open_.load(std::memory_order_acquire); }
   // "http://host:port/metrics" with the port bound.
   const std::string& url() const { return url_; }
 
  private:
   HttpServer() = default;
   static int HandleMetrics(mg_connection* conn, void* self);
+  static int ConnectionOpened(const mg_connection* conn, void** conn_data);
+  static void ConnectionClosed(const mg_connection* conn);
 
   const Registry* registry_ = nullptr;
   mg_context* ctx_ = nullptr;
   int port_ = 0;
   std::string url_;
+  std::atomic<uint64_t> open_{0};
 };
 
 // Writes `port` and a line feed to `path` through `path`.tmp and a rename, so that a reader
