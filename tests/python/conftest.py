@@ -26,6 +26,6 @@ _model_counter = [0]
 
 @pytest.fixture
 def model_name():
-    """A fresh model name per test (one server serves the whole session)."""
+    """A fresh model name per test (one server serves every test of the run)."""
     _model_counter[0] += 1
     return f"m{_model_counter[0]}"
