@@ -133,7 +133,7 @@ Row RunCase(SequenceStore& store, uint64_t tokens, int reps) {
   const ModelLayout& m = store.layout();
   const DType wire = DefaultWireDType(m, 0, m.num_layers);
   const uint64_t bytes =
-      PayloadLayout::Make(store.block_layout(), 0, m.num_layers, tokens, wire).total_bytes;
+      PayloadLayout::Make(store.pool().layout(), 0, m.num_layers, tokens, wire).total_bytes;
   std::vector<uint8_t> src = Pattern(bytes, static_cast<uint32_t>(tokens));
   if (wire == DType::kBf16 && m.layer_dtypes[0] != wire) {
     // Quantized on the way in: finite values only (random bits hold NaN and Inf patterns).
@@ -150,7 +150,7 @@ Row RunCase(SequenceStore& store, uint64_t tokens, int reps) {
     auto t2 = Clock::now();
     const double ref_put = Seconds(t0, t1), ref_get = Seconds(t1, t2);
 
-    const SequenceInfo seq = Check(store.Create(absl::ZeroDuration()), "Create");
+    const SequenceInfo seq = Check(store.Create(WithLease(absl::ZeroDuration())), "Create");
     AppendSpec a;
     a.sequence_id = seq.id;
     a.num_tokens = tokens;
@@ -194,10 +194,10 @@ Row RunCase(SequenceStore& store, uint64_t tokens, int reps) {
 
 // Fork of a `tokens`-long sequence: median microseconds and the blocks it had to copy.
 void RunFork(SequenceStore& store, uint64_t tokens, int reps) {
-  const uint64_t per_token = store.block_layout().PayloadBytesPerToken();
+  const uint64_t per_token = store.pool().layout().PayloadBytesPerToken();
   const uint64_t piece_tokens = std::min<uint64_t>(tokens, 1024);
   const std::vector<uint8_t> src = Pattern(piece_tokens * per_token, 7);
-  const SequenceInfo parent = Check(store.Create(absl::ZeroDuration()), "Create");
+  const SequenceInfo parent = Check(store.Create(WithLease(absl::ZeroDuration())), "Create");
   for (uint64_t done = 0; done < tokens;) {
     AppendSpec a;
     a.sequence_id = parent.id;
@@ -220,7 +220,7 @@ void RunFork(SequenceStore& store, uint64_t tokens, int reps) {
   Check(store.Free(parent.id), "Free");
   std::printf("| %s | %" PRIu64 " | %.1f | %" PRIu64 " | %" PRIu64 " | %.2f |\n",
               store.layout().name.c_str(), tokens, Median(us), shared, copied,
-              double(copied * store.block_layout().block_bytes) / (1 << 20));
+              double(copied * store.pool().layout().block_bytes) / (1 << 20));
 }
 
 // Median microseconds of one Stats() call (the admin's view, and one tenant's) with `n` live

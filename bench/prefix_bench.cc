@@ -151,7 +151,7 @@ int Main(int argc, char** argv) {
     to.host_bytes = unique_blocks * tb.block_bytes;
     std::unique_ptr<SequenceStore> store = OpenTraceStore(small_pool, true, &to);
     const TraceResult r = ReplayOn(*store, trace, 0, trace.size());
-    const TierStats ts = store->tiers()->Stats();
+    const TierStats ts = store->prefix().tiers()->Stats();
     std::printf(
         "%-34s %12.3f %12.3f %10llu %16llu\n",
         (std::to_string(small_pool) + " + host " + std::to_string(ts.host_capacity)).c_str(),
@@ -192,7 +192,7 @@ int Main(int argc, char** argv) {
         {
           std::unique_ptr<SequenceStore> store = OpenTraceStore(small_pool, true, &q);
           r = ReplayOn(*store, trace, 0, trace.size());
-          ts = store->tiers()->Stats();
+          ts = store->prefix().tiers()->Stats();
         }
         const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
         std::filesystem::remove_all(dir);

@@ -198,11 +198,11 @@ void HostPromotion(const Args& a, const ModelLayout& m) {
   for (int rep = -2; rep < a.reps; ++rep) {
     const int which = (rep + 2) % 2;
     const double copy = MemcpyGBs(dst, src);
-    const uint64_t before = store->tiers()->Stats().promoted_from_host;
+    const uint64_t before = store->prefix().tiers()->Stats().promoted_from_host;
     const absl::Time t0 = absl::Now();
     const SequenceInfo info = CreateWith(*store, prompt[which]);
     const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
-    const uint64_t promoted = store->tiers()->Stats().promoted_from_host - before;
+    const uint64_t promoted = store->prefix().tiers()->Stats().promoted_from_host - before;
     if (info.cached_tokens != tokens || promoted != n) {
       Fail("host promotion: " + std::to_string(info.cached_tokens) + " tokens cached, " +
            std::to_string(promoted) + " blocks promoted of " + std::to_string(n));
@@ -239,8 +239,8 @@ void DiskPromotion(const Args& a, const ModelLayout& m, const std::string& dir) 
   {
     std::unique_ptr<SequenceStore> store = OpenStore(m, n, true, &to);
     Write(*store, prompt, payload);
-    flushed = store->FlushToDisk(absl::InfiniteFuture());
-    file = store->tiers()->disk_file();
+    flushed = store->prefix().FlushToDisk(absl::InfiniteFuture());
+    file = store->prefix().tiers()->disk_file();
   }
   const bool fio = HaveFio();
   std::printf(
@@ -261,14 +261,14 @@ void DiskPromotion(const Args& a, const ModelLayout& m, const std::string& dir) 
     const absl::Time o0 = absl::Now();
     std::unique_ptr<SequenceStore> store = OpenStore(m, n, true, &to);
     const double opened = absl::ToDoubleSeconds(absl::Now() - o0);
-    const TierStats ts = store->tiers()->Stats();
+    const TierStats ts = store->prefix().tiers()->Stats();
     direct = ts.direct_io;
-    slot = store->tiers()->slot_bytes();
+    slot = store->prefix().tiers()->slot_bytes();
     if (ts.loaded != n) Fail("disk tier reopened with " + std::to_string(ts.loaded) + " blocks");
     const absl::Time t0 = absl::Now();
     const SequenceInfo info = CreateWith(*store, prompt);
     const double secs = absl::ToDoubleSeconds(absl::Now() - t0);
-    const uint64_t promoted = store->tiers()->Stats().promoted_from_disk;
+    const uint64_t promoted = store->prefix().tiers()->Stats().promoted_from_disk;
     if (info.cached_tokens != tokens || promoted != n) {
       Fail("disk promotion: " + std::to_string(info.cached_tokens) + " tokens cached, " +
            std::to_string(promoted) + " blocks promoted of " + std::to_string(n));
@@ -364,7 +364,7 @@ void WarmRestart(const Args& a, const std::string& dir) {
     bench::ReplayOn(*store, trace, 0, half - window);
     before = bench::ReplayOn(*store, trace, half - window, half).hit_rate();
     const absl::Time f0 = absl::Now();
-    flushed = store->FlushToDisk(absl::InfiniteFuture());
+    flushed = store->prefix().FlushToDisk(absl::InfiniteFuture());
     store.reset();  // the restart
     flush_s = absl::ToDoubleSeconds(absl::Now() - f0);
   }
@@ -372,9 +372,9 @@ void WarmRestart(const Args& a, const std::string& dir) {
     const absl::Time o0 = absl::Now();
     std::unique_ptr<SequenceStore> store = OpenStore(bench::TraceLayout(), pool, true, &to);
     reopen_s = absl::ToDoubleSeconds(absl::Now() - o0);
-    loaded = store->tiers()->Stats().loaded;
+    loaded = store->prefix().tiers()->Stats().loaded;
     after = bench::ReplayOn(*store, trace, half, half + window).hit_rate();
-    from_disk = store->tiers()->Stats().promoted_from_disk;
+    from_disk = store->prefix().tiers()->Stats().promoted_from_disk;
   }
   std::printf(
       "   restart: FlushToDisk wrote %llu blocks, flush + close %.2f s; reopen indexed "

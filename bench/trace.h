@@ -151,7 +151,7 @@ struct TraceResult {
 inline TraceResult ReplayOn(SequenceStore& store, const std::vector<Turn>& trace, size_t begin,
                             size_t end) {
   const ModelLayout& m = store.layout();
-  const BlockLayout& b = store.block_layout();
+  const BlockLayout& b = store.pool().layout();
   TraceResult r;
   std::vector<uint8_t> payload;
   for (size_t i = begin; i < end && i < trace.size(); ++i) {

@@ -128,7 +128,7 @@ size_t ModelRegistry::ExpireLeases(absl::Time now) const {
 
 size_t ModelRegistry::ExpireCache(absl::Time now) const {
   size_t n = 0;
-  for (const auto& m : List()) n += m->ExpireCache(now);
+  for (const auto& m : List()) n += m->prefix().ExpireCache(now);
   return n;
 }
 

@@ -1,5 +1,5 @@
 // Internal to server/core: the record of one sequence, shared by the SequenceStore's files
-// (sequence_store.cc, sequence_store_transfer.cc, sequence_store_prefix.cc,
+// (sequence_store.cc, sequence_store_transfer.cc, sequence_store_wait.cc,
 // sequence_store_attend.cc, sequence_store_retention.cc). Not part of any API.
 #ifndef KVBANK_SERVER_CORE_SEQUENCE_H_
 #define KVBANK_SERVER_CORE_SEQUENCE_H_

@@ -21,56 +21,16 @@ SequenceStore::SequenceStore(ModelLayout layout, std::unique_ptr<BlockPool> pool
       tiers_(std::move(tiers)),
       pool_(std::move(pool)),
       options_(std::move(options)),
-      fingerprint_(LayoutFingerprint(layout_)) {
-  absl::BitGen gen;
-  id_state_ = absl::Uniform<uint64_t>(gen);
-  if (tiers_ != nullptr && tiers_->options().spill_ahead) {
-    spiller_ = std::thread([this] { SpillLoop(); });
-  }
-}
+      planner_(layout_, pool_->layout(), pool_->staging_bytes()),
+      tenants_(std::make_unique<StoreTenants>(layout_.name, pool_.get())),
+      waiters_(std::make_unique<CommitWaiters>(layout_.name, options_.max_waiters)),
+      prefix_(std::make_unique<PrefixCache>(
+          &planner_, pool_.get(), tiers_.get(), events_.get(), tenants_.get(),
+          PrefixCache::Options{options_.hash, options_.prefix_cache_ttl})) {}
 
 SequenceStore::~SequenceStore() {
-  StopSpilling();
   CoreLock lock(&mu_);
   live_.clear();  // drops every block reference before the pool goes
-}
-
-void SequenceStore::StopSpilling() {
-  if (!spill_stop_.HasBeenNotified()) spill_stop_.Notify();
-  if (spiller_.joinable()) spiller_.join();
-}
-
-void SequenceStore::SpillLoop() {
-  // Keeps the coldest `ahead` cached blocks copied down a tier while fewer than `ahead` blocks
-  // are free: the next evictions then find their blocks there already.
-  const uint64_t ahead = std::max<uint64_t>(16, pool_->num_blocks() / 8);
-  constexpr size_t kBatch = 64;
-  const uint64_t bb = block_layout().block_bytes;
-  const bool on_host = pool_->memory().kind() != MemoryKind::kCuda;
-  std::vector<uint8_t> staging;
-  while (!spill_stop_.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
-    while (!spill_stop_.HasBeenNotified() && pool_->Stats().free < ahead) {
-      std::vector<BlockPool::SpillHold> holds =
-          pool_->HoldColdest(kBatch, ahead, [&](const PublishInfo& info, const std::string& t) {
-            return !tiers_->Find(info.hash, t).has_value();
-          });
-      if (holds.empty()) break;
-      bool copied = true;
-      if (!on_host) {
-        std::vector<int32_t> ids;
-        for (const auto& h : holds) ids.push_back(h.id);
-        staging.resize(ids.size() * bb);
-        copied = pool_->CopyOut(ids, staging.data()).ok();
-      }
-      bool taken = true;  // false: the disk's write queue is full, try again next round
-      for (size_t i = 0; copied && taken && i < holds.size(); ++i) {
-        const uint8_t* data = on_host ? pool_->BlockData(holds[i].id) : staging.data() + i * bb;
-        taken = tiers_->Spill(*holds[i].info, holds[i].tenant, data);
-      }
-      pool_->ReleaseSpillHolds(holds);
-      if (!copied || !taken) break;
-    }
-  }
 }
 
 uint64_t SequenceStore::NewId() {
@@ -100,12 +60,12 @@ SequenceStore::SeqPtr SequenceStore::Insert(absl::Duration lease, const std::str
   s->tenant = tenant;
   s->tenant_id = pool_->InternTenant(tenant);
   s->priority = options_.default_priority;
-  s->root = Root(tenant, "");
+  s->root = prefix_->Root(tenant, "");
   s->layer_len.assign(layout_.num_layers, 0);
   s->lease_ttl = lease;
   Renew(*s);
   live_[s->id] = s;
-  ++tenant_counters_[tenant].sequences;
+  tenants_->SequenceAdded(tenant);
   return s;
 }
 
@@ -122,9 +82,7 @@ absl::StatusOr<SequenceStore::SeqPtr> SequenceStore::Find(uint64_t id, const std
     if (it->second->busy() || it->second->lease_deadline > options_.clock()) {
       return it->second;
     }
-    ++leases_expired_;
-    ++tenant_counters_[tenant].leases_expired;
-    Remove(it->second, "its lease expired");
+    Remove(it->second, "its lease expired", /*lease_expired=*/true);
   }
   // Another tenant's sequence, live or gone, reads exactly like one that never existed.
   auto t = tombstones_.find(id);
@@ -151,9 +109,7 @@ SequenceInfo SequenceStore::Info(const Sequence& s) const {
 
 void SequenceStore::Account(Sequence& s) {
   const uint64_t now = s.removed ? 0 : s.Length();
-  TenantCounters& c = tenant_counters_[s.tenant];
-  c.tokens_stored = c.tokens_stored - s.counted_length + now;
-  tokens_stored_ = tokens_stored_ - s.counted_length + now;
+  tenants_->TokensChanged(s.tenant, s.counted_length, now);
   s.counted_length = now;
 }
 
@@ -161,14 +117,7 @@ absl::Status SequenceStore::AdmitSequence(const std::string& tenant) const {
   if (!closed_.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("model '", layout_.name, "': ", closed_));
   }
-  if (auto it = tenant_counters_.find(tenant); it != tenant_counters_.end()) {
-    const TenantCounters& c = it->second;
-    if (c.max_sequences > 0 && c.sequences >= c.max_sequences) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tenant '", tenant, "' has its limit of ", c.max_sequences,
-                       " live sequences in model '", layout_.name, "'; free some first"));
-    }
-  }
+  if (absl::Status t = tenants_->Admit(tenant); !t.ok()) return t;
   if (live_.size() >= options_.max_sequences) {
     return absl::ResourceExhaustedError(absl::StrCat("model '", layout_.name,
                                                      "' has max_sequences (",
@@ -177,10 +126,10 @@ absl::Status SequenceStore::AdmitSequence(const std::string& tenant) const {
   return absl::OkStatus();
 }
 
-uint64_t SequenceStore::Remove(SeqPtr s, std::string reason) {
+uint64_t SequenceStore::Remove(SeqPtr s, std::string reason, bool lease_expired) {
   live_.erase(s->id);
   s->removed = true;
-  --tenant_counters_[s->tenant].sequences;
+  tenants_->SequenceRemoved(s->tenant, lease_expired);
   Account(*s);
   tombstones_[s->id] = Tombstone{s->tenant, std::move(reason)};
   tombstone_order_.push_back(s->id);
@@ -195,8 +144,26 @@ uint64_t SequenceStore::Remove(SeqPtr s, std::string reason) {
   return n;
 }
 
-BlockHash SequenceStore::Root(const std::string& tenant, const std::string& cache_salt) const {
-  return RootHash(options_.hash, PrefixRoot{fingerprint_, tenant, cache_salt});
+void SequenceStore::PublishFullBlocks(Sequence& s) {
+  if (!s.publishable) return;
+  const uint64_t bt = layout_.block_tokens;
+  const uint64_t full = std::min<uint64_t>(s.Length(), s.token_ids.size()) / bt;
+  while (s.hashes.size() < full) {
+    const size_t i = s.hashes.size();
+    PublishInfo info;
+    info.has_parent = i > 0;
+    info.parent = i > 0 ? s.hashes[i - 1] : s.root;
+    const uint32_t* tokens = s.token_ids.data() + i * bt;
+    info.hash = ChainHash(options_.hash, info.parent, tokens, bt, s.extra_keys);
+    info.token_ids.assign(tokens, tokens + bt);
+    info.lora = s.lora;
+    info.priority = s.priority;
+    s.hashes.push_back(info.hash);
+    if (s.table.hole(i)) continue;  // released by a sliding window
+    // False when the block is already published (shared from the cache) or another block holds
+    // the same hash: then this copy stays private and goes back to the free list when released.
+    pool_->Publish(s.table.at(i), info, s.tenant_id);
+  }
 }
 
 absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
@@ -231,14 +198,14 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
                                                    options_.max_tokens_per_sequence));
   }
   // Hashing happens before taking the lock: it is the expensive part of a long prompt.
-  const BlockHash root = Root(o.tenant, o.cache_salt);
+  const BlockHash root = prefix_->Root(o.tenant, o.cache_salt);
   std::vector<BlockHash> hashes;
   if (pool_->prefix_caching()) {
     hashes = PrefixHashes(options_.hash, root, o.prompt, layout_.block_tokens, o.extra_keys);
   }
   // Blocks of the prompt found in a tier come back into the pool first (off the lock: disk
   // reads); held until the look-up below attaches them.
-  const std::vector<BlockRef> promoted = PromoteFromTiers(o.tenant, hashes);
+  const std::vector<BlockRef> promoted = prefix_->Promote(o.tenant, hashes);
   CoreLock lock(&mu_);
   if (absl::Status a = AdmitSequence(o.tenant); !a.ok()) return a;
   SeqPtr s = Insert(*ttl, o.tenant);
@@ -262,9 +229,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   // append's commit does outside the lock.
   if (o.retention.kind == RetentionPolicy::Kind::kSlidingWindow) Retain(*s);
   Account(*s);
-  TenantCounters& c = tenant_counters_[o.tenant];
-  c.prefix_query_tokens += o.prompt.size();
-  c.prefix_hit_tokens += s->cached_tokens;
+  tenants_->PrefixLookedUp(o.tenant, o.prompt.size(), s->cached_tokens);
   return Info(*s);
 }
 
@@ -330,7 +295,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Fork(uint64_t id, std::optional<absl
     Renew(parent);
   }
   evictions.Run();
-  if (absl::Status c = pool_->memory().CopyRows(block_layout(), rows); !c.ok()) return c;
+  if (absl::Status c = pool_->memory().CopyRows(pool_->layout(), rows); !c.ok()) return c;
   sources.clear();
 
   CoreLock lock(&mu_);
@@ -391,7 +356,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Truncate(uint64_t id, uint64_t num_t
 }
 
 absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id, const std::string& tenant) {
-  Fired fired;
+  CommitWaiters::Fired fired;
   uint64_t released = 0;
   {
     CoreLock lock(&mu_);
@@ -400,7 +365,7 @@ absl::StatusOr<uint64_t> SequenceStore::Free(uint64_t id, const std::string& ten
     released = Remove(*found, "it was freed");
     TakeReadyWaiters(id, &fired);
   }
-  Fire(std::move(fired));
+  CommitWaiters::Fire(std::move(fired));
   return released;
 }
 
@@ -420,7 +385,7 @@ absl::StatusOr<SequenceInfo> SequenceStore::Get(uint64_t id, const std::string& 
 }
 
 void SequenceStore::Close(const std::string& reason) {
-  Fired fired;
+  CommitWaiters::Fired fired;
   {
     CoreLock lock(&mu_);
     closed_ = reason;
@@ -429,16 +394,13 @@ void SequenceStore::Close(const std::string& reason) {
     for (const auto& [id, s] : live_) all.push_back(s);
     for (const SeqPtr& s : all) Remove(s, reason);
     // Every waiter's sequence is gone now: each ends FAILED_PRECONDITION with the reason.
-    std::vector<uint64_t> waited;
-    waited.reserve(waiters_.size());
-    for (const auto& [id, list] : waiters_) waited.push_back(id);
-    for (uint64_t id : waited) TakeReadyWaiters(id, &fired);
+    for (uint64_t id : waiters_->Sequences()) TakeReadyWaiters(id, &fired);
   }
-  Fire(std::move(fired));
+  CommitWaiters::Fire(std::move(fired));
 }
 
 size_t SequenceStore::ExpireLeases(absl::Time now) {
-  Fired fired;
+  CommitWaiters::Fired fired;
   std::vector<SeqPtr> expired;
   {
     CoreLock lock(&mu_);
@@ -447,61 +409,30 @@ size_t SequenceStore::ExpireLeases(absl::Time now) {
       if (s->lease_deadline <= now && !s->busy()) expired.push_back(s);
     }
     for (const SeqPtr& s : expired) {
-      ++tenant_counters_[s->tenant].leases_expired;
-      Remove(s, "its lease expired");
+      Remove(s, "its lease expired", /*lease_expired=*/true);
       TakeReadyWaiters(s->id, &fired);
     }
-    leases_expired_ += expired.size();
   }
-  Fire(std::move(fired));
+  CommitWaiters::Fire(std::move(fired));
   return expired.size();
-}
-
-TenantStats SequenceStore::TenantRow(const std::string& name, const TenantCounters& c) const {
-  TenantStats t;
-  static_cast<Activity&>(t) = c;
-  t.tenant = name;
-  t.max_sequences = c.max_sequences;
-  const uint32_t id = pool_->InternTenant(name);
-  t.blocks_referenced = pool_->TenantBlocks(id);
-  t.max_blocks = pool_->TenantQuota(id);
-  return t;
 }
 
 StoreStats SequenceStore::Stats(const std::string* tenant) const {
   StoreStats st;
   if (tenant != nullptr) {
     st.tenant_view = true;
-    CoreLock lock(&mu_);
-    auto it = tenant_counters_.find(*tenant);
-    const TenantStats t =
-        TenantRow(*tenant, it == tenant_counters_.end() ? TenantCounters{} : it->second);
+    const TenantStats t = tenants_->Row(*tenant);
     static_cast<Activity&>(st) = t;
     st.pool.total = pool_->num_blocks();
     st.pool.used = t.blocks_referenced;
     st.tenants.push_back(t);
     return st;
   }
-  {
-    CoreLock lock(&mu_);
-    st.sequences = live_.size();
-    st.tokens_stored = tokens_stored_;
-    for (const auto& [name, c] : tenant_counters_) {
-      st.tenants.push_back(TenantRow(name, c));
-      st.prefix_query_tokens += c.prefix_query_tokens;
-      st.prefix_hit_tokens += c.prefix_hit_tokens;
-    }
-    st.leases_expired = leases_expired_;
-    st.fetches_waiting = waiter_sequence_.size();
-  }
-  std::sort(st.tenants.begin(), st.tenants.end(),
-            [](const TenantStats& a, const TenantStats& b) { return a.tenant < b.tenant; });
+  static_cast<Activity&>(st) = tenants_->Totals();
+  st.tenants = tenants_->Rows();
+  st.fetches_waiting = waiters_->size();
   st.pool = pool_->Stats();
   if (tiers_ != nullptr) st.tiers = tiers_->Stats();
-  st.appends = appends_.load(std::memory_order_relaxed);
-  st.fetches = fetches_.load(std::memory_order_relaxed);
-  st.bytes_appended = bytes_appended_.load(std::memory_order_relaxed);
-  st.bytes_fetched = bytes_fetched_.load(std::memory_order_relaxed);
   return st;
 }
 
@@ -538,10 +469,8 @@ std::string SequenceStore::CheckInvariants() const {
     }
   }
   // The counters Stats reads, against a recount.
-  uint64_t tokens = 0;
   absl::flat_hash_map<std::string, std::pair<uint64_t, uint64_t>> per;  // sequences, tokens
   for (const auto& [id, s] : live_) {
-    tokens += s->Length();
     if (s->counted_length != s->Length()) {
       return absl::StrCat("sequence ", id, " is counted with ", s->counted_length,
                           " tokens but holds ", s->Length());
@@ -550,24 +479,7 @@ std::string SequenceStore::CheckInvariants() const {
     ++n;
     t += s->Length();
   }
-  if (tokens != tokens_stored_) {
-    return absl::StrCat("tokens_stored counter ", tokens_stored_, " but the sequences hold ",
-                        tokens);
-  }
-  for (const auto& [name, c] : tenant_counters_) {
-    const auto it = per.find(name);
-    const auto [n, t] = it == per.end() ? std::pair<uint64_t, uint64_t>{0, 0} : it->second;
-    if (c.sequences != n || c.tokens_stored != t) {
-      return absl::StrCat("tenant '", name, "' is counted with ", c.sequences, " sequences and ",
-                          c.tokens_stored, " tokens; a recount finds ", n, " and ", t);
-    }
-  }
-  for (const auto& [name, nt] : per) {
-    if (!tenant_counters_.contains(name)) {
-      return absl::StrCat("tenant '", name, "' holds sequences but has no counters");
-    }
-  }
-  return "";
+  return tenants_->CheckCounts(per);
 }
 
 }  // namespace kvbank

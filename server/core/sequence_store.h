@@ -24,9 +24,14 @@
 #include "kvbank/layout.h"
 #include "kvbank/prefix_hash.h"
 #include "server/core/block_pool.h"
+#include "server/core/commit_waiters.h"
+#include "server/core/fetch_reader.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool_memory.h"
+#include "server/core/prefix_cache.h"
+#include "server/core/store_tenants.h"
 #include "server/core/tiers.h"
+#include "server/core/transfer_planner.h"
 
 namespace kvbank {
 
@@ -71,20 +76,13 @@ struct CreateOptions {
   RetentionPolicy retention;
 };
 
-// Where a prompt's leading cached tokens are: the pool, then the tiers below it (in that order
-// along the prompt). tokens = pool + host + disk: what a Create with the prompt attaches.
-struct MatchResult {
-  uint64_t tokens = 0;
-  uint64_t pool_tokens = 0, host_tokens = 0, disk_tokens = 0;
-};
-
-// A batched, side-effect-free look-up: how many leading tokens of a prompt are cached.
-struct MatchQuery {
-  std::vector<uint32_t> tokens;   // either token ids (hashed with the caller's root) ...
-  std::vector<BlockHash> hashes;  // ... or block hashes the caller computed
-  std::string cache_salt;
-  std::vector<ExtraKey> extra_keys;
-};
+// A new empty sequence with this lease: nullopt = the default lease, zero = no lease (it lives
+// until freed).
+inline CreateOptions WithLease(std::optional<absl::Duration> lease) {
+  CreateOptions o;
+  o.lease = lease;
+  return o;
+}
 
 struct SequenceInfo {
   uint64_t id = 0;
@@ -94,34 +92,6 @@ struct SequenceInfo {
   uint64_t cached_tokens = 0;
   absl::Duration lease_ttl = absl::ZeroDuration();  // zero: no lease
   uint64_t compactions = 0;  // heavy-hitter retention: times the kept tokens were compacted
-};
-
-// What a model's sequences did, counted as it happens: the figures Stats reports for the model
-// and for each tenant (every one kept per tenant and in all, nothing scans the sequences).
-struct Activity {
-  uint64_t prefix_query_tokens = 0;  // prompt tokens looked up at create
-  uint64_t prefix_hit_tokens = 0;    // of those, attached from the cache
-  uint64_t sequences = 0;            // live
-  uint64_t tokens_stored = 0;        // sum of the live sequences' lengths
-  uint64_t appends = 0;              // committed
-  uint64_t fetches = 0;              // readers handed out (by sequence or by block hash)
-  uint64_t bytes_appended = 0;
-  uint64_t bytes_fetched = 0;
-  uint64_t leases_expired = 0;
-};
-
-// One tenant's own figures in one model: nothing here depends on what other tenants do.
-struct TenantStats : Activity {
-  std::string tenant;
-  uint64_t blocks_referenced = 0;  // blocks on the tenant's quota: referenced or pinned
-  uint64_t max_blocks = 0;         // its block quota (0: none)
-  uint64_t max_sequences = 0;      // its live-sequence limit (0: only the model's max_sequences)
-};
-
-// Per-tenant limits in one model (0: none).
-struct TenantLimits {
-  uint64_t max_blocks = 0;     // blocks referenced by its sequences and readers, plus its pins
-  uint64_t max_sequences = 0;  // live sequences at once
 };
 
 // Stats() for an admin: the model's totals, every tenant's row. Stats(&tenant) is what that
@@ -169,12 +139,6 @@ struct FetchSpec {
   // The caller moves the payload with FetchReader::ReadToDevice: the reader stages nothing at its
   // start (TransferSpec::device_payload).
   bool device_dest = false;
-};
-
-// A range of KV heads, resolved against a model (SequenceStore::ResolveHeads).
-struct HeadRange {
-  uint32_t begin = 0;
-  uint32_t count = 0;  // 0: every head
 };
 
 class SequenceStore;
@@ -245,46 +209,17 @@ class AppendTxn {
   bool done_ = false;
 };
 
-// A consistent read of a token range x layer range. Holds references on the blocks it reads, so
-// the rows it reads stay as they were until the reader is destroyed: appends write only rows
-// past the lengths (other layers of the same blocks, as a prefill streams layer by layer, go in
-// place), and copy first a block whose rows a reader may hold past them (after a truncate, or an
-// fp8 rescale). Not thread-safe.
-class FetchReader {
- public:
-  uint64_t payload_bytes() const { return reader_->spec().payload.total_bytes; }
-  uint64_t token_begin() const { return token_begin_; }
-  uint64_t num_tokens() const { return reader_->spec().payload.num_tokens; }
-  uint32_t layer_begin() const { return reader_->spec().payload.layer_begin; }
-  uint32_t layer_end() const { return reader_->spec().payload.layer_end; }
-  DType dtype() const { return reader_->spec().dtype; }  // of the payload
-  // The kv heads the payload holds: [kv_head_begin(), kv_head_end()).
-  uint32_t kv_head_begin() const { return kv_head_begin_; }
-  uint32_t kv_head_end() const { return kv_head_end_; }
-  // Copies (or dequantizes) payload bytes [offset, offset + out.size()) into `out`. Any order;
-  // in order is cheapest on staged memory (each piece of whole layers is read from the device
-  // once). INTERNAL when the device fails; never fails on host memory.
-  // REQUIRES: offset + out.size() <= payload_bytes().
-  absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) { return reader_->Read(offset, out); }
-  // The whole payload into device memory on the pool's device with room for payload_bytes()
-  // (PayloadReader::ReadToDevice: the kernels write it in place). FAILED_PRECONDITION unless the
-  // pool is cuda:N; INTERNAL when the device fails.
-  absl::Status ReadToDevice(uint8_t* device_out) { return reader_->ReadToDevice(device_out); }
-
- private:
-  friend class SequenceStore;
-  FetchReader() = default;
-  uint64_t token_begin_ = 0;
-  uint32_t kv_head_begin_ = 0, kv_head_end_ = 0;
-  std::vector<BlockRef> refs_;  // blocks covering the range: they stay as they are meanwhile
-  std::unique_ptr<PayloadReader> reader_;
-};
-
-// Thread-safe. Lock order: mu_, then BlockPool's lock. mu_ guards metadata only (tables,
-// references, lengths, leases, publishing): every byte move (transfers, copy-on-write and fork
-// copies, compaction, attention, and the copies into a tier of the blocks an allocation evicts:
-// BlockPool::DeferEvictions) runs outside it and the pool's lock, on blocks its caller holds
-// references to. Both are CoreLocks (core_lock.h): the copy paths check that neither is held.
+// One model's sequences: their lifecycle (create, fork, truncate, free, leases) and the
+// transactions that move their KV (appends, fetches, waits, attention). The parts it is built
+// from each own their state and lock: the tenants' figures and limits (tenants()), the cached
+// blocks and the tiers (prefix()), the waiters of WhenCommitted, how transfers are planned.
+//
+// Thread-safe. Lock order: mu_, then CommitWaiters' and StoreTenants' locks, then BlockPool's.
+// mu_ guards sequence metadata only (tables, references, lengths, leases, publishing): every
+// byte move (transfers, copy-on-write and fork copies, compaction, attention, and the copies
+// into a tier of the blocks an allocation evicts: BlockPool::DeferEvictions) runs outside it and
+// the pool's lock, on blocks its caller holds references to. Both are CoreLocks (core_lock.h):
+// the copy paths check that neither is held.
 class SequenceStore {
  public:
   // `layout` must be valid (ValidateLayout) and match the pool's block layout. `events` is the
@@ -297,19 +232,16 @@ class SequenceStore {
   ~SequenceStore();
 
   const ModelLayout& layout() const { return layout_; }
-  const BlockLayout& block_layout() const { return pool_->layout(); }
   const StoreOptions& options() const { return options_; }
-  BlockPool& pool() { return *pool_; }
-  const BlockPool& pool() const { return *pool_; }
+  BlockPool& pool() const { return *pool_; }
+  // The cached blocks: look-ups, reads and pins by hash, the tiers, the event log.
+  PrefixCache& prefix() const { return *prefix_; }
+  // Per-tenant figures and limits (block quota, live sequences).
+  StoreTenants& tenants() const { return *tenants_; }
 
-  // A new empty sequence. lease: nullopt = the default lease, zero = no lease (lives until freed).
-  absl::StatusOr<SequenceInfo> Create(std::optional<absl::Duration> lease) {
-    CreateOptions o;
-    o.lease = lease;
-    return Create(o);
-  }
   // A new sequence; with a prompt, the longest run of its full blocks found in the prefix index
-  // is attached (SequenceInfo::cached_tokens) and the ids are remembered.
+  // (or a tier below the pool) is attached (SequenceInfo::cached_tokens) and the ids are
+  // remembered.
   absl::StatusOr<SequenceInfo> Create(const CreateOptions& options);
   absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppend(const AppendSpec& spec);
   // BeginAppend + one Write + Commit.
@@ -326,7 +258,7 @@ class SequenceStore {
                                          std::function<void(absl::Status)> ready);
   // Drops a waiter. True when it was still waiting (its `ready` never runs); false when `ready`
   // has run or is running.
-  bool CancelWait(uint64_t waiter);
+  bool CancelWait(uint64_t waiter) { return waiters_->Cancel(waiter); }
   // The new sequence shares every full block and gets a private copy of the partial one.
   // Every call on a sequence names the caller's tenant: another tenant's sequence answers exactly
   // like one that never existed (NOT_FOUND).
@@ -362,50 +294,6 @@ class SequenceStore {
   absl::Status Attend(const AttendOptions& options, absl::Span<const AttendItem> items,
                       absl::Span<float> out, absl::Span<float> lse);
 
-  // Cached tokens at the start of each prompt, for `tenant`, in the pool or a tier below it. No
-  // side effects.
-  std::vector<uint64_t> Match(const std::string& tenant, const std::vector<MatchQuery>& queries);
-  // The same, with where the tokens are.
-  std::vector<MatchResult> MatchTiers(const std::string& tenant,
-                                      const std::vector<MatchQuery>& queries);
-  // Brings the queries' blocks found in a tier below the pool back into it (as a Create with
-  // the prompt would, without a sequence): they are cached in the pool afterwards. Returns how
-  // many blocks it promoted. Blocks (disk reads): call off any thread that must not wait.
-  size_t Prefetch(const std::string& tenant, const std::vector<MatchQuery>& queries);
-  TierCache* tiers() const { return tiers_.get(); }
-  // Warm restart: writes every cached block of the pool (then the host tier's) that the disk
-  // tier lacks to it, until `deadline`, waits for queued writes and syncs the file. Returns how
-  // many blocks were written; 0 without a disk tier. Meant for after a drain: appends and
-  // promotions still running may or may not make it.
-  size_t FlushToDisk(absl::Time deadline);
-  // The root hash of `tenant`'s prompts with this salt (what a router computes hashes from).
-  BlockHash Root(const std::string& tenant, const std::string& cache_salt) const;
-  // A reader over the longest run of leading `hashes` that `tenant` has cached: full blocks,
-  // layers [layer_begin, layer_end). NOT_FOUND when not even the first is cached. No side
-  // effects on the eviction order. device_dest: as FetchSpec's (the reader stages nothing on
-  // the host; its payload goes to device memory with ReadToDevice).
-  absl::StatusOr<std::unique_ptr<FetchReader>> FetchBlocks(
-      const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
-      std::optional<uint32_t> layer_end, std::optional<DType> dtype = std::nullopt,
-      uint32_t kv_head_begin = 0, std::optional<uint32_t> kv_head_end = std::nullopt,
-      bool device_dest = false);
-  // kv heads [begin, end) of this model (end unset: num_kv_heads): INVALID_ARGUMENT unless
-  // begin < end <= num_kv_heads. Every head for MLA (one latent head that every rank reads).
-  absl::StatusOr<HeadRange> ResolveHeads(uint32_t begin, std::optional<uint32_t> end) const;
-  // Pins (pin) or unpins the tenant's cached blocks with these hashes; returns how many matched
-  // (a pin past the tenant's quota is not taken: pinned blocks count on it).
-  size_t Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin);
-  // Per-tenant block quota (0: none): blocks the tenant's sequences and readers reference plus
-  // the blocks it pinned. Same as SetTenantLimits with only max_blocks changed.
-  void SetTenantQuota(const std::string& tenant, uint64_t max_blocks);
-  // Sets both of the tenant's limits. Create and Fork past max_sequences are RESOURCE_EXHAUSTED
-  // naming the tenant's limit; sequences it already holds stay.
-  void SetTenantLimits(const std::string& tenant, const TenantLimits& limits);
-  // Drops cached blocks older than the prefix-cache TTL (if one is set); returns how many.
-  size_t ExpireCache(absl::Time now);
-  // Drops every unpinned cached block.
-  size_t ClearCache() { return pool_->ClearCache(); }
-  KvEventLog* events() const { return events_.get(); }
   // The model is going (dropped from its registry): every live sequence is freed now (an append
   // in flight releases its blocks when it ends), every waiter ends FAILED_PRECONDITION, and so
   // does every later Create, Fork and call on a sequence, each naming `reason` (e.g. "model 'm'
@@ -422,8 +310,8 @@ class SequenceStore {
   // sequences change, nothing scans the sequences.
   StoreStats Stats(const std::string* tenant = nullptr) const;
   // For tests: pool invariants plus: every live sequence's table covers its lengths and holds
-  // valid references; the counters Stats reads (sequences and tokens per tenant and in all)
-  // equal a full recount. Empty string when all hold.
+  // valid references; the counters Stats reads (sequences and tokens per tenant) equal a full
+  // recount. Empty string when all hold.
   std::string CheckInvariants() const;
 
  private:
@@ -434,17 +322,6 @@ class SequenceStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes and publishes every block that became full in all layers with known token ids.
   void PublishFullBlocks(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Brings the blocks of `hashes` that follow its leading run in the pool and sit in a tier
-  // below back into the pool, published (one allocation, disk reads in parallel), stopping at
-  // the first block in neither. Answers references on the whole leading run now in the pool,
-  // which the caller holds until it attached them. Outside mu_: it reads disks.
-  // touch false: the run already in the pool keeps its place in the eviction order (a read by
-  // hash, not a reuse).
-  // Without a block to promote it takes no reference and answers nothing. *promoted (when not
-  // null): how many blocks it brought up.
-  std::vector<BlockRef> PromoteFromTiers(const std::string& tenant,
-                                         absl::Span<const BlockHash> hashes, bool touch = true,
-                                         size_t* promoted = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Heavy-hitter retention's move of the kept tokens into fresh blocks: planned under mu_, the
   // rows copied outside it, applied under it again (sequence_store_retention.cc).
   struct Compaction {
@@ -459,76 +336,42 @@ class SequenceStore {
   std::optional<Compaction> Retain(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The compaction's rows are copied: the sequence keeps only its kept tokens.
   void ApplyCompaction(Sequence& s, Compaction c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What Stats reports of one tenant, kept up to date where it changes (under mu_).
-  struct TenantCounters : Activity {
-    uint64_t max_sequences = 0;  // 0: none
-  };
   // RESOURCE_EXHAUSTED when `tenant` may not have one more live sequence (its own limit, then
-  // the model's max_sequences).
+  // the model's max_sequences); FAILED_PRECONDITION once the model is closed.
   absl::Status AdmitSequence(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Brings the token counters in line with s.Length() (s.counted_length is what they hold).
   // Called after every change of a live sequence's lengths.
   void Account(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A reader was handed to `tenant`.
-  void CountFetch(const std::string& tenant, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  TenantStats TenantRow(const std::string& name, const TenantCounters& c) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> ResolveLease(std::optional<absl::Duration> lease) const;
   uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SeqPtr Insert(absl::Duration lease, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Renew(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SequenceInfo Info(const Sequence& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Waiters of WhenCommitted, per sequence id.
-  struct Waiter {
-    uint64_t id = 0;
-    uint32_t layer_begin = 0, layer_end = 0, head_begin = 0, head_end = 0;
-    uint64_t tokens = 0;
-    std::function<void(absl::Status)> ready;
-  };
-  using Fired = std::vector<std::pair<std::function<void(absl::Status)>, absl::Status>>;
-  // Tokens every (layer, head) of the ranges holds.
-  uint64_t Available(const Sequence& s, uint32_t l0, uint32_t l1, uint32_t h0, uint32_t h1) const;
+  // Tokens every (layer, head) of the range holds.
+  uint64_t Available(const Sequence& s, const WaitRange& r) const;
   // Takes the waiters of sequence `id` whose tokens are committed now, or all of them when it is
-  // gone, for Fire to call outside the lock.
-  void TakeReadyWaiters(uint64_t id, Fired* fired) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static void Fire(Fired fired);
+  // gone, for CommitWaiters::Fire to call outside the lock.
+  void TakeReadyWaiters(uint64_t id, CommitWaiters::Fired* fired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An append over `region_id` ended (committed or not): the region goes; when it was the last
   // thing in flight, a freed sequence's blocks go, and blocks past the lengths (new blocks of
   // appends that did not commit) go back.
   void EndAppend(Sequence& s, uint64_t region_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `s` from the live set, leaving a tombstone with `reason`; its blocks go now, or when
-  // its append in flight ends.
+  // its append in flight ends. lease_expired: counted as an expiry.
   // Takes `s` by value: callers often pass the map's own entry, which this erases.
-  uint64_t Remove(SeqPtr s, std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // How a transfer of layers [l0, l1) travels: its dtype (DefaultWireDType when none is asked
-  // for) and mode (TransferMode: a plain copy when every layer stores exactly that dtype; a
-  // conversion for appends in a layer's storage dtype or the model's input dtype, and fetches in
-  // fp32 / fp16 / bf16; the storage format for a quantized dtype every layer of the range
-  // stores).
-  struct Plan {
-    DType dtype;
-    TransferMode mode;
-  };
-  absl::StatusOr<Plan> PlanTransfer(uint32_t l0, uint32_t l1, std::optional<DType> requested,
-                                    bool append) const;
-  // The transfer of n tokens from token_begin, layers [l0, l1), through `table`.
-  TransferSpec MakeTransfer(const Plan& plan, uint32_t l0, uint32_t l1, uint64_t token_begin,
-                            uint64_t n, std::vector<int32_t> table, HeadRange heads = {}) const;
-  // INVALID_ARGUMENT unless [l0, l1) is a non-empty range of the model's layers.
-  absl::Status CheckLayerRange(uint32_t l0, uint32_t l1) const;
+  uint64_t Remove(SeqPtr s, std::string reason, bool lease_expired = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ModelLayout layout_;
   const std::unique_ptr<KvEventLog> events_;  // declared before pool_: outlives it
   const std::unique_ptr<TierCache> tiers_;    // the pool's eviction sink: outlives it too
   const std::unique_ptr<BlockPool> pool_;
   const StoreOptions options_;
-  // Spill-ahead (with tiers): while the pool is nearly full, its coldest cached blocks are
-  // copied down a tier before they are evicted, so evictions copy nothing on the caller's path.
-  void SpillLoop();
-  void StopSpilling();
-  absl::Notification spill_stop_;
-  std::thread spiller_;
-  const std::string fingerprint_;
+  const TransferPlanner planner_;
+  const std::unique_ptr<StoreTenants> tenants_;
+  const std::unique_ptr<CommitWaiters> waiters_;
+  const std::unique_ptr<PrefixCache> prefix_;  // declared after the pool: its thread stops first
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, SeqPtr> live_ ABSL_GUARDED_BY(mu_);
@@ -537,18 +380,10 @@ class SequenceStore {
     std::string reason;
   };
   absl::flat_hash_map<uint64_t, Tombstone> tombstones_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, TenantCounters> tenant_counters_ ABSL_GUARDED_BY(mu_);
   std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
   uint64_t id_state_ ABSL_GUARDED_BY(mu_);
-  uint64_t leases_expired_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t last_append_region_ ABSL_GUARDED_BY(mu_) = 0;  // AppendRegion ids
-  absl::flat_hash_map<uint64_t, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, uint64_t> waiter_sequence_ ABSL_GUARDED_BY(mu_);  // waiter -> seq
-  uint64_t last_waiter_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t tokens_stored_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live sequences' Length()
-  std::string closed_ ABSL_GUARDED_BY(mu_);          // Close's reason; empty while open
-
-  std::atomic<uint64_t> appends_{0}, fetches_{0}, bytes_appended_{0}, bytes_fetched_{0};
+  std::string closed_ ABSL_GUARDED_BY(mu_);               // Close's reason; empty while open
 };
 
 }  // namespace kvbank

@@ -104,7 +104,7 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
       indices.insert(indices.end(), per[i].indices.begin(), per[i].indices.end());
       indptr.push_back(static_cast<int32_t>(indices.size()));
       lengths.push_back(per[i].length);
-      views.push_back(block_layout().layers[items[i].layer]);
+      views.push_back(pool_->layout().layers[items[i].layer]);
       q.insert(q.end(), items[i].query.begin(), items[i].query.end());
       if (per[i].heavy_hitter) probs[i].assign(per[i].length, 0.f);
       g_probs.push_back(per[i].heavy_hitter ? probs[i].data() : nullptr);
@@ -112,7 +112,7 @@ absl::Status SequenceStore::Attend(const AttendOptions& o, absl::Span<const Atte
     if (indices.empty()) indices.push_back(0);  // every item is empty: no index is read
     kernels::DecodeAttentionParams p;
     p.kv.pool = pool_->base();
-    p.kv.block_bytes = block_layout().block_bytes;
+    p.kv.block_bytes = pool_->layout().block_bytes;
     p.kv.layers = views.data();
     p.kv.indptr = indptr.data();
     p.kv.indices = indices.data();

@@ -40,7 +40,7 @@ std::optional<SequenceStore::Compaction> SequenceStore::Retain(Sequence& s) {
   for (uint64_t t = n - p.window; t < n; ++t) c.keep.push_back(t);
   std::sort(c.keep.begin(), c.keep.end());
 
-  const BlockLayout& b = block_layout();
+  const BlockLayout& b = pool_->layout();
   auto fresh = pool_->Allocate(CeilDiv(c.keep.size(), bt), s.tenant_id);
   if (!fresh.ok()) return std::nullopt;  // NOTE: no room to compact now; the next append tries
   c.fresh = *std::move(fresh);

@@ -15,18 +15,14 @@
 
 namespace kvbank {
 
-absl::Status SequenceStore::CheckLayerRange(uint32_t l0, uint32_t l1) const {
-  if (l1 > layout_.num_layers || l0 >= l1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer range [", l0, ", ", l1, ") is empty or outside [0, ", layout_.num_layers, ")"));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const AppendSpec& spec) {
-  const uint32_t l0 = spec.layer_begin;
-  const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
-  if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
+  auto wire = planner_.Plan(
+      {spec.layer_begin, spec.layer_end, spec.kv_head_begin, spec.kv_head_end, spec.dtype},
+      /*append=*/true);
+  if (!wire.ok()) return wire.status();
+  const uint32_t l0 = wire->layer_begin, l1 = wire->layer_end;
+  const uint32_t h0 = wire->head_begin, h1 = wire->head_end;
+  const uint32_t num_heads = layout_.num_kv_heads;
   if (spec.num_tokens == 0) return absl::InvalidArgumentError("num_tokens is 0: empty append");
   if (spec.num_tokens > options_.max_tokens_per_sequence) {
     return absl::InvalidArgumentError(absl::StrCat("num_tokens ", spec.num_tokens,
@@ -37,12 +33,6 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     return absl::InvalidArgumentError(absl::StrCat("token_ids has ", spec.token_ids.size(),
                                                    " ids for num_tokens ", spec.num_tokens));
   }
-  auto heads = ResolveHeads(spec.kv_head_begin, spec.kv_head_end);
-  if (!heads.ok()) return heads.status();
-  const uint32_t num_heads = layout_.num_kv_heads;
-  const uint32_t h0 = heads->begin, h1 = heads->count == 0 ? num_heads : h0 + heads->count;
-  auto wire = PlanTransfer(l0, l1, spec.dtype, /*append=*/true);
-  if (!wire.ok()) return wire.status();
 
   const uint64_t bt = layout_.block_tokens;
   std::unique_ptr<AppendTxn> txn(new AppendTxn());  // before the locks: its undo takes mu_
@@ -185,7 +175,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
       src.push_back(cow_sources[j].id());
       dst.push_back(copies[j].id());
     }
-    const absl::Status c = pool_->memory().CopyBlocks(src, dst, block_layout().block_bytes);
+    const absl::Status c = pool_->memory().CopyBlocks(src, dst, pool_->layout().block_bytes);
     CoreLock lock(&mu_);
     s->table_copying = false;
     // Failing drops the transaction (after the lock), which undoes everything.
@@ -200,7 +190,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
 
   AppendTxn* t = txn.get();
   auto writer = pool_->memory().BeginWrite(
-      block_layout(), MakeTransfer(*wire, l0, l1, pos, spec.num_tokens, std::move(table), *heads),
+      pool_->layout(), planner_.Make(*wire, pos, spec.num_tokens, std::move(table)),
       [t](uint64_t index) { return t->MakePrivate(index); });
   if (!writer.ok()) return writer.status();
   txn->writer_ = *std::move(writer);
@@ -234,8 +224,8 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   Sequence& s = *seq_;
   const uint32_t num_heads = st.layout_.num_kv_heads;
   // Fetches waiting for these tokens (WhenCommitted) start once the locks below are released.
-  SequenceStore::Fired fired;
-  absl::Cleanup wake = [&] { SequenceStore::Fire(std::move(fired)); };
+  CommitWaiters::Fired fired;
+  absl::Cleanup wake = [&] { CommitWaiters::Fire(std::move(fired)); };
   const uint64_t n = spec_.num_tokens;
   std::optional<SequenceStore::Compaction> compaction;
   BlockPool::DeferEvictions evictions(st.pool_.get());  // the compaction's blocks, after mu_
@@ -292,11 +282,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     st.PublishFullBlocks(s);
     compaction = st.Retain(s);
     st.Account(s);
-    SequenceStore::TenantCounters& c = st.tenant_counters_[s.tenant];
-    ++c.appends;
-    c.bytes_appended += written;
-    st.appends_.fetch_add(1, std::memory_order_relaxed);
-    st.bytes_appended_.fetch_add(written, std::memory_order_relaxed);
+    st.tenants_->Appended(s.tenant, written);
     if (!compaction.has_value()) {
       st.EndAppend(s, /*region_id=*/0);
       st.TakeReadyWaiters(s.id, &fired);
@@ -307,7 +293,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
   // The append is visible; no other append, truncate or expiry runs while the kept rows are
   // copied outside the lock.
   evictions.Run();
-  const absl::Status copied = st.pool_->memory().CopyRows(st.block_layout(), compaction->rows);
+  const absl::Status copied = st.pool_->memory().CopyRows(st.pool_->layout(), compaction->rows);
   compaction->sources.clear();
   CoreLock lock(&st.mu_);
   s.compacting = false;
@@ -345,7 +331,7 @@ absl::StatusOr<int32_t> AppendTxn::MakePrivate(uint64_t index) {
   // exclusive (AppendRegion): no other writes into the block meanwhile.
   const int32_t src = table[index], dst = copy.id();
   if (absl::Status c =
-          st.pool_->memory().CopyBlocks({&src, 1}, {&dst, 1}, st.block_layout().block_bytes);
+          st.pool_->memory().CopyBlocks({&src, 1}, {&dst, 1}, st.pool_->layout().block_bytes);
       !c.ok()) {
     return c;
   }
@@ -391,14 +377,13 @@ absl::StatusOr<SequenceInfo> SequenceStore::Append(const AppendSpec& spec,
 }
 
 absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const FetchSpec& spec) {
-  const uint32_t l0 = spec.layer_begin;
-  const uint32_t l1 = spec.layer_end.value_or(layout_.num_layers);
-  if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
-  auto wire = PlanTransfer(l0, l1, spec.dtype, /*append=*/false);
+  auto wire = planner_.Plan(
+      {spec.layer_begin, spec.layer_end, spec.kv_head_begin, spec.kv_head_end, spec.dtype},
+      /*append=*/false);
   if (!wire.ok()) return wire.status();
-  auto heads = ResolveHeads(spec.kv_head_begin, spec.kv_head_end);
-  if (!heads.ok()) return heads.status();
-  std::unique_ptr<FetchReader> r(new FetchReader());
+  const uint32_t l0 = wire->layer_begin, l1 = wire->layer_end;
+  const uint32_t h0 = wire->head_begin, h1 = wire->head_end;
+  std::vector<BlockRef> refs;
   std::vector<int32_t> table;
   uint64_t n = 0;
   {
@@ -408,9 +393,7 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
     Sequence& s = **found;
     // The tokens every requested head of every requested layer holds: a rank may read its heads
     // once its prefill counterpart wrote them, before the other ranks did theirs.
-    const uint32_t h0 = heads->begin;
-    const uint32_t h1 = heads->count == 0 ? layout_.num_kv_heads : h0 + heads->count;
-    const uint64_t avail = Available(s, l0, l1, h0, h1);
+    const uint64_t avail = Available(s, WaitRange{l0, l1, h0, h1, 0});
     const uint64_t t1 = spec.token_end.value_or(avail);
     if (spec.token_begin > t1 || t1 > avail) {
       return absl::OutOfRangeError(absl::StrCat("token range [", spec.token_begin, ", ", t1,
@@ -426,101 +409,20 @@ absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::BeginFetch(const Fet
             absl::StrCat("token range [", spec.token_begin, ", ", t1, ") reaches tokens [", i * bt,
                          ", ", (i + 1) * bt, ") the sequence's sliding window released"));
       }
-      r->refs_.push_back(pool_->Share(s.table.at(i)));
+      refs.push_back(pool_->Share(s.table.at(i)));
       table[i] = s.table.at(i).id();
     }
-    r->token_begin_ = spec.token_begin;
     n = t1 - spec.token_begin;
     Renew(s);
   }
-  TransferSpec t = MakeTransfer(*wire, l0, l1, r->token_begin_, n, std::move(table), *heads);
+  TransferSpec t = planner_.Make(*wire, spec.token_begin, n, std::move(table));
   t.device_payload = spec.device_dest;  // read into device memory: nothing staged on the host
-  auto reader = pool_->memory().BeginRead(block_layout(), std::move(t));
+  auto reader = pool_->memory().BeginRead(pool_->layout(), std::move(t));
   if (!reader.ok()) return reader.status();
-  r->reader_ = *std::move(reader);
-  r->kv_head_begin_ = heads->begin;
-  r->kv_head_end_ = heads->count == 0 ? layout_.num_kv_heads : heads->begin + heads->count;
-  CountFetch(spec.tenant, r->payload_bytes());
+  auto r =
+      std::make_unique<FetchReader>(std::move(refs), *std::move(reader), spec.token_begin, h0, h1);
+  tenants_->Fetched(spec.tenant, r->payload_bytes());
   return r;
-}
-
-void SequenceStore::CountFetch(const std::string& tenant, uint64_t bytes) {
-  fetches_.fetch_add(1, std::memory_order_relaxed);
-  bytes_fetched_.fetch_add(bytes, std::memory_order_relaxed);
-  CoreLock lock(&mu_);
-  TenantCounters& c = tenant_counters_[tenant];
-  ++c.fetches;
-  c.bytes_fetched += bytes;
-}
-
-absl::StatusOr<HeadRange> SequenceStore::ResolveHeads(uint32_t begin,
-                                                      std::optional<uint32_t> end) const {
-  if (layout_.kind == AttentionKind::kMla) return HeadRange{};
-  const uint32_t e = end.value_or(layout_.num_kv_heads);
-  if (begin >= e || e > layout_.num_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("kv head range [", begin, ", ", e,
-                                                   ") is empty or outside the model's ",
-                                                   layout_.num_kv_heads, " kv heads"));
-  }
-  if (begin == 0 && e == layout_.num_kv_heads) return HeadRange{};
-  return HeadRange{begin, e - begin};
-}
-
-TransferSpec SequenceStore::MakeTransfer(const Plan& plan, uint32_t l0, uint32_t l1,
-                                         uint64_t token_begin, uint64_t n,
-                                         std::vector<int32_t> table, HeadRange heads) const {
-  TransferSpec t;
-  t.mode = plan.mode;
-  t.dtype = plan.dtype;
-  t.token_begin = token_begin;
-  if (heads.count != 0) t.heads = block_layout().Heads(heads.begin, heads.count);
-  const BlockLayout& b = t.heads ? *t.heads : block_layout();
-  switch (plan.mode) {
-    case TransferMode::kPlain:
-      t.payload = PayloadLayout::Make(b, l0, l1, n);
-      break;
-    case TransferMode::kConvert:
-      t.payload = PayloadLayout::Make(b, l0, l1, n, plan.dtype);
-      break;
-    case TransferMode::kStorage:
-      t.payload = PayloadLayout::MakeStorage(b, l0, l1, token_begin, n);
-      break;
-  }
-  t.table = std::move(table);
-  t.staging_bytes = pool_->staging_bytes();
-  return t;
-}
-
-absl::StatusOr<SequenceStore::Plan> SequenceStore::PlanTransfer(uint32_t l0, uint32_t l1,
-                                                                std::optional<DType> requested,
-                                                                bool append) const {
-  const DType wire = requested.value_or(DefaultWireDType(layout_, l0, l1));
-  if (IsQuantized(wire)) {
-    // The storage format: every layer of the range must store exactly this dtype.
-    for (uint32_t l = l0; l < l1; ++l) {
-      if (layout_.layer_dtypes[l] != wire) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("dtype ", DTypeName(wire), " (storage format) but layer ", l, " stores ",
-                         DTypeName(layout_.layer_dtypes[l]),
-                         "; transfer fp32, fp16 or bf16, or a layer range "
-                         "that stores ",
-                         DTypeName(wire)));
-      }
-    }
-    return Plan{wire, TransferMode::kStorage};
-  }
-  bool plain = true;
-  for (uint32_t l = l0; l < l1; ++l) {
-    const DType stored = layout_.layer_dtypes[l];
-    if (stored == wire) continue;
-    plain = false;
-    if (append && wire != layout_.input_dtype) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dtype ", DTypeName(wire), " does not match layer ", l, " storage dtype ",
-          DTypeName(stored), " nor the model's input dtype ", DTypeName(layout_.input_dtype)));
-    }
-  }
-  return Plan{wire, plain ? TransferMode::kPlain : TransferMode::kConvert};
 }
 
 }  // namespace kvbank

@@ -227,14 +227,14 @@ absl::Status RegisterModels(const std::vector<v1::ModelSpec>& specs,
     log::Info("model_registered")
             .Field("model", s.name())
             .Field("blocks", blocks)
-            .Field("block_bytes", r->model->block_layout().block_bytes)
+            .Field("block_bytes", r->model->pool().layout().block_bytes)
             .Field("tokens", blocks * r->model->layout().block_tokens)
             .Field("memory", r->model->pool().memory().name())
         << "model '" << s.name() << "': " << blocks << " blocks of "
-        << r->model->block_layout().block_bytes << " bytes ("
+        << r->model->pool().layout().block_bytes << " bytes ("
         << blocks * r->model->layout().block_tokens << " tokens), "
         << r->model->pool().memory().name() << " memory";
-    if (const TierCache* t = r->model->tiers(); t != nullptr) {
+    if (const TierCache* t = r->model->prefix().tiers(); t != nullptr) {
       const TierStats ts = t->Stats();
       log::Info("tiers_opened")
               .Field("model", s.name())

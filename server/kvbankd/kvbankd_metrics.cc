@@ -254,9 +254,9 @@ void KvbankdMetrics::CollectModels(std::vector<FamilySnapshot>* out) const {
                 "Watch streams woken to read new KV events (only streams that may see them).",
                 MetricType::kCounter);
   for (const auto& store : models_->List()) {
-    if (store->events() == nullptr) continue;
+    if (store->prefix().events() == nullptr) continue;
     wakeups->samples.push_back(
-        {"", {{"model", store->layout().name}}, double(store->events()->notifications())});
+        {"", {{"model", store->layout().name}}, double(store->prefix().events()->notifications())});
   }
 }
 

@@ -240,10 +240,10 @@ void Drain(rpc::KvBankService& service, const Served& served, int port, absl::Ti
 // time, so the next start serves them.
 void FlushTiers(const ModelRegistry& registry, absl::Time deadline) {
   for (const auto& model : registry.List()) {
-    if (model->tiers() == nullptr || !model->tiers()->has_disk()) continue;
+    if (model->prefix().tiers() == nullptr || !model->prefix().tiers()->has_disk()) continue;
     const absl::Time flush_start = absl::Now();
-    const size_t written = model->FlushToDisk(deadline);
-    const TierStats t = model->tiers()->Stats();
+    const size_t written = model->prefix().FlushToDisk(deadline);
+    const TierStats t = model->prefix().tiers()->Stats();
     log::Info("tier_flush")
             .Field("model", model->layout().name)
             .Field("blocks_written", uint64_t(written))

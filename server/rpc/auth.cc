@@ -132,7 +132,7 @@ void Authenticator::ApplyQuotas(SequenceStore& model) const {
       limits.max_blocks = std::max<uint64_t>(1, static_cast<uint64_t>(blocks));
     }
     limits.max_sequences = p.max_sequences > 0 ? p.max_sequences : share;
-    model.SetTenantLimits(name, limits);
+    model.tenants().SetLimits(name, limits);
   }
 }
 

@@ -151,12 +151,12 @@ void ToProto(const SequenceStore& model, v1::ModelInfo* out) {
   s->set_max_tokens_per_sequence(model.options().max_tokens_per_sequence);
   s->set_enable_prefix_caching(model.pool().prefix_caching());
   out->set_fingerprint(LayoutFingerprint(m));
-  out->set_block_bytes(model.block_layout().block_bytes);
+  out->set_block_bytes(model.pool().layout().block_bytes);
   out->set_num_blocks(model.pool().num_blocks());
   out->set_device(model.pool().memory().name());
   // What one token of an append in the default dtype takes: the input dtype for quantized or
   // mixed layers (DefaultWireDType), not the storage width.
-  const BlockLayout& b = model.block_layout();
+  const BlockLayout& b = model.pool().layout();
   out->set_payload_bytes_per_token(
       PayloadLayout::Make(b, 0, b.num_layers(), 1, DefaultWireDType(m, 0, m.num_layers))
           .total_bytes);
@@ -174,7 +174,7 @@ void ToProto(const SequenceInfo& info, const std::string& model, v1::SequenceInf
 }
 
 void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* out) {
-  const uint64_t block_bytes = model.block_layout().block_bytes;
+  const uint64_t block_bytes = model.pool().layout().block_bytes;
   out->set_model(model.layout().name);
   out->set_blocks_total(st.pool.total);
   out->set_blocks_free(st.pool.free);

@@ -247,7 +247,7 @@ grpc::ServerUnaryReactor* KvBankService::CreateSequence(Ctx* ctx, const Raw* raw
         if (!model.ok()) return model.status();
         auto options = ToCreateOptions(req, caller.tenant);
         if (!options.ok()) return options.status();
-        const TierCache* tiers = (*model)->tiers();
+        const TierCache* tiers = (*model)->prefix().tiers();
         Work<Response> w;
         w.on_worker = false;
         if (!req.prompt_token_ids().empty() && tiers != nullptr) {
@@ -258,7 +258,7 @@ grpc::ServerUnaryReactor* KvBankService::CreateSequence(Ctx* ctx, const Raw* raw
             q.tokens = options->prompt;
             q.cache_salt = options->cache_salt;
             q.extra_keys = options->extra_keys;
-            w.on_worker = (*model)->MatchTiers(caller.tenant, {q})[0].disk_tokens > 0;
+            w.on_worker = (*model)->prefix().MatchTiers(caller.tenant, {q})[0].disk_tokens > 0;
           }
         }
         w.run = [store = *std::move(model), o = *std::move(options), name = req.model()](
@@ -297,7 +297,7 @@ grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* ou
           queries.push_back(std::move(m));
         }
         bool in_tiers = false;
-        for (const MatchResult& r : (*model)->MatchTiers(caller.tenant, queries)) {
+        for (const MatchResult& r : (*model)->prefix().MatchTiers(caller.tenant, queries)) {
           resp->add_cached_tokens(r.tokens);
           resp->add_pool_tokens(r.pool_tokens);
           resp->add_host_tokens(r.host_tokens);
@@ -316,7 +316,7 @@ grpc::ServerUnaryReactor* KvBankService::Match(Ctx* ctx, const Raw* raw, Raw* ou
               ->Submit(
                   caller.tenant, WorkClass::kBackground,
                   [store = *std::move(model), tenant = caller.tenant,
-                   queries = std::move(queries)] { store->Prefetch(tenant, queries); },
+                   queries = std::move(queries)] { store->prefix().Prefetch(tenant, queries); },
                   blocks)
               .IgnoreError();
         }
@@ -338,14 +338,14 @@ grpc::ServerUnaryReactor* KvBankService::Pin(Ctx* ctx, const Raw* raw, Raw* out)
           if (!keys.ok()) return keys.status();
           const std::vector<uint32_t> tokens(req.token_ids().begin(), req.token_ids().end());
           *hashes = PrefixHashes((*model)->options().hash,
-                                 (*model)->Root(caller.tenant, req.cache_salt()), tokens,
+                                 (*model)->prefix().Root(caller.tenant, req.cache_salt()), tokens,
                                  (*model)->layout().block_tokens, *keys);
         }
         if (hashes->empty()) {
           return absl::InvalidArgumentError(
               "give block_hashes or at least one full block of token_ids");
         }
-        resp->set_blocks((*model)->Pin(caller.tenant, *hashes, !req.unpin()));
+        resp->set_blocks((*model)->prefix().Pin(caller.tenant, *hashes, !req.unpin()));
         return absl::OkStatus();
       });
 }
@@ -357,7 +357,7 @@ grpc::ServerUnaryReactor* KvBankService::GetPrefixRoot(Ctx* ctx, const Raw* raw,
              v1::GetPrefixRootResponse* resp) -> absl::Status {
         auto model = FindModel(*registry_, req.model());
         if (!model.ok()) return model.status();
-        const BlockHash root = (*model)->Root(caller.tenant, req.cache_salt());
+        const BlockHash root = (*model)->prefix().Root(caller.tenant, req.cache_salt());
         resp->set_root_hash(root.data(), root.size());
         resp->set_hash_algorithm(HashAlgorithmName((*model)->options().hash));
         resp->set_block_tokens((*model)->layout().block_tokens);
@@ -448,7 +448,7 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
         cursor_(after) {
     stream_->SetWaiting(false);  // a watch with nothing to send is idle by design
     // Woken only for events this caller may see: its tenant's (everything, for an admin).
-    model_->events()->Subscribe(this, caller_.tenant, caller_.admin);
+    model_->prefix().events()->Subscribe(this, caller_.tenant, caller_.admin);
     service_->AddWatch(this);
     Pump();
   }
@@ -481,8 +481,8 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
   }
 
   void OnDone() override {
-    model_->events()->Unsubscribe(this);  // after this, no Notify runs
-    service_->RemoveWatch(this);          // nor End from the service
+    model_->prefix().events()->Unsubscribe(this);  // after this, no Notify runs
+    service_->RemoveWatch(this);                   // nor End from the service
     stream_->Done();
     delete this;
   }
@@ -493,7 +493,8 @@ class KvBankService::WatchReactor final : public grpc::ServerWriteReactor<grpc::
     if (writing_ || finished_) return;
     resp_.Clear();
     for (;;) {
-      auto batch = model_->events()->Read(cursor_, kMaxBatch, caller_.tenant, caller_.admin);
+      auto batch =
+          model_->prefix().events()->Read(cursor_, kMaxBatch, caller_.tenant, caller_.admin);
       if (!batch.ok()) return FinishLocked(ToGrpcStatus(batch.status()));
       const bool advanced = batch->next_after != cursor_;
       cursor_ = batch->next_after;
@@ -550,13 +551,13 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Watch(Ctx* ctx, const
   if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return new FailedWatch(s);
   auto model = FindModel(*registry_, req.model());
   if (!model.ok()) return new FailedWatch(model.status());
-  if ((*model)->events() == nullptr) {
+  if ((*model)->prefix().events() == nullptr) {
     return new FailedWatch(absl::UnimplementedError("this model keeps no KV events"));
   }
   auto claim = ledger_->Acquire(caller->tenant, Resource::kWatchStreams);
   if (!claim.ok()) return new FailedWatch(claim.status());
   const uint64_t after =
-      req.from_now() ? (*model)->events()->last_sequence() : req.after_sequence();
+      req.from_now() ? (*model)->prefix().events()->last_sequence() : req.after_sequence();
   return new WatchReactor(this, ctx, *std::move(model), *std::move(caller), after,
                           *std::move(claim));
 }

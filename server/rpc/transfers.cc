@@ -631,14 +631,15 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx,
     auto d = FromProto(req.dtype(), "dtype");
     if (!d.ok()) return d.status();
     // Blocks may come back from a disk tier first: then the open runs on a worker too.
-    const TierCache* tiers = (*model)->tiers();
+    const TierCache* tiers = (*model)->prefix().tiers();
     on_device =
         (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
     return FetchReactor::Open([store = *std::move(model), tenant = caller->tenant,
                                hashes = *std::move(hashes), l0 = req.layer_begin(), layer_end,
                                dtype = *d, h0 = req.kv_head_begin(), head_end,
                                to_device = req.has_device_dest()] {
-      return store->FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end, to_device);
+      return store->prefix().FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end,
+                                         to_device);
     });
   };
   auto open = prepare();

@@ -172,8 +172,8 @@ TEST_P(CudaIpcTest, AppendFromAndFetchIntoAnotherProcessesBuffersEqualTheHostPat
   AppendSpec spec;
   spec.num_tokens = kTokens;
   spec.dtype = DType::kFp16;
-  auto host_seq = store->Create(std::nullopt);
-  auto dev_seq = store->Create(std::nullopt);
+  auto host_seq = store->Create(WithLease(std::nullopt));
+  auto dev_seq = store->Create(WithLease(std::nullopt));
   ASSERT_TRUE(host_seq.ok() && dev_seq.ok());
   spec.sequence_id = host_seq->id;
   auto probe = store->BeginAppend(spec);
@@ -226,7 +226,7 @@ TEST_P(CudaIpcTest, AppendFromAndFetchIntoAnotherProcessesBuffersEqualTheHostPat
   if (storage != DType::kFp16) {
     const uint16_t nan = 0x7e00;
     ASSERT_EQ(cudaMemcpy(in->data + 2 * 101, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
-    auto bad_seq = store->Create(std::nullopt);
+    auto bad_seq = store->Create(WithLease(std::nullopt));
     spec.sequence_id = bad_seq->id;
     auto bad = store->BeginAppend(spec);
     ASSERT_TRUE(bad.ok());
@@ -255,7 +255,7 @@ TEST(CudaIpcBench, DISABLED_FetchVsMemcpy) {
     const uint64_t tokens = (mib << 20) / per_token;
     std::unique_ptr<SequenceStore> store = CudaStore(m, tokens / m.block_tokens + 2);
     ASSERT_NE(store, nullptr);
-    auto seq = store->Create(std::nullopt);
+    auto seq = store->Create(WithLease(std::nullopt));
     AppendSpec spec;
     spec.sequence_id = seq->id;
     spec.num_tokens = tokens;

@@ -148,8 +148,8 @@ class GpuDevicePayloadTest : public ::testing::TestWithParam<DType> {
 };
 
 TEST_P(GpuDevicePayloadTest, DevicePathEqualsTheHostPath) {
-  auto g = gpu_->Create(absl::ZeroDuration());
-  auto h = host_->Create(absl::ZeroDuration());
+  auto g = gpu_->Create(WithLease(absl::ZeroDuration()));
+  auto h = host_->Create(WithLease(absl::ZeroDuration()));
   ASSERT_TRUE(g.ok() && h.ok());
   for (uint64_t tokens : {13u, 2u, 9u}) {
     const std::vector<uint8_t> payload = Fp16Payload(Bytes(tokens), kSeed + tokens);
@@ -165,8 +165,8 @@ TEST_P(GpuDevicePayloadTest, DevicePathEqualsTheHostPath) {
 
 TEST_P(GpuDevicePayloadTest, NonFiniteIsRefusedByTheDeviceScanAsByTheHostCheck) {
   if (GetParam() == DType::kFp16) GTEST_SKIP() << "a plain copy is not scanned, as on the host";
-  auto g = gpu_->Create(absl::ZeroDuration());
-  auto h = host_->Create(absl::ZeroDuration());
+  auto g = gpu_->Create(WithLease(absl::ZeroDuration()));
+  auto h = host_->Create(WithLease(absl::ZeroDuration()));
   ASSERT_TRUE(g.ok() && h.ok());
   std::vector<uint8_t> payload = Fp16Payload(Bytes(11), kSeed);
   const uint16_t nan = 0x7e00;

@@ -113,7 +113,7 @@ class NcclPlaneTest : public ::testing::Test {
     store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
   }
   uint64_t NewSeq() {
-    auto s = store_->Create(absl::ZeroDuration());
+    auto s = store_->Create(WithLease(absl::ZeroDuration()));
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->id : 0;
   }

@@ -604,25 +604,29 @@ TEST_F(DrainTest, SigtermLetsCallsInFlightFinishThenExitsZero) {
   std::atomic<bool> fetch_done{false}, append_done{false};
   absl::StatusOr<Client::FetchResult> fetched = absl::UnknownError("not run");
   absl::StatusOr<Client::SequenceInfo> appended = absl::UnknownError("not run");
+  // The fetch counts when it starts; the append takes its blocks when its header arrives. The
+  // append starts once the fetch has (the fetch streams for longer), so that neither is over
+  // before the other began, however slow the machine.
+  auto started = [&](auto done) {
+    const absl::Time t0 = absl::Now();
+    while (absl::Now() - t0 < absl::Seconds(30)) {
+      if (done(StatsOf(*setup, "drain"))) return true;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return false;
+  };
   std::thread fetch_thread([&] {
     fetched = reader->Fetch("drain", f->id, {});
     fetch_done = true;
   });
+  bool both_started = started([](const Client::ModelStats& st) { return st.fetches >= 1; });
   std::thread append_thread([&] {
     appended = writer->Append("drain", g->id, args, incoming);
     append_done = true;
   });
-  // The fetch counts when it starts; the append takes its blocks when its header arrives.
-  t = absl::Now();
-  bool both_started = false;
-  while (absl::Now() - t < absl::Seconds(30)) {
-    const Client::ModelStats st = StatsOf(*setup, "drain");
-    if (st.fetches >= 1 && st.blocks_used > before.blocks_used) {
-      both_started = true;
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  both_started = both_started && started([&](const Client::ModelStats& st) {
+                   return st.blocks_used > before.blocks_used;
+                 });
   const bool fetch_in_flight = !fetch_done, append_in_flight = !append_done;
   server_->SendSignal(SIGTERM);
   const absl::Time signalled = absl::Now();

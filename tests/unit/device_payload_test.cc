@@ -59,7 +59,7 @@ class DevicePayloadTest : public ::testing::Test {
   }
   bool OnDevicePath() const { return store_->pool().memory().kind() != MemoryKind::kHost; }
   uint64_t NewSeq() {
-    auto s = store_->Create(absl::ZeroDuration());
+    auto s = store_->Create(WithLease(absl::ZeroDuration()));
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->id : 0;
   }
@@ -198,18 +198,19 @@ TEST_F(DevicePayloadTest, FetchBlocksToTheDeviceEqualsTheHostRead) {
   ASSERT_TRUE(txn.ok()) << txn.status();
   ASSERT_TRUE((*txn)->Write(Fp16Payload((*txn)->payload_bytes(), kSeed)).ok());
   ASSERT_TRUE((*txn)->Commit().ok());
-  const std::vector<BlockHash> hashes = PrefixHashes(store_->options().hash, store_->Root("", ""),
-                                                     ids, store_->layout().block_tokens);
+  const std::vector<BlockHash> hashes = PrefixHashes(
+      store_->options().hash, store_->prefix().Root("", ""), ids, store_->layout().block_tokens);
   ASSERT_EQ(hashes.size(), 3u);
 
-  auto host = store_->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp16);
+  auto host = store_->prefix().FetchBlocks("", hashes, 0, std::nullopt, DType::kFp16);
   ASSERT_TRUE(host.ok()) << host.status();
   EXPECT_EQ((*host)->num_tokens(), 12u);
   std::vector<uint8_t> want((*host)->payload_bytes());
   ASSERT_TRUE((*host)->Read(0, absl::MakeSpan(want)).ok());
 
-  auto dev = store_->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp16, 0, std::nullopt,
-                                 /*device_dest=*/true);
+  auto dev =
+      store_->prefix().FetchBlocks("", hashes, 0, std::nullopt, DType::kFp16, 0, std::nullopt,
+                                   /*device_dest=*/true);
   ASSERT_TRUE(dev.ok()) << dev.status();
   ASSERT_EQ((*dev)->payload_bytes(), want.size());
   std::vector<uint8_t> got(want.size(), 0xa5);

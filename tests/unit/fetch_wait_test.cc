@@ -70,7 +70,7 @@ TEST(FetchWaitTest, GoesOnOnceWhicheverComesFirst) {
   const std::vector<uint8_t> payload(PayloadLayout::Make(b, 0, 2, 4).total_bytes, 0x11);
   int ok = 0, timed_out = 0, cancelled = 0;
   for (int round = 0; round < 300; ++round) {
-    auto seq = store->Create(std::optional<absl::Duration>());
+    auto seq = store->Create(WithLease(std::optional<absl::Duration>()));
     ASSERT_TRUE(seq.ok());
     std::atomic<int> refs{1}, goes{0};
     std::atomic<int> code{-1};

@@ -87,7 +87,7 @@ float StoredScale(const BlockLayout& b, const PayloadLayout& p, const std::vecto
 size_t CountOutOfBounds(QuantStore& store, uint64_t id, const Ref& ref, double slack) {
   const ModelLayout& m = store.layout();
   const DType fp8 = m.layer_dtypes[0];
-  const BlockLayout& b = store->block_layout();
+  const BlockLayout& b = store->pool().layout();
   const std::vector<uint8_t> got = store.Fetch(id, DType::kFp32);
   const std::vector<uint8_t> raw = store.Fetch(id, fp8);
   const PayloadLayout sp = PayloadLayout::MakeStorage(b, 0, m.num_layers, 0, ref.length());
@@ -181,7 +181,7 @@ TEST(Fp8Scale, PrefillWithSmallFirstRowsIsNotClipped) {
       Ref ref(m);
       ASSERT_TRUE(store.Append(id, 512, ref.Add(512, SmallThenLarge(kSeed, 16, 512)), chunk).ok());
       const std::vector<uint8_t> raw = store.Fetch(id, fp8);
-      const BlockLayout& b = store->block_layout();
+      const BlockLayout& b = store->pool().layout();
       const PayloadLayout sp = PayloadLayout::MakeStorage(b, 0, 1, 0, 512);
       size_t inexact = 0;
       for (uint32_t kv = 0; kv < 2; ++kv) {

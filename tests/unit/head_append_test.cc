@@ -201,8 +201,8 @@ TEST_P(HeadAppendTest, TwoRanksInFlightAtOnceStoreWhatOneAllHeadsAppendStores) {
   for (uint32_t t = 0; t < len; ++t) prompt.push_back(500 + t);
   MatchQuery q;
   q.tokens = prompt;
-  EXPECT_EQ(tp->Match("", {q}), ref->Match("", {q}));
-  EXPECT_EQ(tp->Match("", {q})[0], len / m_.block_tokens * m_.block_tokens);
+  EXPECT_EQ(tp->prefix().Match("", {q}), ref->prefix().Match("", {q}));
+  EXPECT_EQ(tp->prefix().Match("", {q})[0], len / m_.block_tokens * m_.block_tokens);
 }
 
 TEST_P(HeadAppendTest, OverlapsAndUnequalLengthsAreRefusedDisjointRegionsRunTogether) {

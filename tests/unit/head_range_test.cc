@@ -194,11 +194,11 @@ TEST_P(HeadRangeTest, FetchBlocksTakesAHeadRange) {
   ASSERT_NE(Fill(), 0u);  // publishes blocks 0..4 (tokens 0..24 with ids 100..124)
   std::vector<uint32_t> prompt;
   for (uint32_t t = 0; t < 20; ++t) prompt.push_back(100 + t);
-  const std::vector<BlockHash> hashes =
-      PrefixHashes(store_->options().hash, store_->Root("", ""), prompt, m_.block_tokens, {});
-  auto full = Read(store_->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp32));
+  const std::vector<BlockHash> hashes = PrefixHashes(
+      store_->options().hash, store_->prefix().Root("", ""), prompt, m_.block_tokens, {});
+  auto full = Read(store_->prefix().FetchBlocks("", hashes, 0, std::nullopt, DType::kFp32));
   ASSERT_TRUE(full.ok()) << full.status();
-  auto part = Read(store_->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp32, 1, 3));
+  auto part = Read(store_->prefix().FetchBlocks("", hashes, 0, std::nullopt, DType::kFp32, 1, 3));
   ASSERT_TRUE(part.ok()) << part.status();
   const PayloadLayout pf = PayloadLayout::Make(b_, 0, 3, 20, DType::kFp32);
   const PayloadLayout pp = PayloadLayout::Make(b_.Heads(1, 2), 0, 3, 20, DType::kFp32);

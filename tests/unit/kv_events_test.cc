@@ -67,7 +67,7 @@ class Harness {
     s.sequence_id = info->id;
     s.num_tokens = ids.size();
     s.token_ids = ids;
-    std::vector<uint8_t> payload(store->block_layout().PayloadBytes(0, 2, ids.size()), 0x3c);
+    std::vector<uint8_t> payload(store->pool().layout().PayloadBytes(0, 2, ids.size()), 0x3c);
     auto r = store->Append(s, payload);
     EXPECT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(store->CheckInvariants(), "");
@@ -99,7 +99,8 @@ TEST(KvEventsTest, StoredEventsCarryTheChain) {
   const auto ev = h.ReadAll();
   ASSERT_EQ(ev.size(), 3u) << "3 full blocks, the partial one is not stored";
   std::vector<ExtraKey> keys = {{ExtraKeyKind::kLora, "my-lora"}};
-  const auto want = PrefixHashes(h.store->options().hash, h.store->Root("t", ""), ids, 4, keys);
+  const auto want =
+      PrefixHashes(h.store->options().hash, h.store->prefix().Root("t", ""), ids, 4, keys);
   for (size_t i = 0; i < ev.size(); ++i) {
     SCOPED_TRACE(i);
     EXPECT_EQ(ev[i].type, KvEvent::Type::kBlockStored);
@@ -128,7 +129,7 @@ TEST(KvEventsTest, StoredEventsCarryTheChain) {
   s.tenant = "t";
   s.sequence_id = b->id;
   s.num_tokens = 4;
-  std::vector<uint8_t> payload(h.store->block_layout().PayloadBytes(0, 2, 4), 1);
+  std::vector<uint8_t> payload(h.store->pool().layout().PayloadBytes(0, 2, 4), 1);
   ASSERT_TRUE(h.store->Append(s, payload).ok());
   const auto more = h.ReadAll(3);
   ASSERT_EQ(more.size(), 1u);
@@ -150,7 +151,7 @@ TEST(KvEventsTest, RemovedOnEvictionAndTtlClearedOnClear) {
   AppendSpec s;
   s.sequence_id = b->id;
   s.num_tokens = 4;
-  std::vector<uint8_t> payload(h.store->block_layout().PayloadBytes(0, 2, 4), 1);
+  std::vector<uint8_t> payload(h.store->pool().layout().PayloadBytes(0, 2, 4), 1);
   ASSERT_TRUE(h.store->Append(s, payload).ok());
   auto ev = h.ReadAll(3);
   ASSERT_EQ(ev.size(), 1u);
@@ -159,7 +160,7 @@ TEST(KvEventsTest, RemovedOnEvictionAndTtlClearedOnClear) {
   EXPECT_EQ(ev[0].sequence, 4u);
   // TTL: both remaining blocks age out together.
   h.now += absl::Hours(2);
-  EXPECT_EQ(h.store->ExpireCache(h.now), 2u);
+  EXPECT_EQ(h.store->prefix().ExpireCache(h.now), 2u);
   ev = h.ReadAll(4);
   ASSERT_EQ(ev.size(), 1u);
   EXPECT_EQ(ev[0].type, KvEvent::Type::kBlockRemoved);
@@ -169,7 +170,7 @@ TEST(KvEventsTest, RemovedOnEvictionAndTtlClearedOnClear) {
   }
   // ClearCache with nothing published left: AllCleared.
   ASSERT_TRUE(h.store->Free(b->id, "").ok());
-  EXPECT_EQ(h.store->ClearCache(), 0u);
+  EXPECT_EQ(h.store->prefix().ClearCache(), 0u);
   ev = h.ReadAll(5);
   ASSERT_EQ(ev.size(), 1u);
   EXPECT_EQ(ev[0].type, KvEvent::Type::kAllCleared);
@@ -178,7 +179,7 @@ TEST(KvEventsTest, RemovedOnEvictionAndTtlClearedOnClear) {
   const uint64_t live = h.Fill("", Tokens(4, 50));
   ASSERT_TRUE(h.store->Free(h.Fill("", Tokens(4, 60)), "").ok());
   const uint64_t last = h.events->last_sequence();
-  EXPECT_EQ(h.store->ClearCache(), 1u);
+  EXPECT_EQ(h.store->prefix().ClearCache(), 1u);
   ev = h.ReadAll(last);
   ASSERT_EQ(ev.size(), 1u);
   EXPECT_EQ(ev[0].type, KvEvent::Type::kBlockRemoved);
@@ -236,7 +237,7 @@ TEST(KvEventsTest, TenantsSeeOnlyTheirOwnPlusCleared) {
   h.Fill("a", Tokens(8, 1));
   h.Fill("b", Tokens(4, 1));
   h.Fill("a", Tokens(4, 9));
-  h.store->ClearCache();  // nothing cached: everything is referenced; no AllCleared
+  h.store->prefix().ClearCache();  // nothing cached: everything is referenced; no AllCleared
   const uint64_t last = h.events->last_sequence();
   ASSERT_EQ(last, 4u);
   KvEvent cleared;
@@ -365,7 +366,7 @@ TEST(KvEventsTest, ListenersWakeOnlyForTheirTenantsEvents) {
   for (const auto& l : a) EXPECT_EQ(l->notifications(), 0) << "woken for another tenant's events";
   // An event for everyone (the cache cleared) wakes every listener.
   ASSERT_TRUE(h.store->Free(seq, "b").ok());
-  h.store->ClearCache();
+  h.store->prefix().ClearCache();
   for (const auto& l : a) EXPECT_TRUE(l->AwaitSeen(1)) << "missed an event for everyone";
   for (const auto& l : a) h.events->Unsubscribe(l.get());
   h.events->Unsubscribe(&b);
@@ -536,7 +537,7 @@ TEST(KvEventsTest, RegistryWiresTheModelsLog) {
   auto m = reg.Ensure(cfg);
   ASSERT_TRUE(m.ok()) << m.status();
   SequenceStore& store = *m->model;
-  ASSERT_NE(store.events(), nullptr) << "the model keeps no KV events";
+  ASSERT_NE(store.prefix().events(), nullptr) << "the model keeps no KV events";
   CreateOptions o;
   o.lease = absl::ZeroDuration();
   auto info = store.Create(o);
@@ -545,13 +546,13 @@ TEST(KvEventsTest, RegistryWiresTheModelsLog) {
   s.sequence_id = info->id;
   s.num_tokens = 40;
   s.token_ids = Tokens(40, 5);
-  std::vector<uint8_t> payload(store.block_layout().PayloadBytes(0, 2, 40), 2);
+  std::vector<uint8_t> payload(store.pool().layout().PayloadBytes(0, 2, 40), 2);
   ASSERT_TRUE(store.Append(s, payload).ok());
-  EXPECT_EQ(store.events()->last_sequence(), 10u);
-  EXPECT_EQ(store.events()->Read(0, 100, "", true).status().code(),
+  EXPECT_EQ(store.prefix().events()->last_sequence(), 10u);
+  EXPECT_EQ(store.prefix().events()->Read(0, 100, "", true).status().code(),
             absl::StatusCode::kFailedPrecondition)
       << "capacity 8 keeps only the last 8";
-  auto tail = store.events()->Read(2, 100, "", true);
+  auto tail = store.prefix().events()->Read(2, 100, "", true);
   ASSERT_TRUE(tail.ok());
   EXPECT_EQ(tail->events.size(), 8u);
   // Same layout again: the same model; another layout under the name: ALREADY_EXISTS.
@@ -572,7 +573,7 @@ TEST(KvEventsTest, RegistryWiresTheModelsLog) {
   auto pi = p->model->Create(o);
   s.sequence_id = pi->id;
   ASSERT_TRUE(p->model->Append(s, payload).ok());
-  EXPECT_EQ(p->model->events()->last_sequence(), 0u);
+  EXPECT_EQ(p->model->prefix().events()->last_sequence(), 0u);
   EXPECT_EQ(store.CheckInvariants(), "");
 }
 

@@ -113,8 +113,8 @@ TEST(ModelRegistryTest, QuantizedStorageRegistersWithSmallerBlocks) {
     // tokens x 16 dims; int8 adds an f32 scale and a u8 zero point per row, fp8 an f32 per head.
     const uint64_t data = 2 * 2 * 16 * 16;
     const uint64_t scales = d == DType::kInt8 ? 2 * 2 * 16 * (4 + 1) : 2 * 2 * 4;
-    EXPECT_EQ(r->model->block_layout().block_bytes, 4 * (data + scales)) << DTypeName(d);
-    EXPECT_LT(r->model->block_layout().block_bytes, fp16_block) << DTypeName(d);
+    EXPECT_EQ(r->model->pool().layout().block_bytes, 4 * (data + scales)) << DTypeName(d);
+    EXPECT_LT(r->model->pool().layout().block_bytes, fp16_block) << DTypeName(d);
   }
   EXPECT_EQ(reg.List().size(), 3u);
 }
@@ -155,8 +155,8 @@ TEST(ModelRegistryTest, GetListAndExpire) {
   EXPECT_EQ(list[2]->layout().name, "zeta");
 
   for (const auto& m : list) {
-    ASSERT_TRUE(m->Create(absl::Seconds(5)).ok());
-    ASSERT_TRUE(m->Create(absl::ZeroDuration()).ok());
+    ASSERT_TRUE(m->Create(WithLease(absl::Seconds(5))).ok());
+    ASSERT_TRUE(m->Create(WithLease(absl::ZeroDuration())).ok());
   }
   EXPECT_EQ(reg.ExpireLeases(now + absl::Seconds(4)), 0u);
   EXPECT_EQ(reg.ExpireLeases(now + absl::Seconds(5)), 3u);
@@ -175,7 +175,7 @@ TEST(ModelRegistryTest, DropReleasesTheBudgetWhenTheLastHolderLetsGo) {
   // A call in flight holds the store (and a sequence in it) across the drop.
   auto held = reg.Get("a");
   ASSERT_TRUE(held.ok());
-  auto seq = (*held)->Create(absl::ZeroDuration());
+  auto seq = (*held)->Create(WithLease(absl::ZeroDuration()));
   ASSERT_TRUE(seq.ok()) << seq.status();
   ASSERT_TRUE(reg.Drop("a").ok());
   EXPECT_EQ(reg.Get("a").status().code(), StatusCode::kNotFound);
@@ -192,7 +192,8 @@ TEST(ModelRegistryTest, DropReleasesTheBudgetWhenTheLastHolderLetsGo) {
   EXPECT_EQ(gone.status().code(), StatusCode::kFailedPrecondition) << gone.status();
   EXPECT_NE(gone.status().message().find("model 'a' was dropped"), std::string::npos)
       << gone.status();
-  EXPECT_EQ((*held)->Create(absl::ZeroDuration()).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*held)->Create(WithLease(absl::ZeroDuration())).status().code(),
+            StatusCode::kFailedPrecondition);
   EXPECT_EQ(reg.Ensure(Config("b", 2 * kMiB)).status().code(), StatusCode::kResourceExhausted);
 
   held->reset();
@@ -218,7 +219,7 @@ TEST(ModelRegistryTest, StoreOutlivesTheRegistry) {
     ASSERT_TRUE(m.ok()) << m.status();
     held = m->model;
   }
-  EXPECT_TRUE(held->Create(absl::ZeroDuration()).ok());
+  EXPECT_TRUE(held->Create(WithLease(absl::ZeroDuration())).ok());
   held.reset();
 }
 

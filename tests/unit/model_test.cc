@@ -330,7 +330,7 @@ TEST_F(ModelTest, RandomOperationsAgreeWithTheModel) {
     SCOPED_TRACE("step " + std::to_string(step) + " seed " + std::to_string(kSeed));
     const int op = static_cast<int>(rng_() % 100);
     if (live_.empty() || op < 10) {
-      auto r = store_->Create(absl::ZeroDuration());
+      auto r = store_->Create(WithLease(absl::ZeroDuration()));
       const StatusCode want =
           live_.size() >= kMaxSequences ? StatusCode::kResourceExhausted : StatusCode::kOk;
       ASSERT_EQ(r.status().code(), want) << r.status();

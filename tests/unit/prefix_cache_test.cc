@@ -126,7 +126,7 @@ class Harness {
     s.layer_end = l1;
     s.num_tokens = n;
     if (pass_ids) s.token_ids.assign(ids.begin() + pos, ids.begin() + pos + n);
-    const auto payload = BuildPayload(store->block_layout(), l0, l1, pos, n,
+    const auto payload = BuildPayload(store->pool().layout(), l0, l1, pos, n,
                                       [&](uint64_t t) { return PrefixSeed(tag, ids, t); });
     return store->Append(s, payload);
   }
@@ -149,16 +149,16 @@ class Harness {
   // What positions [t0, t1) of a sequence appended from `ids` with `tag` must read back as.
   std::vector<uint8_t> Expected(const std::vector<uint32_t>& ids, uint64_t tag, uint64_t t0,
                                 uint64_t t1, uint32_t l0 = 0, uint32_t l1 = 2) {
-    return BuildPayload(store->block_layout(), l0, l1, t0, t1 - t0,
+    return BuildPayload(store->pool().layout(), l0, l1, t0, t1 - t0,
                         [&](uint64_t t) { return PrefixSeed(tag, ids, t); });
   }
   uint64_t MatchTokens(const std::string& tenant, const std::vector<uint32_t>& tokens) {
     MatchQuery q;
     q.tokens = tokens;
-    return store->Match(tenant, {q})[0];
+    return store->prefix().Match(tenant, {q})[0];
   }
   std::vector<BlockHash> Hashes(const std::string& tenant, const std::vector<uint32_t>& tokens) {
-    return PrefixHashes(store->options().hash, store->Root(tenant, ""), tokens,
+    return PrefixHashes(store->options().hash, store->prefix().Root(tenant, ""), tokens,
                         layout.block_tokens);
   }
   PoolStats Pool() const { return store->pool().Stats(); }
@@ -298,7 +298,7 @@ TEST(PrefixCacheTest, PublishedBlockIsImmutableEvenForItsOnlyHolder) {
   EXPECT_INVARIANTS(h);
   EXPECT_EQ(h.Pool().used, 2u);
   EXPECT_EQ(h.Pool().cached, 1u) << "the old block 1 is cached under its hash";
-  auto r = h.store->FetchBlocks("", h.Hashes("", prompt), 0, std::nullopt);
+  auto r = h.store->prefix().FetchBlocks("", h.Hashes("", prompt), 0, std::nullopt);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(ReadAll(**r), h.Expected(prompt, 1, 0, 8)) << "the published block was written";
   EXPECT_EQ(h.Fetch("", a, 6, 8), h.Expected(ids, 3, 6, 8));
@@ -379,7 +379,7 @@ TEST(PrefixCacheTest, MatchHasNoSideEffects) {
         for (int i = 0; i < 3; ++i) EXPECT_EQ(h.MatchTokens("", x), 4u);
         MatchQuery q;
         q.hashes = h.Hashes("", x);
-        EXPECT_EQ(h.store->Match("", {q, q})[1], 4u);
+        EXPECT_EQ(h.store->prefix().Match("", {q, q})[1], 4u);
         EXPECT_EQ(h.Pool().cached, before.cached);
         EXPECT_EQ(h.Pool().free, before.free);
         EXPECT_EQ(h.events->last_sequence(), ev);
@@ -388,7 +388,7 @@ TEST(PrefixCacheTest, MatchHasNoSideEffects) {
   // Nor is reading x's block by hash (a read, not a reuse): x still goes first.
   EvictOneAfter(
       [](Harness& h, const std::vector<uint32_t>& x) {
-        auto r = h.store->FetchBlocks("", h.Hashes("", x), 0, std::nullopt);
+        auto r = h.store->prefix().FetchBlocks("", h.Hashes("", x), 0, std::nullopt);
         ASSERT_TRUE(r.ok()) << r.status();
       },
       /*expect_x_survives=*/false);
@@ -407,8 +407,9 @@ TEST(PrefixCacheTest, PinKeepsBlocksUntilUnpinned) {
   const uint64_t sx = h.Create("", x), sy = h.Create("", y);
   h.MustAppend("", sx, x, 0, 4);
   h.MustAppend("", sy, y, 0, 4);
-  EXPECT_EQ(h.store->Pin("", h.Hashes("", x), true), 1u) << "a referenced block can be pinned";
-  EXPECT_EQ(h.store->Pin("", h.Hashes("", Tokens(4, 77)), true), 0u) << "unknown hash";
+  EXPECT_EQ(h.store->prefix().Pin("", h.Hashes("", x), true), 1u)
+      << "a referenced block can be pinned";
+  EXPECT_EQ(h.store->prefix().Pin("", h.Hashes("", Tokens(4, 77)), true), 0u) << "unknown hash";
   ASSERT_TRUE(h.store->Free(sx, "").ok());
   ASSERT_TRUE(h.store->Free(sy, "").ok());
   EXPECT_EQ(h.Pool().pinned, 1u);
@@ -420,7 +421,7 @@ TEST(PrefixCacheTest, PinKeepsBlocksUntilUnpinned) {
   h.MustAppend("", z, Tokens(4, 30), 0, 4);  // takes y, although x is older
   EXPECT_EQ(h.MatchTokens("", x), 4u);
   EXPECT_EQ(h.MatchTokens("", y), 0u);
-  EXPECT_EQ(h.store->Pin("", h.Hashes("", x), false), 1u);
+  EXPECT_EQ(h.store->prefix().Pin("", h.Hashes("", x), false), 1u);
   EXPECT_EQ(h.Pool().pinned, 0u);
   EXPECT_INVARIANTS(h);
   h.MustAppend("", z, Tokens(8, 30), 4, 4);
@@ -437,17 +438,17 @@ TEST(PrefixCacheTest, TtlDropsOnlyOldCachedBlocks) {
   h.MustAppend("", a, old_free, 0, 4);
   h.MustAppend("", b, old_live, 0, 4);
   h.MustAppend("", c, old_pinned, 0, 4);
-  ASSERT_EQ(h.store->Pin("", h.Hashes("", old_pinned), true), 1u);
+  ASSERT_EQ(h.store->prefix().Pin("", h.Hashes("", old_pinned), true), 1u);
   ASSERT_TRUE(h.store->Free(a, "").ok());
   ASSERT_TRUE(h.store->Free(c, "").ok());
   h.now += absl::Minutes(50);
   const uint64_t d = h.Create("", young);
   h.MustAppend("", d, young, 0, 4);
   ASSERT_TRUE(h.store->Free(d, "").ok());
-  EXPECT_EQ(h.store->ExpireCache(h.now), 0u) << "nothing is an hour old yet";
+  EXPECT_EQ(h.store->prefix().ExpireCache(h.now), 0u) << "nothing is an hour old yet";
   h.now += absl::Minutes(20);
   const uint64_t removed_before = h.events->last_sequence();
-  EXPECT_EQ(h.store->ExpireCache(h.now), 1u);
+  EXPECT_EQ(h.store->prefix().ExpireCache(h.now), 1u);
   EXPECT_INVARIANTS(h);
   EXPECT_EQ(h.MatchTokens("", old_free), 0u);
   EXPECT_EQ(h.MatchTokens("", old_live), 4u) << "referenced blocks never expire";
@@ -462,7 +463,7 @@ TEST(PrefixCacheTest, TtlDropsOnlyOldCachedBlocks) {
   no_ttl.MustAppend("", e, old_free, 0, 4);
   ASSERT_TRUE(no_ttl.store->Free(e, "").ok());
   no_ttl.now += absl::Hours(1000);
-  EXPECT_EQ(no_ttl.store->ExpireCache(no_ttl.now), 0u);
+  EXPECT_EQ(no_ttl.store->prefix().ExpireCache(no_ttl.now), 0u);
   EXPECT_EQ(no_ttl.MatchTokens("", old_free), 4u);
 }
 
@@ -488,26 +489,26 @@ TEST(PrefixCacheTest, FetchBlocksReturnsTheAppendedBytes) {
   h.MustAppend("", a, prompt, 0, 14, 5);
   const auto hashes = h.Hashes("", prompt);
   ASSERT_EQ(hashes.size(), 3u);
-  auto all = h.store->FetchBlocks("", hashes, 0, std::nullopt);
+  auto all = h.store->prefix().FetchBlocks("", hashes, 0, std::nullopt);
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_EQ((*all)->num_tokens(), 12u);
   EXPECT_EQ(ReadAll(**all), h.Expected(prompt, 5, 0, 12));
   // One layer only, and a run that stops at the first miss.
   BlockHash bogus{};
   bogus[0] = 1;
-  auto part = h.store->FetchBlocks("", {hashes[0], hashes[1], bogus, hashes[2]}, 1, 2);
+  auto part = h.store->prefix().FetchBlocks("", {hashes[0], hashes[1], bogus, hashes[2]}, 1, 2);
   ASSERT_TRUE(part.ok()) << part.status();
   EXPECT_EQ((*part)->num_tokens(), 8u);
   EXPECT_EQ(ReadAll(**part), h.Expected(prompt, 5, 0, 8, 1, 2));
   // Blocks hashed from the middle of a chain read as themselves.
-  auto mid = h.store->FetchBlocks("", {hashes[2]}, 0, std::nullopt);
+  auto mid = h.store->prefix().FetchBlocks("", {hashes[2]}, 0, std::nullopt);
   ASSERT_TRUE(mid.ok());
   EXPECT_EQ(ReadAll(**mid), h.Expected(prompt, 5, 8, 12));
-  EXPECT_EQ(h.store->FetchBlocks("", {bogus, hashes[0]}, 0, std::nullopt).status().code(),
+  EXPECT_EQ(h.store->prefix().FetchBlocks("", {bogus, hashes[0]}, 0, std::nullopt).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(h.store->FetchBlocks("", {}, 0, std::nullopt).status().code(),
+  EXPECT_EQ(h.store->prefix().FetchBlocks("", {}, 0, std::nullopt).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(h.store->FetchBlocks("", hashes, 1, 1).status().code(),
+  EXPECT_EQ(h.store->prefix().FetchBlocks("", hashes, 1, 1).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_INVARIANTS(h);
   // A reader holds its blocks: freeing the sequence and evicting everything else around it
@@ -547,11 +548,11 @@ TEST(PrefixCacheTest, TenantsNeverSeeEachOther) {
   EXPECT_EQ(h.MatchTokens("b", prompt), 0u);
   MatchQuery q;
   q.hashes = h.Hashes("a", prompt);
-  EXPECT_EQ(h.store->Match("b", {q})[0], 0u) << "a's own hashes, sent by b";
-  EXPECT_EQ(h.store->Match("a", {q})[0], 8u);
-  EXPECT_EQ(h.store->FetchBlocks("b", q.hashes, 0, std::nullopt).status().code(),
+  EXPECT_EQ(h.store->prefix().Match("b", {q})[0], 0u) << "a's own hashes, sent by b";
+  EXPECT_EQ(h.store->prefix().Match("a", {q})[0], 8u);
+  EXPECT_EQ(h.store->prefix().FetchBlocks("b", q.hashes, 0, std::nullopt).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(h.store->Pin("b", q.hashes, true), 0u);
+  EXPECT_EQ(h.store->prefix().Pin("b", q.hashes, true), 0u);
   EXPECT_EQ(h.Pool().pinned, 0u);
   EXPECT_INVARIANTS(h);
 
@@ -600,7 +601,7 @@ TEST(PrefixCacheTest, TenantsNeverSeeEachOther) {
 
 TEST(PrefixCacheTest, TenantQuotaLimitsOnlyThatTenant) {
   Harness h(16);
-  h.store->SetTenantQuota("b", 2);
+  h.store->tenants().SetQuota("b", 2);
   const uint64_t b = h.Create("b", {});
   auto r = h.Append("b", b, Tokens(12, 1), 0, 12);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
@@ -617,19 +618,19 @@ TEST(PrefixCacheTest, TenantQuotaLimitsOnlyThatTenant) {
   ASSERT_TRUE(h.store->Free(b, "b").ok());
   const uint64_t b2 = h.Create("b", {});
   h.MustAppend("b", b2, Tokens(8, 50), 0, 8);
-  h.store->SetTenantQuota("b", 0);
+  h.store->tenants().SetQuota("b", 0);
   h.MustAppend("b", b2, Tokens(16, 50), 8, 8);
   EXPECT_INVARIANTS(h);
 }
 
 TEST(PrefixCacheTest, PinsCountOnTheTenantQuota) {
   Harness h(16);
-  h.store->SetTenantQuota("c", 2);
+  h.store->tenants().SetQuota("c", 2);
   const uint32_t c = h.store->pool().InternTenant("c");
   const auto x = Tokens(8, 300);
   const uint64_t c1 = h.Create("c", {});
   h.MustAppend("c", c1, x, 0, 8);
-  EXPECT_EQ(h.store->Pin("c", h.Hashes("c", x), true), 2u);
+  EXPECT_EQ(h.store->prefix().Pin("c", h.Hashes("c", x), true), 2u);
   ASSERT_TRUE(h.store->Free(c1, "c").ok());
   EXPECT_EQ(h.store->pool().TenantBlocks(c), 2u) << "pinned blocks still hold pool space";
   EXPECT_INVARIANTS(h);
@@ -637,18 +638,18 @@ TEST(PrefixCacheTest, PinsCountOnTheTenantQuota) {
   const uint64_t c2 = h.Create("c", {});
   EXPECT_EQ(h.Append("c", c2, Tokens(4, 400), 0, 4).status().code(),
             absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(h.store->Pin("c", {h.Hashes("c", x)[1]}, false), 1u);
+  EXPECT_EQ(h.store->prefix().Pin("c", {h.Hashes("c", x)[1]}, false), 1u);
   EXPECT_EQ(h.store->pool().TenantBlocks(c), 1u);
   h.MustAppend("c", c2, Tokens(4, 400), 0, 4);
   EXPECT_EQ(h.store->pool().TenantBlocks(c), 2u);
-  EXPECT_EQ(h.store->Pin("c", h.Hashes("c", Tokens(4, 400)), true), 1u)
+  EXPECT_EQ(h.store->prefix().Pin("c", h.Hashes("c", Tokens(4, 400)), true), 1u)
       << "pinning a block the tenant references costs nothing more";
-  EXPECT_EQ(h.store->Pin("c", {h.Hashes("c", x)[1]}, true), 0u) << "past the quota";
+  EXPECT_EQ(h.store->prefix().Pin("c", {h.Hashes("c", x)[1]}, true), 0u) << "past the quota";
   EXPECT_EQ(h.store->pool().TenantBlocks(c), 2u);
   EXPECT_INVARIANTS(h);
   // Unpinned and freed, everything goes back.
-  EXPECT_EQ(h.store->Pin("c", {h.Hashes("c", x)[0]}, false), 1u);
-  EXPECT_EQ(h.store->Pin("c", h.Hashes("c", Tokens(4, 400)), false), 1u);
+  EXPECT_EQ(h.store->prefix().Pin("c", {h.Hashes("c", x)[0]}, false), 1u);
+  EXPECT_EQ(h.store->prefix().Pin("c", h.Hashes("c", Tokens(4, 400)), false), 1u);
   ASSERT_TRUE(h.store->Free(c2, "c").ok());
   EXPECT_EQ(h.store->pool().TenantBlocks(c), 0u);
   EXPECT_EQ(h.Pool().pinned, 0u);

@@ -143,7 +143,7 @@ class PrefixModel {
   uint64_t R(uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng_); }
   bool P(double p) { return std::uniform_real_distribution<double>(0, 1)(rng_) < p; }
   RefSeq& Pick() { return seqs_[R(seqs_.size())]; }
-  const BlockLayout& Bl() const { return store_->block_layout(); }
+  const BlockLayout& Bl() const { return store_->pool().layout(); }
   std::vector<uint32_t> RandomPrompt() {
     std::vector<uint32_t> p = prefixes_[R(prefixes_.size())];
     for (uint64_t i = R(11); i > 0; --i) p.push_back(static_cast<uint32_t>(R(3)));
@@ -152,12 +152,13 @@ class PrefixModel {
   std::vector<BlockHash> Chain(const RefSeq& s, uint64_t tokens) const {
     std::vector<uint32_t> ids(s.ids.begin(),
                               s.ids.begin() + std::min<uint64_t>(tokens, s.ids.size()));
-    return PrefixHashes(store_->options().hash, store_->Root(s.tenant, s.salt), ids, kBt, s.Keys());
+    return PrefixHashes(store_->options().hash, store_->prefix().Root(s.tenant, s.salt), ids, kBt,
+                        s.Keys());
   }
   bool Contains(const std::string& tenant, const BlockHash& h) {
     MatchQuery q;
     q.hashes = {h};
-    return store_->Match(tenant, {q})[0] == kBt;
+    return store_->prefix().Match(tenant, {q})[0] == kBt;
   }
   std::set<BlockHash> Protected() {
     std::set<BlockHash> out;
@@ -205,7 +206,7 @@ class PrefixModel {
     q.tokens = o.prompt;
     q.cache_salt = s.salt;
     q.extra_keys = s.Keys();
-    const uint64_t expect = store_->Match(s.tenant, {q})[0];
+    const uint64_t expect = store_->prefix().Match(s.tenant, {q})[0];
     auto info = store_->Create(o);
     ASSERT_TRUE(info.ok()) << info.status();
     ASSERT_EQ(info->cached_tokens, expect) << "Create attaches what Match promised";
@@ -364,7 +365,7 @@ class PrefixModel {
     by_hashes.hashes = Chain(probe, probe.ids.size());
     const PoolStats before = store_->pool().Stats();
     const uint64_t ev = events_->last_sequence();
-    const auto got = store_->Match(probe.tenant, {by_tokens, by_hashes});
+    const auto got = store_->prefix().Match(probe.tenant, {by_tokens, by_hashes});
     ASSERT_EQ(got[0], got[1]);
     ASSERT_EQ(got[0] % kBt, 0u);
     const PoolStats after = store_->pool().Stats();
@@ -374,7 +375,7 @@ class PrefixModel {
     if (got[0] == 0) return;
     // The hit reads back as the KV of exactly these tokens for this tenant, salt and LoRA.
     std::vector<BlockHash> run(by_hashes.hashes.begin(), by_hashes.hashes.begin() + got[0] / kBt);
-    auto r = store_->FetchBlocks(probe.tenant, run, 0, std::nullopt);
+    auto r = store_->prefix().FetchBlocks(probe.tenant, run, 0, std::nullopt);
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ((*r)->num_tokens(), got[0]);
     std::vector<uint8_t> bytes((*r)->payload_bytes());
@@ -389,7 +390,7 @@ class PrefixModel {
     if (!pins_.empty() && (pins_.size() >= 6 || P(0.5))) {
       auto it = pins_.begin();
       std::advance(it, R(pins_.size()));
-      ASSERT_EQ(store_->Pin(it->first.first, {it->first.second}, false), 1u)
+      ASSERT_EQ(store_->prefix().Pin(it->first.first, {it->first.second}, false), 1u)
           << "a pinned block left the index";
       if (--it->second == 0) pins_.erase(it);
       return;
@@ -398,20 +399,21 @@ class PrefixModel {
     const auto chain = Chain(s, s.Length());
     if (chain.empty()) return;
     const BlockHash h = chain[R(chain.size())];
-    ASSERT_EQ(store_->Pin(s.tenant == "a" ? "b" : "a", {h}, true), 0u) << "pinned across tenants";
-    if (store_->Pin(s.tenant, {h}, true) == 1) ++pins_[{s.tenant, h}];
+    ASSERT_EQ(store_->prefix().Pin(s.tenant == "a" ? "b" : "a", {h}, true), 0u)
+        << "pinned across tenants";
+    if (store_->prefix().Pin(s.tenant, {h}, true) == 1) ++pins_[{s.tenant, h}];
   }
 
   void Expire() {
     Count("expire");
     now_ += absl::Minutes(R(40));
     if (P(0.1)) {
-      store_->ClearCache();
+      store_->prefix().ClearCache();
       const PoolStats st = store_->pool().Stats();
       ASSERT_LE(st.cached, st.pinned) << "only pinned blocks survive ClearCache";
       return;
     }
-    store_->ExpireCache(now_);
+    store_->prefix().ExpireCache(now_);
   }
 
   void Reader() {
@@ -503,12 +505,12 @@ class PrefixModel {
       if (chain.empty()) continue;
       MatchQuery q;
       q.hashes = chain;
-      ASSERT_EQ(store_->Match(other, {q})[0], 0u) << "cross-tenant hit";
-      ASSERT_EQ(store_->FetchBlocks(other, chain, 0, std::nullopt).status().code(),
+      ASSERT_EQ(store_->prefix().Match(other, {q})[0], 0u) << "cross-tenant hit";
+      ASSERT_EQ(store_->prefix().FetchBlocks(other, chain, 0, std::nullopt).status().code(),
                 absl::StatusCode::kNotFound);
       // Every hash of the chain that the index knows names this content.
       for (size_t i = 0; i < chain.size(); ++i) {
-        auto r = store_->FetchBlocks(s.tenant, {chain[i]}, 0, std::nullopt);
+        auto r = store_->prefix().FetchBlocks(s.tenant, {chain[i]}, 0, std::nullopt);
         if (!r.ok()) {
           ASSERT_EQ(r.status().code(), absl::StatusCode::kNotFound);
           continue;
@@ -529,11 +531,12 @@ class PrefixModel {
     for (const RefSeq& s : seqs_) ASSERT_TRUE(store_->Free(s.id, s.tenant).ok());
     seqs_.clear();
     for (const auto& [key, n] : pins_) {
-      for (int i = 0; i < n; ++i) ASSERT_EQ(store_->Pin(key.first, {key.second}, false), 1u);
+      for (int i = 0; i < n; ++i)
+        ASSERT_EQ(store_->prefix().Pin(key.first, {key.second}, false), 1u);
     }
     pins_.clear();
     ASSERT_EQ(store_->pool().Stats().used, 0u);
-    store_->ClearCache();
+    store_->prefix().ClearCache();
     const PoolStats st = store_->pool().Stats();
     ASSERT_EQ(st.free, st.total);
     ASSERT_EQ(st.pinned, 0u);

@@ -207,7 +207,7 @@ TEST(QuantStoreTest, BytesPerToken) {
     // The pool holds as many blocks of this size as fit: the store's capacity follows.
     QuantStore store(m, 10);
     EXPECT_EQ(store->pool().num_blocks(), 10u);
-    EXPECT_EQ(store->block_layout().block_bytes, w.block_bytes);
+    EXPECT_EQ(store->pool().layout().block_bytes, w.block_bytes);
   }
   // Per token: int8 GQA 13056 / 7 = 1865.1 bytes against fp16's 3456, 0.54x; a pool of the same
   // size holds 24192 / 13056 = 1.85x the tokens.
@@ -312,12 +312,12 @@ TEST(QuantStoreTest, PrefixSharingAndRoots) {
     EXPECT_EQ(store->Stats().pool.used, 5u);
     std::vector<MatchQuery> q(1);
     q[0].tokens = prompt;
-    EXPECT_EQ(store->Match("", q), std::vector<uint64_t>{21});
+    EXPECT_EQ(store->prefix().Match("", q), std::vector<uint64_t>{21});
 
     // Read by hash: the same values.
     const std::vector<BlockHash> hashes =
-        PrefixHashes(store->options().hash, store->Root("", ""), prompt, kBlockTokens, {});
-    auto blocks = store->FetchBlocks("", hashes, 0, std::nullopt, DType::kFp32);
+        PrefixHashes(store->options().hash, store->prefix().Root("", ""), prompt, kBlockTokens, {});
+    auto blocks = store->prefix().FetchBlocks("", hashes, 0, std::nullopt, DType::kFp32);
     ASSERT_TRUE(blocks.ok()) << blocks.status();
     EXPECT_EQ((*blocks)->num_tokens(), 21u);
     std::vector<uint8_t> by_hash((*blocks)->payload_bytes());
@@ -337,9 +337,10 @@ TEST(QuantStoreTest, PrefixSharingAndRoots) {
     plain.layer_dtypes.assign(kLayers, DType::kBf16);
     EXPECT_NE(LayoutFingerprint(plain), LayoutFingerprint(m));
     QuantStore other(plain);
-    EXPECT_NE(other->Root("", ""), store->Root("", ""));
-    EXPECT_NE(PrefixHashes(other->options().hash, other->Root("", ""), prompt, kBlockTokens, {}),
-              hashes);
+    EXPECT_NE(other->prefix().Root("", ""), store->prefix().Root("", ""));
+    EXPECT_NE(
+        PrefixHashes(other->options().hash, other->prefix().Root("", ""), prompt, kBlockTokens, {}),
+        hashes);
   }
   // int8 and fp8 of the same shape differ too.
   EXPECT_NE(LayoutFingerprint(Layout(Storage::kInt8, DType::kFp16, false)),

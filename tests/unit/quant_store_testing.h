@@ -393,12 +393,12 @@ class QuantStore {
       // Layers that store the input dtype travel unchanged.
       const std::vector<uint8_t> sent = ref.Payload(0, ref.length(), d);
       const PayloadLayout p =
-          PayloadLayout::Make(store_->block_layout(), 0, m_.num_layers, ref.length(), d);
+          PayloadLayout::Make(store_->pool().layout(), 0, m_.num_layers, ref.length(), d);
       for (uint32_t l = 0; l < m_.num_layers; ++l) {
         if (m_.layer_dtypes[l] != d) continue;
         const uint64_t off = p.layer_offset[l];
         const uint64_t len =
-            p.KPartBytes(store_->block_layout(), l) + p.VPartBytes(store_->block_layout(), l);
+            p.KPartBytes(store_->pool().layout(), l) + p.VPartBytes(store_->pool().layout(), l);
         EXPECT_TRUE(std::equal(sent.begin() + off, sent.begin() + off + len, narrow.begin() + off))
             << "layer " << l << " stores " << DTypeName(d) << " and is not bit-exact";
       }

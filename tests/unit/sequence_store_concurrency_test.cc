@@ -235,7 +235,7 @@ class ConcurrencyTest : public ::testing::Test {
   }
 
   uint64_t NewSequence() {
-    auto s = store_->Create(absl::Hours(1));
+    auto s = store_->Create(WithLease(absl::Hours(1)));
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->id : 0;
   }

@@ -89,7 +89,7 @@ class StoreTest : public ::testing::Test {
   void SetUp() override { Make(Layout(DType::kFp16), 64); }
 
   uint64_t NewSeq(std::optional<absl::Duration> lease = absl::ZeroDuration()) {
-    auto s = store_->Create(lease);
+    auto s = store_->Create(WithLease(lease));
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->id : 0;
   }
@@ -498,8 +498,10 @@ TEST_F(StoreTest, LeasesExpireOnAFakeClock) {
   Kv model;
   ASSERT_TRUE(Append(a, model, Rows(5)).ok());
   EXPECT_EQ(store_->Get(a)->lease_ttl, absl::Seconds(10));
-  EXPECT_EQ(store_->Create(absl::Seconds(-1)).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(store_->Create(absl::Minutes(2)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Create(WithLease(absl::Seconds(-1))).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Create(WithLease(absl::Minutes(2))).status().code(),
+            StatusCode::kInvalidArgument);
 
   *clock_ += absl::Seconds(8);
   ASSERT_TRUE(store_->RenewLease(a).ok());  // deadline now t=18
@@ -533,7 +535,8 @@ TEST_F(StoreTest, SequenceAndTokenLimits) {
   const uint64_t a = NewSeq();
   NewSeq();
   NewSeq();
-  EXPECT_EQ(store_->Create(absl::ZeroDuration()).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->Create(WithLease(absl::ZeroDuration())).status().code(),
+            StatusCode::kResourceExhausted);
   EXPECT_EQ(store_->Fork(a, absl::ZeroDuration()).status().code(), StatusCode::kResourceExhausted);
   ASSERT_TRUE(store_->Free(a).ok());
   const uint64_t d = NewSeq();
@@ -605,14 +608,14 @@ TEST_F(StoreTest, ConcurrentSequencesStayIntact) {
     threads.emplace_back([this, t, &errors] {
       std::mt19937_64 rng(1000 + t);
       for (int iter = 0; iter < 150 && errors[t].empty(); ++iter) {
-        auto s = store_->Create(absl::ZeroDuration());
+        auto s = store_->Create(WithLease(absl::ZeroDuration()));
         if (!s.ok()) {
           errors[t] = s.status().ToString();
           return;
         }
         std::vector<uint8_t> all;
         const uint64_t n = 1 + rng() % 9;
-        const uint64_t bytes = store_->block_layout().PayloadBytes(0, 4, n);
+        const uint64_t bytes = store_->pool().layout().PayloadBytes(0, 4, n);
         for (uint64_t i = 0; i < bytes; ++i) all.push_back(static_cast<uint8_t>(rng()));
         if (!store_->Append(MakeAppend(s->id, 0, std::nullopt, n), all).ok()) {
           errors[t] = "append failed";

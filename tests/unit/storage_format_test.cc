@@ -51,7 +51,7 @@ class StorageFormatTest : public testing::TestWithParam<std::tuple<DType, Attent
     store_ = std::make_unique<SequenceStore>(m, *std::move(pool), o);
   }
 
-  uint64_t NewSeq() { return store_->Create(std::nullopt)->id; }
+  uint64_t NewSeq() { return store_->Create(WithLease(std::nullopt))->id; }
 
   // Appends `payload` in chunks of `chunk` bytes.
   absl::Status Append(uint64_t id, uint64_t n, std::optional<DType> dtype,

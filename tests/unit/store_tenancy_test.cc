@@ -66,7 +66,7 @@ class TenancyTest : public ::testing::Test {
     o.retention = retention;
     return store_->Create(o);
   }
-  uint64_t PayloadBytes(uint64_t n) const { return store_->block_layout().PayloadBytes(0, 2, n); }
+  uint64_t PayloadBytes(uint64_t n) const { return store_->pool().layout().PayloadBytes(0, 2, n); }
   AppendSpec Spec(const std::string& tenant, uint64_t id, uint64_t n,
                   std::vector<uint32_t> ids = {}) const {
     AppendSpec s;
@@ -100,7 +100,7 @@ TEST_F(TenancyTest, ATenantCannotTakeEverySequenceSlot) {
   StoreOptions opt;
   opt.max_sequences = 8;
   Make(64, opt);
-  store_->SetTenantLimits("greedy", Limits(10, 3));
+  store_->tenants().SetLimits("greedy", Limits(10, 3));
   std::vector<uint64_t> mine;
   for (int i = 0; i < 3; ++i) {
     auto s = Create("greedy");
@@ -129,14 +129,14 @@ TEST_F(TenancyTest, ATenantCannotTakeEverySequenceSlot) {
   EXPECT_EQ(st.tenants[0].max_blocks, 10u);
   EXPECT_EQ(st.tenants[1].max_sequences, 0u);
   // Lowering the limit keeps what the tenant holds and refuses more.
-  store_->SetTenantLimits("greedy", Limits(0, 1));
+  store_->tenants().SetLimits("greedy", Limits(0, 1));
   EXPECT_EQ(store_->Stats().tenants[0].sequences, 3u);
   EXPECT_EQ(Create("greedy").status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(store_->CheckInvariants(), "");
 }
 
 TEST_F(TenancyTest, ATenantSeesOnlyItsOwnFigures) {
-  store_->SetTenantQuota("a", 20);
+  store_->tenants().SetQuota("a", 20);
   // Tenant b is busy; tenant a did one small thing.
   auto a = Create("a", absl::ZeroDuration(), {1, 2, 3, 4, 5});
   ASSERT_TRUE(a.ok());
@@ -222,7 +222,7 @@ TEST_F(TenancyTest, CountersEqualARecountAfterRandomOperations) {
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
   const std::vector<std::string> tenants = {"", "x", "y"};
-  store_->SetTenantLimits("y", Limits(30, 6));
+  store_->tenants().SetLimits("y", Limits(30, 6));
   std::map<uint64_t, std::string> live;  // id -> tenant
   auto pick = [&]() -> std::pair<uint64_t, std::string> {
     auto it = live.begin();

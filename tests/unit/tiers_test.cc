@@ -112,7 +112,7 @@ class TiersTest : public ::testing::Test {
     a.num_tokens = kTokens;
     a.dtype = DType::kFp16;
     a.token_ids = Prompt(i);
-    EXPECT_TRUE(store.Append(a, Payload(store.block_layout(), kTokens, uint64_t(i))).ok());
+    EXPECT_TRUE(store.Append(a, Payload(store.pool().layout(), kTokens, uint64_t(i))).ok());
     std::vector<uint8_t> got = Fetch(store, info->id, tenant);
     EXPECT_TRUE(store.Free(info->id, tenant).ok());
     return got;
@@ -149,11 +149,11 @@ class TiersTest : public ::testing::Test {
   MatchResult Match(SequenceStore& store, int i, const std::string& tenant = "") {
     MatchQuery q;
     q.tokens = Prompt(i);
-    return store.MatchTiers(tenant, {q})[0];
+    return store.prefix().MatchTiers(tenant, {q})[0];
   }
 
   std::vector<BlockHash> Hashes(SequenceStore& store, int i, const std::string& tenant = "") {
-    return PrefixHashes(store.options().hash, store.Root(tenant, ""), Prompt(i),
+    return PrefixHashes(store.options().hash, store.prefix().Root(tenant, ""), Prompt(i),
                         store.layout().block_tokens);
   }
 
@@ -167,7 +167,7 @@ TEST_F(TiersTest, HostTierKeepsWhatThePoolEvicts) {
   ASSERT_NE(store, nullptr);
   std::vector<std::vector<uint8_t>> written;
   for (int i = 0; i < 10; ++i) written.push_back(Write(*store, i));  // 20 blocks through 8
-  const TierStats before = store->tiers()->Stats();
+  const TierStats before = store->prefix().tiers()->Stats();
   EXPECT_EQ(before.spilled_to_host, 12u);
   EXPECT_EQ(before.host_blocks, 12u);
   // The oldest prompts are in the host tier only, the newest in the pool.
@@ -180,7 +180,7 @@ TEST_F(TiersTest, HostTierKeepsWhatThePoolEvicts) {
     EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
     EXPECT_EQ(got, written[i]) << "prompt " << i << " came back different";
   }
-  const TierStats after = store->tiers()->Stats();
+  const TierStats after = store->prefix().tiers()->Stats();
   EXPECT_GT(after.promoted_from_host, 0u);
   // Inclusive: a block promoted and evicted again is not copied again.
   EXPECT_LE(after.host_blocks, 20u);
@@ -196,15 +196,15 @@ TEST_F(TiersTest, SpillAheadCopiesBeforeTheEviction) {
   std::vector<std::vector<uint8_t>> written;
   for (int i = 0; i < 16; ++i) written.push_back(Write(*store, i));  // the pool full
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (store->tiers()->Stats().host_blocks < 16 && absl::Now() < deadline) {
+  while (store->prefix().tiers()->Stats().host_blocks < 16 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(1));
   }
-  ASSERT_GE(store->tiers()->Stats().host_blocks, 16u) << "the spill-ahead copied nothing";
-  const uint64_t before = store->tiers()->Stats().spilled_at_eviction;
+  ASSERT_GE(store->prefix().tiers()->Stats().host_blocks, 16u) << "the spill-ahead copied nothing";
+  const uint64_t before = store->prefix().tiers()->Stats().spilled_at_eviction;
   EXPECT_EQ(before, 0u);
   Write(*store, 100);  // two blocks: the two coldest go, already copied
   EXPECT_EQ(store->pool().Stats().evictions, 2u);
-  EXPECT_EQ(store->tiers()->Stats().spilled_at_eviction, before);
+  EXPECT_EQ(store->prefix().tiers()->Stats().spilled_at_eviction, before);
   for (int i = 0; i < 16; ++i) {
     std::vector<uint8_t> got;
     EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
@@ -221,7 +221,7 @@ TEST_F(TiersTest, MatchSeesTiersPerTenantOnly) {
   EXPECT_EQ(Match(*store, 0, "alice").host_tokens, kTokens);
   EXPECT_EQ(Match(*store, 0, "bob").tokens, 0u);
   EXPECT_EQ(Reuse(*store, 0, nullptr, "bob"), 0u);
-  EXPECT_EQ(store->tiers()->Stats().promoted_from_host, 0u);
+  EXPECT_EQ(store->prefix().tiers()->Stats().promoted_from_host, 0u);
 }
 
 TEST_F(TiersTest, DiskTierSurvivesARestart) {
@@ -231,12 +231,12 @@ TEST_F(TiersTest, DiskTierSurvivesARestart) {
     ASSERT_NE(store, nullptr);
     for (int i = 0; i < 10; ++i) written.push_back(Write(*store, i));
     // Warm restart: what the pool still caches goes down too.
-    EXPECT_EQ(store->FlushToDisk(absl::InfiniteFuture()), 8u);
-    EXPECT_EQ(store->tiers()->Stats().disk_blocks, 20u);
+    EXPECT_EQ(store->prefix().FlushToDisk(absl::InfiniteFuture()), 8u);
+    EXPECT_EQ(store->prefix().tiers()->Stats().disk_blocks, 20u);
   }
   auto store = Open(8, 0, true);
   ASSERT_NE(store, nullptr);
-  const TierStats loaded = store->tiers()->Stats();
+  const TierStats loaded = store->prefix().tiers()->Stats();
   EXPECT_EQ(loaded.loaded, 20u);
   EXPECT_EQ(loaded.load_invalid, 0u);
   for (int i = 0; i < 10; ++i) {
@@ -247,7 +247,7 @@ TEST_F(TiersTest, DiskTierSurvivesARestart) {
     EXPECT_EQ(Reuse(*store, i, &got), kTokens) << "prompt " << i;
     EXPECT_EQ(got, written[i]) << "prompt " << i << " came back different";
   }
-  EXPECT_GT(store->tiers()->Stats().promoted_from_disk, 0u);
+  EXPECT_GT(store->prefix().tiers()->Stats().promoted_from_disk, 0u);
   EXPECT_EQ(store->CheckInvariants(), "");
 }
 
@@ -257,21 +257,22 @@ TEST_F(TiersTest, PrefetchBringsBlocksIntoThePool) {
     ASSERT_NE(store, nullptr);
     Write(*store, 1);
     Write(*store, 2);
-    store->FlushToDisk(absl::InfiniteFuture());
+    store->prefix().FlushToDisk(absl::InfiniteFuture());
   }
   auto store = Open(8, 0, true);
   ASSERT_NE(store, nullptr);
   MatchQuery by_tokens, by_hashes;
   by_tokens.tokens = Prompt(1);
   by_hashes.hashes = Hashes(*store, 2);
-  EXPECT_EQ(store->Prefetch("", {by_tokens, by_hashes}), 4u);
-  EXPECT_EQ(store->tiers()->Stats().promoted_from_disk, 4u);
+  EXPECT_EQ(store->prefix().Prefetch("", {by_tokens, by_hashes}), 4u);
+  EXPECT_EQ(store->prefix().tiers()->Stats().promoted_from_disk, 4u);
   EXPECT_EQ(Match(*store, 1).pool_tokens, kTokens);
   EXPECT_EQ(Match(*store, 2).pool_tokens, kTokens);
   EXPECT_EQ(store->pool().Stats().cached, 4u) << "prefetched blocks stay cached in the pool";
   EXPECT_EQ(Reuse(*store, 1, nullptr), kTokens);
-  EXPECT_EQ(store->tiers()->Stats().promoted_from_disk, 4u) << "the create found them in the pool";
-  EXPECT_EQ(store->Prefetch("bob", {by_tokens}), 0u) << "another tenant's blocks";
+  EXPECT_EQ(store->prefix().tiers()->Stats().promoted_from_disk, 4u)
+      << "the create found them in the pool";
+  EXPECT_EQ(store->prefix().Prefetch("bob", {by_tokens}), 0u) << "another tenant's blocks";
   EXPECT_EQ(store->CheckInvariants(), "");
 }
 
@@ -281,12 +282,12 @@ TEST_F(TiersTest, FetchBlocksReadsFromTheDisk) {
     auto store = Open(8, 0, true);
     ASSERT_NE(store, nullptr);
     written = Write(*store, 3);
-    store->FlushToDisk(absl::InfiniteFuture());
+    store->prefix().FlushToDisk(absl::InfiniteFuture());
   }
   auto store = Open(8, 0, true);
   ASSERT_NE(store, nullptr);
   EXPECT_EQ(store->pool().Stats().cached, 0u);
-  auto r = store->FetchBlocks("", Hashes(*store, 3), 0, std::nullopt, DType::kFp16);
+  auto r = store->prefix().FetchBlocks("", Hashes(*store, 3), 0, std::nullopt, DType::kFp16);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ((*r)->num_tokens(), kTokens);
   std::vector<uint8_t> got((*r)->payload_bytes());
@@ -311,11 +312,11 @@ TEST_F(TiersTest, CorruptBlockIsAMissCountedAndRemoved) {
     auto store = Open(8, 0, true);
     ASSERT_NE(store, nullptr);
     Write(*store, 0);
-    store->FlushToDisk(absl::InfiniteFuture());
+    store->prefix().FlushToDisk(absl::InfiniteFuture());
   }
   auto store = Open(8, 0, true);
   ASSERT_NE(store, nullptr);
-  TierCache& t = *store->tiers();
+  TierCache& t = *store->prefix().tiers();
   // Checked at start (by the scrubber): the corruption below comes after, and a read finds it.
   ASSERT_TRUE(t.WaitForScrub(absl::Now() + absl::Seconds(30)));
   const std::vector<BlockHash> h = Hashes(*store, 0);
@@ -337,8 +338,8 @@ TEST_F(TiersTest, TornSlotsAreSkippedAtStart) {
     auto store = Open(8, 0, true);
     ASSERT_NE(store, nullptr);
     for (int i = 0; i < 3; ++i) Write(*store, i);
-    store->FlushToDisk(absl::InfiniteFuture());
-    TierCache& t = *store->tiers();
+    store->prefix().FlushToDisk(absl::InfiniteFuture());
+    TierCache& t = *store->prefix().tiers();
     file = t.disk_file();
     slot_bytes = t.slot_bytes();
     header_bytes = t.header_bytes();
@@ -350,9 +351,9 @@ TEST_F(TiersTest, TornSlotsAreSkippedAtStart) {
   auto store = Open(8, 0, true);
   ASSERT_NE(store, nullptr);
   // The torn header at start; the torn bytes when the scrubber (or a read) gets to them.
-  EXPECT_EQ(store->tiers()->Stats().loaded, 5u);
-  ASSERT_TRUE(store->tiers()->WaitForScrub(absl::Now() + absl::Seconds(30)));
-  const TierStats s = store->tiers()->Stats();
+  EXPECT_EQ(store->prefix().tiers()->Stats().loaded, 5u);
+  ASSERT_TRUE(store->prefix().tiers()->WaitForScrub(absl::Now() + absl::Seconds(30)));
+  const TierStats s = store->prefix().tiers()->Stats();
   EXPECT_EQ(s.load_invalid, 2u);
   EXPECT_EQ(s.disk_blocks, 4u);
   EXPECT_EQ(s.unverified, 0u);
@@ -366,8 +367,8 @@ TEST_F(TiersTest, HostVictimsGoToTheDisk) {
   auto store = Open(4, 4, true);
   ASSERT_NE(store, nullptr);
   for (int i = 0; i < 8; ++i) written.push_back(Write(*store, i));  // 16 blocks: 4 + 4 + disk
-  ASSERT_TRUE(store->tiers()->WaitForWrites(absl::Now() + absl::Seconds(30)));
-  const TierStats s = store->tiers()->Stats();
+  ASSERT_TRUE(store->prefix().tiers()->WaitForWrites(absl::Now() + absl::Seconds(30)));
+  const TierStats s = store->prefix().tiers()->Stats();
   EXPECT_EQ(s.host_blocks, 4u);
   EXPECT_EQ(s.spilled_to_disk, 8u);
   EXPECT_EQ(Match(*store, 0).disk_tokens, kTokens);
@@ -384,7 +385,7 @@ TEST_F(TiersTest, HostVictimsGoToTheDisk) {
 TEST_F(TiersTest, EvictingAPromotedBlockAgainCopiesNothing) {
   auto store = Open(/*pool_blocks=*/2, /*host_blocks=*/2, /*disk=*/true);
   ASSERT_NE(store, nullptr);
-  TierCache& tiers = *store->tiers();
+  TierCache& tiers = *store->prefix().tiers();
   const auto settled = [&] { return tiers.WaitForWrites(absl::Now() + absl::Seconds(30)); };
   const std::vector<uint8_t> p0 = Write(*store, 0);
   Write(*store, 1);                                  // prompt 0 to the host tier
@@ -419,7 +420,7 @@ TEST_F(TiersTest, ABlockSpilledAheadIsNotCopiedAgainAtItsEviction) {
   auto store = Open(/*pool_blocks=*/32, /*host_blocks=*/8, /*disk=*/true, /*disk_blocks=*/256,
                     /*spill_ahead=*/true);
   ASSERT_NE(store, nullptr);
-  TierCache& tiers = *store->tiers();
+  TierCache& tiers = *store->prefix().tiers();
   std::vector<std::vector<uint8_t>> written;
   for (int i = 0; i < 16; ++i) written.push_back(Write(*store, i));  // the pool full
   // The 16 coldest (prompts 0-7) go down: the last 8 copied in the host tier, the first 8 on
@@ -451,7 +452,7 @@ TEST_F(TiersTest, EventsCarryTheTier) {
   ASSERT_NE(store, nullptr);
   Write(*store, 0);
   Write(*store, 1);  // prompt 0's blocks go to the host tier
-  auto batch = store->events()->Read(0, 1000, "", true);
+  auto batch = store->prefix().events()->Read(0, 1000, "", true);
   ASSERT_TRUE(batch.ok());
   int pool_stored = 0, host_stored = 0, pool_removed = 0;
   const std::string pool_medium = store->pool().medium();
@@ -478,9 +479,9 @@ TEST_F(TiersTest, APromotionIsStoredInThePoolAndStaysInItsTier) {
   Write(*store, 0);
   Write(*store, 1);  // prompt 0's blocks go to the host tier
   const std::vector<BlockHash> p0 = Hashes(*store, 0);
-  const uint64_t mark = store->events()->last_sequence();
+  const uint64_t mark = store->prefix().events()->last_sequence();
   ASSERT_EQ(Reuse(*store, 0, nullptr), kTokens);  // promoted; prompt 1 goes down
-  auto batch = store->events()->Read(mark, 1000, "", true);
+  auto batch = store->prefix().events()->Read(mark, 1000, "", true);
   ASSERT_TRUE(batch.ok());
   const std::string pool_medium = store->pool().medium();
   int p0_pool_stored = 0, p0_host_removed = 0, host_stored = 0;
@@ -499,8 +500,8 @@ TEST_F(TiersTest, APromotionIsStoredInThePoolAndStaysInItsTier) {
   EXPECT_EQ(p0_pool_stored, 2);
   EXPECT_EQ(p0_host_removed, 0);
   EXPECT_EQ(host_stored, 2);  // prompt 1's
-  EXPECT_EQ(store->tiers()->Find(p0[0], ""), Tier::kHost);
-  EXPECT_EQ(store->tiers()->Find(p0[1], ""), Tier::kHost);
+  EXPECT_EQ(store->prefix().tiers()->Find(p0[0], ""), Tier::kHost);
+  EXPECT_EQ(store->prefix().tiers()->Find(p0[1], ""), Tier::kHost);
 }
 
 // No byte of a block moves under the store's or the pool's lock: evictions into the tiers made
@@ -522,23 +523,23 @@ TEST_F(TiersTest, NoByteMovesUnderTheStoreOrPoolLock) {
   a.sequence_id = parent->id;
   a.num_tokens = kTokens + 2;  // two full blocks and a partial one
   a.dtype = DType::kFp16;
-  ASSERT_TRUE(store->Append(a, Payload(store->block_layout(), a.num_tokens, 7)).ok());
+  ASSERT_TRUE(store->Append(a, Payload(store->pool().layout(), a.num_tokens, 7)).ok());
   for (int i = 12; i < 15; ++i) Write(*store, i);  // the pool full of cached blocks again
   auto child = store->Fork(parent->id, absl::ZeroDuration());
   ASSERT_TRUE(child.ok()) << child.status();
   a.sequence_id = child->id;
   a.num_tokens = 1;
-  ASSERT_TRUE(store->Append(a, Payload(store->block_layout(), 1, 8)).ok());
+  ASSERT_TRUE(store->Append(a, Payload(store->pool().layout(), 1, 8)).ok());
   ASSERT_TRUE(store->Free(child->id).ok());
   ASSERT_TRUE(store->Free(parent->id).ok());
   for (int i = 0; i < 15; ++i) {
     std::vector<uint8_t> got;
     Reuse(*store, i, &got);  // promotions, and their evictions
   }
-  ASSERT_TRUE(store->tiers()->WaitForWrites(absl::Now() + absl::Seconds(30)));
+  ASSERT_TRUE(store->prefix().tiers()->WaitForWrites(absl::Now() + absl::Seconds(30)));
   EXPECT_GT(store->pool().Stats().evictions, 0u);
-  EXPECT_GT(store->tiers()->Stats().spilled_to_host, 0u);
-  EXPECT_GT(store->FlushToDisk(absl::Now() + absl::Seconds(30)), 0u);
+  EXPECT_GT(store->prefix().tiers()->Stats().spilled_to_host, 0u);
+  EXPECT_GT(store->prefix().FlushToDisk(absl::Now() + absl::Seconds(30)), 0u);
   EXPECT_EQ(MovesUnderCoreLock(), before);
   EXPECT_EQ(store->CheckInvariants(), "");
 }

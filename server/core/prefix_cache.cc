@@ -1,53 +1,47 @@
-// SequenceStore: the prefix cache side (publishing, look-ups, pins, quotas, cache TTL).
+#include "server/core/prefix_cache.h"
+
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/quant.h"
-#include "server/core/sequence.h"
-#include "server/core/sequence_store.h"
 
 namespace kvbank {
 
-void SequenceStore::PublishFullBlocks(Sequence& s) {
-  if (!s.publishable) return;
-  const uint64_t bt = layout_.block_tokens;
-  const uint64_t full = std::min<uint64_t>(s.Length(), s.token_ids.size()) / bt;
-  while (s.hashes.size() < full) {
-    const size_t i = s.hashes.size();
-    PublishInfo info;
-    info.has_parent = i > 0;
-    info.parent = i > 0 ? s.hashes[i - 1] : s.root;
-    const uint32_t* tokens = s.token_ids.data() + i * bt;
-    info.hash = ChainHash(options_.hash, info.parent, tokens, bt, s.extra_keys);
-    info.token_ids.assign(tokens, tokens + bt);
-    info.lora = s.lora;
-    info.priority = s.priority;
-    s.hashes.push_back(info.hash);
-    if (s.table.hole(i)) continue;  // released by a sliding window
-    // False when the block is already published (shared from the cache) or another block holds
-    // the same hash: then this copy stays private and goes back to the free list when released.
-    pool_->Publish(s.table.at(i), info, s.tenant_id);
+PrefixCache::PrefixCache(const TransferPlanner* planner, BlockPool* pool, TierCache* tiers,
+                         KvEventLog* events, StoreTenants* tenants, Options options)
+    : planner_(planner),
+      pool_(pool),
+      tiers_(tiers),
+      events_(events),
+      tenants_(tenants),
+      options_(options),
+      fingerprint_(LayoutFingerprint(planner->layout())) {
+  if (tiers_ != nullptr && tiers_->options().spill_ahead) {
+    spiller_ = std::thread([this] { SpillLoop(); });
   }
 }
 
-std::vector<uint64_t> SequenceStore::Match(const std::string& tenant,
-                                           const std::vector<MatchQuery>& queries) {
+PrefixCache::~PrefixCache() { StopSpilling(); }
+
+BlockHash PrefixCache::Root(const std::string& tenant, const std::string& cache_salt) const {
+  return RootHash(options_.hash, PrefixRoot{fingerprint_, tenant, cache_salt});
+}
+
+std::vector<uint64_t> PrefixCache::Match(const std::string& tenant,
+                                         const std::vector<MatchQuery>& queries) {
   std::vector<uint64_t> out;
   out.reserve(queries.size());
   for (const MatchResult& r : MatchTiers(tenant, queries)) out.push_back(r.tokens);
   return out;
 }
 
-std::vector<MatchResult> SequenceStore::MatchTiers(const std::string& tenant,
-                                                   const std::vector<MatchQuery>& queries) {
+std::vector<MatchResult> PrefixCache::MatchTiers(const std::string& tenant,
+                                                 const std::vector<MatchQuery>& queries) {
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   std::vector<MatchResult> out;
   out.reserve(queries.size());
-  const uint32_t bt = layout_.block_tokens;
+  const uint32_t bt = planner_->layout().block_tokens;
   for (const MatchQuery& q : queries) {
     // Block by block, stopping at the first miss in every tier: a miss costs one hash (and one
     // look-up per tier), not the prompt's.
@@ -74,25 +68,25 @@ std::vector<MatchResult> SequenceStore::MatchTiers(const std::string& tenant,
   return out;
 }
 
-size_t SequenceStore::Prefetch(const std::string& tenant, const std::vector<MatchQuery>& queries) {
+size_t PrefixCache::Prefetch(const std::string& tenant, const std::vector<MatchQuery>& queries) {
   size_t n = 0;
   for (const MatchQuery& q : queries) {
     std::vector<BlockHash> hashes = q.hashes;
     if (hashes.empty()) {
       hashes = PrefixHashes(options_.hash, Root(tenant, q.cache_salt), q.tokens,
-                            layout_.block_tokens, q.extra_keys);
+                            planner_->layout().block_tokens, q.extra_keys);
     }
     // Released at once: the promoted blocks stay cached (published, most recently used).
     size_t promoted = 0;
-    PromoteFromTiers(tenant, hashes, /*touch=*/false, &promoted);
+    Promote(tenant, hashes, /*touch=*/false, &promoted);
     n += promoted;
   }
   return n;
 }
 
-std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
-                                                      absl::Span<const BlockHash> hashes,
-                                                      bool touch, size_t* promoted) {
+std::vector<BlockRef> PrefixCache::Promote(const std::string& tenant,
+                                           absl::Span<const BlockHash> hashes, bool touch,
+                                           size_t* promoted) {
   std::vector<BlockRef> held;
   if (promoted != nullptr) *promoted = 0;
   if (tiers_ == nullptr || hashes.empty()) return held;
@@ -116,7 +110,7 @@ std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
     blocks = pool_->Allocate(want, tenant_id);
   }
   if (!blocks.ok()) return held;
-  const uint64_t bb = block_layout().block_bytes;
+  const uint64_t bb = pool_->layout().block_bytes;
   const bool on_host = pool_->memory().kind() != MemoryKind::kCuda;
   std::vector<uint8_t> staging(on_host ? 0 : blocks->size() * bb);
   std::vector<uint8_t*> dst;
@@ -145,7 +139,7 @@ std::vector<BlockRef> SequenceStore::PromoteFromTiers(const std::string& tenant,
   return held;
 }
 
-size_t SequenceStore::FlushToDisk(absl::Time deadline) {
+size_t PrefixCache::FlushToDisk(absl::Time deadline) {
   if (tiers_ == nullptr || !tiers_->has_disk()) return 0;
   StopSpilling();  // every cached block back in the eviction order, where ForEachCached sees it
   size_t n = 0;
@@ -161,62 +155,86 @@ size_t SequenceStore::FlushToDisk(absl::Time deadline) {
   return n;
 }
 
-absl::StatusOr<std::unique_ptr<FetchReader>> SequenceStore::FetchBlocks(
+absl::StatusOr<std::unique_ptr<FetchReader>> PrefixCache::FetchBlocks(
     const std::string& tenant, const std::vector<BlockHash>& hashes, uint32_t layer_begin,
     std::optional<uint32_t> layer_end, std::optional<DType> dtype, uint32_t kv_head_begin,
     std::optional<uint32_t> kv_head_end, bool device_dest) {
-  const uint32_t l0 = layer_begin, l1 = layer_end.value_or(layout_.num_layers);
-  if (absl::Status s = CheckLayerRange(l0, l1); !s.ok()) return s;
+  const uint32_t l1 = layer_end.value_or(planner_->layout().num_layers);
+  if (absl::Status s = planner_->CheckLayers(layer_begin, l1); !s.ok()) return s;
   if (hashes.empty()) return absl::InvalidArgumentError("block_hashes is empty");
-  auto wire = PlanTransfer(l0, l1, dtype, /*append=*/false);
-  if (!wire.ok()) return wire.status();
-  auto heads = ResolveHeads(kv_head_begin, kv_head_end);
-  if (!heads.ok()) return heads.status();
+  auto plan = planner_->Plan({layer_begin, l1, kv_head_begin, kv_head_end, dtype},
+                             /*append=*/false);
+  if (!plan.ok()) return plan.status();
   const uint32_t tenant_id = pool_->InternTenant(tenant);
   // Blocks in a tier below come back into the pool first; held until the reader holds them.
-  const std::vector<BlockRef> promoted = PromoteFromTiers(tenant, hashes, /*touch=*/false);
-  std::unique_ptr<FetchReader> r(new FetchReader());
+  const std::vector<BlockRef> promoted = Promote(tenant, hashes, /*touch=*/false);
+  std::vector<BlockRef> refs;
   std::vector<int32_t> table;
   for (const BlockHash& h : hashes) {
     BlockRef b = pool_->Peek(h, tenant_id);  // a read, not a reuse: eviction order stays
     if (!b.valid()) break;
     table.push_back(b.id());
-    r->refs_.push_back(std::move(b));
+    refs.push_back(std::move(b));
   }
-  if (r->refs_.empty()) {
+  if (refs.empty()) {
     return absl::NotFoundError("no block of block_hashes is cached (the first one is not)");
   }
-  r->token_begin_ = 0;
-  const uint64_t n = r->refs_.size() * uint64_t{layout_.block_tokens};
-  TransferSpec t = MakeTransfer(*wire, l0, l1, 0, n, std::move(table), *heads);
+  const uint64_t n = refs.size() * uint64_t{planner_->layout().block_tokens};
+  TransferSpec t = planner_->Make(*plan, 0, n, std::move(table));
   t.device_payload = device_dest;
-  auto reader = pool_->memory().BeginRead(block_layout(), std::move(t));
+  auto reader = pool_->memory().BeginRead(pool_->layout(), std::move(t));
   if (!reader.ok()) return reader.status();
-  r->reader_ = *std::move(reader);
-  r->kv_head_begin_ = heads->begin;
-  r->kv_head_end_ = heads->count == 0 ? layout_.num_kv_heads : heads->begin + heads->count;
-  CountFetch(tenant, r->payload_bytes());
+  auto r = std::make_unique<FetchReader>(std::move(refs), *std::move(reader), 0, plan->head_begin,
+                                         plan->head_end);
+  tenants_->Fetched(tenant, r->payload_bytes());
   return r;
 }
 
-size_t SequenceStore::Pin(const std::string& tenant, const std::vector<BlockHash>& hashes,
-                          bool pin) {
+size_t PrefixCache::Pin(const std::string& tenant, const std::vector<BlockHash>& hashes, bool pin) {
   return pool_->Pin(hashes, pool_->InternTenant(tenant), pin);
 }
 
-void SequenceStore::SetTenantQuota(const std::string& tenant, uint64_t max_blocks) {
-  pool_->SetTenantQuota(pool_->InternTenant(tenant), max_blocks);
+size_t PrefixCache::ExpireCache(absl::Time now) {
+  if (options_.ttl <= absl::ZeroDuration()) return 0;
+  return pool_->DropCachedBefore(now - options_.ttl);
 }
 
-void SequenceStore::SetTenantLimits(const std::string& tenant, const TenantLimits& limits) {
-  CoreLock lock(&mu_);  // a Create cannot slip between the two limits
-  pool_->SetTenantQuota(pool_->InternTenant(tenant), limits.max_blocks);
-  tenant_counters_[tenant].max_sequences = limits.max_sequences;
+void PrefixCache::StopSpilling() {
+  if (!spill_stop_.HasBeenNotified()) spill_stop_.Notify();
+  if (spiller_.joinable()) spiller_.join();
 }
 
-size_t SequenceStore::ExpireCache(absl::Time now) {
-  if (options_.prefix_cache_ttl <= absl::ZeroDuration()) return 0;
-  return pool_->DropCachedBefore(now - options_.prefix_cache_ttl);
+void PrefixCache::SpillLoop() {
+  // Keeps the coldest `ahead` cached blocks copied down a tier while fewer than `ahead` blocks
+  // are free: the next evictions then find their blocks there already.
+  const uint64_t ahead = std::max<uint64_t>(16, pool_->num_blocks() / 8);
+  constexpr size_t kBatch = 64;
+  const uint64_t bb = pool_->layout().block_bytes;
+  const bool on_host = pool_->memory().kind() != MemoryKind::kCuda;
+  std::vector<uint8_t> staging;
+  while (!spill_stop_.WaitForNotificationWithTimeout(absl::Milliseconds(5))) {
+    while (!spill_stop_.HasBeenNotified() && pool_->Stats().free < ahead) {
+      std::vector<BlockPool::SpillHold> holds =
+          pool_->HoldColdest(kBatch, ahead, [&](const PublishInfo& info, const std::string& t) {
+            return !tiers_->Find(info.hash, t).has_value();
+          });
+      if (holds.empty()) break;
+      bool copied = true;
+      if (!on_host) {
+        std::vector<int32_t> ids;
+        for (const auto& h : holds) ids.push_back(h.id);
+        staging.resize(ids.size() * bb);
+        copied = pool_->CopyOut(ids, staging.data()).ok();
+      }
+      bool taken = true;  // false: the disk's write queue is full, try again next round
+      for (size_t i = 0; copied && taken && i < holds.size(); ++i) {
+        const uint8_t* data = on_host ? pool_->BlockData(holds[i].id) : staging.data() + i * bb;
+        taken = tiers_->Spill(*holds[i].info, holds[i].tenant, data);
+      }
+      pool_->ReleaseSpillHolds(holds);
+      if (!copied || !taken) break;
+    }
+  }
 }
 
 }  // namespace kvbank
