@@ -1,5 +1,6 @@
-// What client.cc and client_planes.cc share inside the C++ SDK: the Client's state and the
-// conversions between the SDK's values and the wire messages. Not a public header.
+// What the Client's files (client_*.cc) share inside the C++ SDK: the Client's state, the
+// conversions between the SDK's values and the wire messages (client_convert.cc) and the raw
+// fetch stream. Not a public header.
 #ifndef KVBANK_CLIENT_CLIENT_INTERNAL_H_
 #define KVBANK_CLIENT_CLIENT_INTERNAL_H_
 
@@ -12,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/fetch_decoder.h"
 #include "grpcpp/grpcpp.h"
 #include "kvbank/client.h"
 #include "kvbank/v1/kvbank.grpc.pb.h"
@@ -23,6 +25,8 @@ class NcclLink;
 
 absl::Status FromGrpc(const grpc::Status& s);
 Client::SequenceInfo FromProto(const v1::SequenceInfo& p);
+// A model's info as the server sends it; INTERNAL when its spec does not parse.
+absl::StatusOr<Client::ModelInfo> ModelFromProto(const v1::ModelInfo& p);
 // The header of an append of `payload_bytes` (0: the server checks a region's length).
 v1::AppendHeader MakeHeader(const std::string& model, uint64_t id, const Client::AppendArgs& a,
                             uint64_t payload_bytes);
@@ -36,8 +40,35 @@ v1::FetchBlocksRequest MakeFetchBlocksRequest(const std::string& model,
 void SetSlice(const RegionSlice& slice, v1::RegionSlice* out);
 // A block hash as the bytes of a proto field.
 std::string HashBytes(const BlockHash& h);
+// The bytes of a proto field as a block hash (zero-padded or cut to its size).
+BlockHash HashFromBytes(const std::string& b);
+// Extra keys of the SDK appended to a repeated proto field.
+void AddExtraKeys(const std::vector<ExtraKey>& keys,
+                  google::protobuf::RepeatedPtrField<v1::ExtraKey>* out);
 // A fetch's header as the SDK's result (no payload); *dtype_ok false when it names no dtype.
 Client::FetchResult ResultFromHeader(const v1::FetchHeader& h, bool* dtype_ok);
+
+// A server-streaming call to `method` whose responses are read raw (FetchDecoder decodes them).
+template <typename Request>
+absl::StatusOr<Client::FetchResult> RawFetch(grpc::Channel* channel, const char* method,
+                                             grpc::ClientContext* ctx, const Request& req,
+                                             FetchDecoder decoder = FetchDecoder()) {
+  // The generated stub's own factory, for grpc::ByteBuffer responses.
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+          channel, grpc::internal::RpcMethod(method, grpc::internal::RpcMethod::SERVER_STREAMING),
+          ctx, req));
+  grpc::ByteBuffer message;
+  while (reader->Read(&message)) {
+    if (absl::Status s = decoder.Add(message); !s.ok()) {
+      ctx->TryCancel();
+      reader->Finish();
+      return s;
+    }
+  }
+  if (auto s = FromGrpc(reader->Finish()); !s.ok()) return s;
+  return std::move(decoder).Finish();
+}
 
 }  // namespace internal
 
@@ -82,6 +113,29 @@ struct Client::Impl {
   // chunk_bytes each; the first message carries the header.
   absl::StatusOr<SequenceInfo> StreamAppend(const v1::AppendHeader& header,
                                             absl::Span<const absl::Span<const uint8_t>> pieces);
+
+  // The data planes' shared steps (client_planes.cc).
+  // An append whose payload is `source`, a slice of a shared-memory region (device false) or of
+  // a CUDA IPC device region: no payload on gRPC.
+  absl::StatusOr<SequenceInfo> AppendFromSlice(v1::AppendHeader header, const RegionSlice& source,
+                                               bool device);
+  // A Fetch or FetchBlocks (`Request`) whose payload the server writes into `dest` (a slice as
+  // above): only the header comes back, its payload_bytes bounded by dest's length.
+  template <typename Request>
+  absl::StatusOr<FetchResult> FetchToSlice(Request req, const RegionSlice& dest, bool device);
+  // Unregister(Device)Region: one request naming the region.
+  template <typename Req, typename Resp>
+  absl::Status Unregister(grpc::Status (v1::KvBank::Stub::*method)(grpc::ClientContext*, const Req&,
+                                                                   Resp*),
+                          uint64_t region_id) {
+    Req req;
+    req.set_region_id(region_id);
+    Resp resp;
+    return Call(method, req, &resp);
+  }
+  // The NCCL communicator; FAILED_PRECONDITION without NcclConnect, UNIMPLEMENTED in an SDK
+  // built without NCCL.
+  absl::StatusOr<std::shared_ptr<internal::NcclLink>> Nccl();
 };
 
 }  // namespace kvbank

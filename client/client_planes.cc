@@ -18,9 +18,79 @@ namespace kvbank {
 
 using internal::FromGrpc;
 using internal::FromProto;
+using internal::MakeFetchBlocksRequest;
 using internal::MakeFetchRequest;
 using internal::MakeHeader;
 using internal::SetSlice;
+
+namespace {
+// The one message of a fetch into a region: its header (the payload is in the region).
+// `limit`: the slice's length. The server's payload_bytes is its word: past the slice, the
+// answer is an error, never a length the caller would read beyond its slice with.
+template <typename Reader>
+absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader, uint64_t limit) {
+  v1::FetchResponse resp;
+  bool got = false;
+  while (reader.Read(&resp)) got = true;
+  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
+  if (!got || !resp.has_header() || !resp.data().empty()) {
+    return absl::InternalError("a fetch into a region answered with no header, or with data");
+  }
+  bool dtype_ok = false;
+  Client::FetchResult r = internal::ResultFromHeader(resp.header(), &dtype_ok);
+  if (!dtype_ok) return absl::InternalError("a fetch into a region answered with no payload dtype");
+  if (r.payload_bytes > limit) {
+    return absl::InternalError(absl::StrCat("a fetch into a region of ", limit, " bytes answered ",
+                                            r.payload_bytes, " payload bytes"));
+  }
+  return r;
+}
+
+// The streams of the two fetches a slice can receive.
+std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> Open(v1::KvBank::Stub* stub,
+                                                            grpc::ClientContext* ctx,
+                                                            const v1::FetchRequest& req) {
+  return stub->Fetch(ctx, req);
+}
+std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> Open(v1::KvBank::Stub* stub,
+                                                            grpc::ClientContext* ctx,
+                                                            const v1::FetchBlocksRequest& req) {
+  return stub->FetchBlocks(ctx, req);
+}
+
+}  // namespace
+
+template <typename Request>
+absl::StatusOr<Client::FetchResult> Client::Impl::FetchToSlice(Request req, const RegionSlice& dest,
+                                                               bool device) {
+  SetSlice(dest, device ? req.mutable_device_dest() : req.mutable_dest());
+  grpc::ClientContext ctx;
+  Deadline(&ctx, true);
+  auto reader = Open(stub.get(), &ctx, req);
+  return ReadRegionHeader(*reader, dest.length);
+}
+
+absl::StatusOr<Client::SequenceInfo> Client::Impl::AppendFromSlice(v1::AppendHeader header,
+                                                                   const RegionSlice& source,
+                                                                   bool device) {
+  // payload_bytes 0: the server checks source.length against the payload and names that field.
+  SetSlice(source, device ? header.mutable_device_source() : header.mutable_source());
+  return StreamAppend(header, {});
+}
+
+absl::StatusOr<std::shared_ptr<internal::NcclLink>> Client::Impl::Nccl() {
+  std::shared_ptr<internal::NcclLink> link;
+  {
+    absl::MutexLock lock(&nccl_mu);
+    link = nccl;
+  }
+  if (link == nullptr) {
+    return internal::NcclInSdk()
+               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
+               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
+  }
+  return link;
+}
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size) {
   if (impl_->options.shm_socket.empty()) {
@@ -50,64 +120,19 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size)
 }
 
 absl::Status Client::UnregisterRegion(uint64_t region_id) {
-  v1::UnregisterRegionRequest req;
-  req.set_region_id(region_id);
-  v1::UnregisterRegionResponse resp;
-  return impl_->Call(&v1::KvBank::Stub::UnregisterRegion, req, &resp);
+  return impl_->Unregister(&v1::KvBank::Stub::UnregisterRegion, region_id);
 }
 
 absl::StatusOr<Client::SequenceInfo> Client::AppendFromRegion(const std::string& model, uint64_t id,
                                                               const AppendArgs& args,
                                                               const RegionSlice& source) {
-  // payload_bytes 0: the server checks source.length against the payload and names that field.
-  v1::AppendHeader header = MakeHeader(model, id, args, 0);
-  SetSlice(source, header.mutable_source());
-  return impl_->StreamAppend(header, {});
+  return impl_->AppendFromSlice(MakeHeader(model, id, args, 0), source, /*device=*/false);
 }
-
-namespace {
-// The one message of a fetch into a region: its header (the payload is in the region).
-// `limit`: the slice's length. The server's payload_bytes is its word: past the slice, the
-// answer is an error, never a length the caller would read beyond its slice with.
-template <typename Reader>
-absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader, uint64_t limit) {
-  v1::FetchResponse resp;
-  bool got = false;
-  while (reader.Read(&resp)) got = true;
-  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
-  if (!got || !resp.has_header() || !resp.data().empty()) {
-    return absl::InternalError("a fetch into a region answered with no header, or with data");
-  }
-  bool dtype_ok = false;
-  Client::FetchResult r = internal::ResultFromHeader(resp.header(), &dtype_ok);
-  if (!dtype_ok) return absl::InternalError("a fetch into a region answered with no payload dtype");
-  if (r.payload_bytes > limit) {
-    return absl::InternalError(absl::StrCat("a fetch into a region of ", limit, " bytes answered ",
-                                            r.payload_bytes, " payload bytes"));
-  }
-  return r;
-}
-
-// A Fetch whose payload the server writes into a region (`req` names it): only the header
-// comes back.
-absl::StatusOr<Client::FetchResult> FetchIntoRegion(v1::KvBank::Stub* stub,
-                                                    grpc::ClientContext* ctx,
-                                                    const v1::FetchRequest& req) {
-  auto reader = stub->Fetch(ctx, req);
-  return ReadRegionHeader(*reader,
-                          req.has_dest() ? req.dest().length() : req.device_dest().length());
-}
-
-}  // namespace
 
 absl::StatusOr<Client::FetchResult> Client::FetchToRegion(const std::string& model, uint64_t id,
                                                           const FetchArgs& args,
                                                           const RegionSlice& dest) {
-  v1::FetchRequest req = MakeFetchRequest(model, id, args);
-  SetSlice(dest, req.mutable_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  return FetchIntoRegion(impl_->stub.get(), &ctx, req);
+  return impl_->FetchToSlice(MakeFetchRequest(model, id, args), dest, /*device=*/false);
 }
 
 absl::StatusOr<Client::DeviceRegion> Client::RegisterDeviceRegion(
@@ -124,59 +149,33 @@ absl::StatusOr<Client::DeviceRegion> Client::RegisterDeviceRegion(
 }
 
 absl::Status Client::UnregisterDeviceRegion(uint64_t region_id) {
-  v1::UnregisterDeviceRegionRequest req;
-  req.set_region_id(region_id);
-  v1::UnregisterDeviceRegionResponse resp;
-  return impl_->Call(&v1::KvBank::Stub::UnregisterDeviceRegion, req, &resp);
+  return impl_->Unregister(&v1::KvBank::Stub::UnregisterDeviceRegion, region_id);
 }
 
 absl::StatusOr<Client::SequenceInfo> Client::AppendFromDevice(const std::string& model, uint64_t id,
                                                               const AppendArgs& args,
                                                               const RegionSlice& source) {
-  v1::AppendHeader header = MakeHeader(model, id, args, 0);
-  SetSlice(source, header.mutable_device_source());
-  return impl_->StreamAppend(header, {});
+  return impl_->AppendFromSlice(MakeHeader(model, id, args, 0), source, /*device=*/true);
 }
 
 absl::StatusOr<Client::FetchResult> Client::FetchToDevice(const std::string& model, uint64_t id,
                                                           const FetchArgs& args,
                                                           const RegionSlice& dest) {
-  v1::FetchRequest req = MakeFetchRequest(model, id, args);
-  SetSlice(dest, req.mutable_device_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  return FetchIntoRegion(impl_->stub.get(), &ctx, req);
+  return impl_->FetchToSlice(MakeFetchRequest(model, id, args), dest, /*device=*/true);
 }
-
-namespace {
-// A FetchBlocks whose payload the server writes into a region (`req` names it).
-absl::StatusOr<Client::FetchResult> FetchBlocksIntoRegion(v1::KvBank::Stub* stub,
-                                                          grpc::ClientContext* ctx,
-                                                          const v1::FetchBlocksRequest& req) {
-  auto reader = stub->FetchBlocks(ctx, req);
-  return ReadRegionHeader(*reader,
-                          req.has_dest() ? req.dest().length() : req.device_dest().length());
-}
-}  // namespace
 
 absl::StatusOr<Client::FetchResult> Client::FetchBlocksToRegion(
     const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
     const RegionSlice& dest) {
-  v1::FetchBlocksRequest req = internal::MakeFetchBlocksRequest(model, hashes, args);
-  SetSlice(dest, req.mutable_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  return FetchBlocksIntoRegion(impl_->stub.get(), &ctx, req);
+  return impl_->FetchToSlice(MakeFetchBlocksRequest(model, hashes, args), dest,
+                             /*device=*/false);
 }
 
 absl::StatusOr<Client::FetchResult> Client::FetchBlocksToDevice(
     const std::string& model, const std::vector<BlockHash>& hashes, const FetchArgs& args,
     const RegionSlice& dest) {
-  v1::FetchBlocksRequest req = internal::MakeFetchBlocksRequest(model, hashes, args);
-  SetSlice(dest, req.mutable_device_dest());
-  grpc::ClientContext ctx;
-  impl_->Deadline(&ctx, true);
-  return FetchBlocksIntoRegion(impl_->stub.get(), &ctx, req);
+  return impl_->FetchToSlice(MakeFetchBlocksRequest(model, hashes, args), dest,
+                             /*device=*/true);
 }
 
 absl::Status Client::NcclConnect(int device) {
@@ -201,18 +200,10 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendOverNccl(const std::string& m
                                                             const AppendArgs& args,
                                                             const void* device_ptr,
                                                             uint64_t bytes) {
-  std::shared_ptr<internal::NcclLink> link;
-  {
-    absl::MutexLock lock(&impl_->nccl_mu);
-    link = impl_->nccl;
-  }
-  if (link == nullptr) {
-    return internal::NcclInSdk()
-               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
-               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
-  }
+  auto link = impl_->Nccl();
+  if (!link.ok()) return link.status();
   if (bytes == 0) return absl::InvalidArgumentError("an append over NCCL of 0 bytes");
-  auto resp = link->Append(MakeHeader(model, id, args, bytes), device_ptr);
+  auto resp = (*link)->Append(MakeHeader(model, id, args, bytes), device_ptr);
   if (!resp.ok()) return resp.status();
   return FromProto(resp->sequence());
 }
@@ -220,17 +211,9 @@ absl::StatusOr<Client::SequenceInfo> Client::AppendOverNccl(const std::string& m
 absl::StatusOr<Client::FetchResult> Client::FetchOverNccl(const std::string& model, uint64_t id,
                                                           const FetchArgs& args, void* device_ptr,
                                                           uint64_t capacity) {
-  std::shared_ptr<internal::NcclLink> link;
-  {
-    absl::MutexLock lock(&impl_->nccl_mu);
-    link = impl_->nccl;
-  }
-  if (link == nullptr) {
-    return internal::NcclInSdk()
-               ? absl::FailedPreconditionError("no NCCL communicator: call NcclConnect first")
-               : absl::UnimplementedError("this kvbank SDK was built without NCCL");
-  }
-  auto h = link->Fetch(MakeFetchRequest(model, id, args), device_ptr, capacity);
+  auto link = impl_->Nccl();
+  if (!link.ok()) return link.status();
+  auto h = (*link)->Fetch(MakeFetchRequest(model, id, args), device_ptr, capacity);
   if (!h.ok()) return h.status();
   bool dtype_ok = false;
   FetchResult r = internal::ResultFromHeader(*h, &dtype_ok);

@@ -1,6 +1,6 @@
 // The SDK's side of the same-host shared-memory plane: the sealed memfd, the socket handshake
-// (proto/shm_wire.h) and the region's teardown. Client::RegisterRegion (client.cc) adds the gRPC
-// step.
+// (proto/shm_wire.h) and the region's teardown. Client::RegisterRegion (client_planes.cc) adds the
+// gRPC step.
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>

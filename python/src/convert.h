@@ -1,7 +1,7 @@
 // kvbank._kvbank's converters: C++ SDK values (kvbank/client.h, kvbank/fleet.h, kvbank/layout.h,
-// kvbank/prefix_hash.h) to and from the Python values the bindings in module.cc and fleet.cc
-// take and return. One copy of each rule, so that the Client and the Fleet read a layout, a dtype
-// name or a fetch range alike and hand back the same dicts.
+// kvbank/prefix_hash.h) to and from the Python values the bindings in module.cc, client_*.cc
+// and fleet.cc take and return. One copy of each rule, so that the Client and the Fleet read a
+// layout, a dtype name or a fetch range alike and hand back the same dicts.
 //
 // Errors: bad input and failed calls raise through RaiseStatus, which throws a C++ exception that
 // the translator RegisterStatusTranslator installs turns into kvbank.Error's subclass for the

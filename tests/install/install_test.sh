@@ -17,9 +17,9 @@ trap cleanup EXIT
 prefix=$tmp/prefix
 
 cmake --install "$build" --prefix "$prefix" >"$tmp/install.log"
-for f in include/kvbank/client.h include/kvbank/layout.h include/kvbank/prefix_hash.h \
-         include/kvbank/version.h lib/libkvbank.so lib/cmake/kvbank/kvbankConfig.cmake \
-         lib/pkgconfig/kvbank.pc bin/kvbankd bin/kvbank share/kvbank/plot_plan.py; do
+for f in include/kvbank/client.h include/kvbank/plane_router.h include/kvbank/layout.h \
+         include/kvbank/prefix_hash.h include/kvbank/version.h lib/libkvbank.so \
+         lib/cmake/kvbank/kvbankConfig.cmake lib/pkgconfig/kvbank.pc bin/kvbankd bin/kvbank share/kvbank/plot_plan.py; do
   [[ -e "$prefix/$f" ]] || { echo "install_test: $f was not installed"; exit 1; }
 done
 

@@ -1,10 +1,12 @@
 // Talks to a running kvbankd through the installed SDK: a sequence of the llama-3.1-8b preset,
-// 16 tokens appended and fetched back bit-exact, then freed. usage: consumer HOST:PORT
+// 16 tokens appended and fetched back bit-exact, then freed; the same through a PlaneRouter
+// (gRPC: the server has no shared-memory socket). usage: consumer HOST:PORT
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
 #include "kvbank/client.h"
+#include "kvbank/plane_router.h"
 #include "kvbank/version.h"
 
 int main(int argc, char** argv) {
@@ -41,6 +43,21 @@ int main(int argc, char** argv) {
   }
   if (auto freed = (*client)->Free(model, seq->id); !freed.ok())
     return fail("Free", freed.status());
+  auto router = kvbank::PlaneRouter::Connect(argv[1]);
+  if (!router.ok()) return fail("PlaneRouter::Connect", router.status());
+  auto routed = (*router)->client().CreateSequence(model, absl::ZeroDuration());
+  if (!routed.ok()) return fail("CreateSequence (router)", routed.status());
+  appended = (*router)->Append(model, routed->id, args, payload);
+  if (!appended.ok()) return fail("PlaneRouter::Append", appended.status());
+  std::vector<uint8_t> out(payload.size());
+  auto into = (*router)->FetchInto(model, routed->id, {}, absl::MakeSpan(out));
+  if (!into.ok()) return fail("PlaneRouter::FetchInto", into.status());
+  if (out != payload || (*router)->GetStats().planes[kvbank::PlaneRouter::kGrpc].calls != 2) {
+    std::fprintf(stderr, "consumer: the router's bytes or plane counts are wrong\n");
+    return 1;
+  }
+  if (auto freed = (*router)->client().Free(model, routed->id); !freed.ok())
+    return fail("Free (router)", freed.status());
   std::printf("consumer: kvbank SDK %s: %zu bytes appended and fetched back bit-exact\n",
               kvbank::SdkVersion(), payload.size());
   return std::strcmp(kvbank::SdkVersion(), KVBANK_VERSION_STRING) == 0 ? 0 : 1;
