@@ -45,7 +45,7 @@ class Authenticator {
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContextBase& ctx) const;
   // The same from the value of the call's `authorization` metadata (nullopt: none).
   absl::StatusOr<Caller> FromAuthorization(std::optional<absl::string_view> authorization) const;
-  // Sets every tenant's limits on the model (SequenceStore::SetTenantLimits): its block quota
+  // Sets every tenant's limits on the model (StoreTenants::SetLimits): its block quota
   // (max_blocks_fraction of the pool, at least 1 block) and its live-sequence limit: the
   // tenant's max_sequences=N, else, when the file names more than one tenant, the default share
   // DefaultMaxSequences. Call it once when the model is created.
