@@ -143,6 +143,7 @@ struct FetchSpec {
 
 class SequenceStore;
 struct Sequence;
+struct AppendRegion;
 
 // An append in flight. Payload bytes arrive in order through Write (any chunking) straight into
 // blocks no reader can see; Commit makes them visible at once. Destroying an uncommitted
@@ -319,6 +320,13 @@ class SequenceStore {
   using SeqPtr = std::shared_ptr<Sequence>;
 
   absl::StatusOr<SeqPtr> Find(uint64_t id, const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What an append of `spec` at position `pos` of `s` would write (its AppendRegion, without an
+  // id), or why it may not begin: lengths that differ over its layers and heads, an fp8
+  // storage-format append inside a block, past max_tokens_per_sequence, an append in flight over
+  // the same rows, a compaction running, token ids that differ from those known.
+  absl::StatusOr<AppendRegion> CheckAppendAt(const Sequence& s, const AppendSpec& spec,
+                                             const TransferPlan& wire, uint64_t pos) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hashes and publishes every block that became full in all layers with known token ids.
   void PublishFullBlocks(Sequence& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

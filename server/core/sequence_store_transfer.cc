@@ -15,6 +15,76 @@
 
 namespace kvbank {
 
+absl::StatusOr<AppendRegion> SequenceStore::CheckAppendAt(const Sequence& s, const AppendSpec& spec,
+                                                          const TransferPlan& wire,
+                                                          uint64_t pos) const {
+  const uint32_t l0 = wire.layer_begin, l1 = wire.layer_end;
+  const uint32_t h0 = wire.head_begin, h1 = wire.head_end;
+  const uint32_t num_heads = layout_.num_kv_heads;
+  const uint64_t bt = layout_.block_tokens;
+  for (uint32_t l = l0; l < l1; ++l) {
+    for (uint32_t h = h0; h < h1; ++h) {
+      if (const uint64_t len = s.HeadLength(l, h, num_heads); len != pos) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "layer ", l0, " kv head ", h0, " holds ", pos, " tokens but layer ", l, " kv head ", h,
+            " holds ", len, "; an append needs equal lengths over its layers and heads"));
+      }
+    }
+  }
+  bool fp8 = false;
+  for (uint32_t l = l0; l < l1; ++l) {
+    fp8 = fp8 || layout_.layer_dtypes[l] == DType::kFp8E4M3 ||
+          layout_.layer_dtypes[l] == DType::kFp8E5M2;
+  }
+  if (wire.mode == TransferMode::kStorage && fp8 && pos % bt != 0) {
+    // An fp8 block has one scale per head; a storage-format append brings its own, so it must
+    // start a block (appends in fp32 / fp16 / bf16 can continue one: the server quantizes).
+    return absl::InvalidArgumentError(
+        absl::StrCat("an fp8 storage-format append must start on a block boundary; position ", pos,
+                     " is inside a block of ", layout_.block_tokens, " tokens"));
+  }
+  if (spec.num_tokens > options_.max_tokens_per_sequence - pos) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("append of ", spec.num_tokens, " tokens at position ", pos,
+                     " exceeds max_tokens_per_sequence ", options_.max_tokens_per_sequence));
+  }
+  AppendRegion region{0,
+                      l0,
+                      l1,
+                      h0,
+                      h1,
+                      pos / bt,
+                      CeilDiv(pos + spec.num_tokens, bt),
+                      /*exclusive=*/fp8 && pos % bt != 0};
+  for (const AppendRegion& other : s.appends) {
+    if (!other.Overlaps(region)) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence_id ", s.id, " already has an append in flight over layers [", other.layer_begin,
+        ", ", other.layer_end, ") kv heads [", other.head_begin, ", ", other.head_end, ")",
+        region.exclusive || other.exclusive ? "; an fp8 append that continues a block runs alone"
+                                            : ""));
+  }
+  if (s.compacting) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence_id ", s.id, " is being compacted (heavy-hitter retention); append again"));
+  }
+  if (!spec.token_ids.empty()) {
+    if (pos > s.token_ids.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("token_ids start at position ", pos,
+                                                     " but ids are known only up to ",
+                                                     s.token_ids.size()));
+    }
+    for (uint64_t i = 0; pos + i < s.token_ids.size() && i < spec.num_tokens; ++i) {
+      if (s.token_ids[pos + i] != spec.token_ids[i]) {
+        return absl::InvalidArgumentError(absl::StrCat("token_ids[", i, "] = ", spec.token_ids[i],
+                                                       " differs from the id already at position ",
+                                                       pos + i, " (", s.token_ids[pos + i], ")"));
+      }
+    }
+  }
+  return region;
+}
+
 absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const AppendSpec& spec) {
   auto wire = planner_.Plan(
       {spec.layer_begin, spec.layer_end, spec.kv_head_begin, spec.kv_head_end, spec.dtype},
@@ -56,70 +126,10 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
       if (s->removed) return Find(spec.sequence_id, spec.tenant).status();
     }
     pos = s->HeadLength(l0, h0, num_heads);
-    for (uint32_t l = l0; l < l1; ++l) {
-      for (uint32_t h = h0; h < h1; ++h) {
-        if (const uint64_t len = s->HeadLength(l, h, num_heads); len != pos) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "layer ", l0, " kv head ", h0, " holds ", pos, " tokens but layer ", l, " kv head ",
-              h, " holds ", len, "; an append needs equal lengths over its layers and heads"));
-        }
-      }
-    }
-    bool fp8 = false;
-    for (uint32_t l = l0; l < l1; ++l) {
-      fp8 = fp8 || layout_.layer_dtypes[l] == DType::kFp8E4M3 ||
-            layout_.layer_dtypes[l] == DType::kFp8E5M2;
-    }
-    if (wire->mode == TransferMode::kStorage && fp8 && pos % bt != 0) {
-      // An fp8 block has one scale per head; a storage-format append brings its own, so it must
-      // start a block (appends in fp32 / fp16 / bf16 can continue one: the server quantizes).
-      return absl::InvalidArgumentError(
-          absl::StrCat("an fp8 storage-format append must start on a block boundary; position ",
-                       pos, " is inside a block of ", layout_.block_tokens, " tokens"));
-    }
-    if (spec.num_tokens > options_.max_tokens_per_sequence - pos) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("append of ", spec.num_tokens, " tokens at position ", pos,
-                       " exceeds max_tokens_per_sequence ", options_.max_tokens_per_sequence));
-    }
-    const uint64_t first = pos / bt;
-    const uint64_t need = CeilDiv(pos + spec.num_tokens, bt);
-    AppendRegion region{0,
-                        l0,
-                        l1,
-                        h0,
-                        h1,
-                        first,
-                        need,
-                        /*exclusive=*/fp8 && pos % bt != 0};
-    for (const AppendRegion& other : s->appends) {
-      if (!other.Overlaps(region)) continue;
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence_id ", s->id, " already has an append in flight over layers [",
-          other.layer_begin, ", ", other.layer_end, ") kv heads [", other.head_begin, ", ",
-          other.head_end, ")",
-          region.exclusive || other.exclusive ? "; an fp8 append that continues a block runs alone"
-                                              : ""));
-    }
-    if (s->compacting) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence_id ", s->id, " is being compacted (heavy-hitter retention); append again"));
-    }
-    if (!spec.token_ids.empty()) {
-      if (pos > s->token_ids.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("token_ids start at position ", pos,
-                                                       " but ids are known only up to ",
-                                                       s->token_ids.size()));
-      }
-      for (uint64_t i = 0; pos + i < s->token_ids.size() && i < spec.num_tokens; ++i) {
-        if (s->token_ids[pos + i] != spec.token_ids[i]) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("token_ids[", i, "] = ", spec.token_ids[i],
-                           " differs from the id already at position ", pos + i, " (",
-                           s->token_ids[pos + i], ")"));
-        }
-      }
-    }
+    auto checked = CheckAppendAt(*s, spec, *wire, pos);
+    if (!checked.ok()) return checked.status();
+    AppendRegion region = *checked;
+    const uint64_t first = region.block_begin, need = region.block_end;
 
     // Blocks touched: from the one holding `pos` to the one holding pos + n - 1. Existing ones
     // that must not change (published, or the block a truncate cut while someone else holds it)

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/plane/nccl_bootstrap.h"
 #include "server/rpc/handler_util.h"
+#include "server/rpc/reactor_refs.h"
 #include "server/rpc/service.h"
 
 namespace kvbank::rpc {
@@ -103,36 +104,32 @@ absl::Status KvBankService::AppendFromNccl(const std::string& tenant, const v1::
 
 // Server stream of one message: the FetchResponse header, once the payload went out over NCCL.
 // Opens the reader, checks, sends "ready" and the payload on a device worker.
-class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                              public ReactorRefs<NcclFetchReactor> {
  public:
   NcclFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, OpenFetch open,
                    std::string tenant, v1::NcclTransfer nccl)
       : service_(service), ctx_(ctx) {
-    refs_.fetch_add(1, std::memory_order_relaxed);
     const std::string who = tenant;
     if (absl::Status s = service_->device_work_->Submit(
             who, WorkClass::kForeground,
-            [this, open = std::move(open), tenant = std::move(tenant), nccl = std::move(nccl)] {
-              absl::StatusOr<v1::FetchResponse> resp = Move(open, tenant, nccl);
-              if (resp.ok()) {
-                service_->plane_bytes_.AddSent(Plane::kNccl, resp->header().payload_bytes());
-              }
-              Answer(resp);
-              Unref();
-            });
+            Held(
+                [this, open = std::move(open), tenant = std::move(tenant), nccl = std::move(nccl)] {
+                  absl::StatusOr<v1::FetchResponse> resp = Move(open, tenant, nccl);
+                  if (resp.ok()) {
+                    service_->plane_bytes_.AddSent(Plane::kNccl, resp->header().payload_bytes());
+                  }
+                  Answer(resp);
+                }));
         !s.ok()) {
       Answer(s);  // the tenant's backlog is full: nothing was sent
-      Unref();
+      Unref();    // the move's reference: it will never run
     }
   }
 
   void OnDone() override { Unref(); }
 
  private:
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
-  }
-
   absl::StatusOr<v1::FetchResponse> Move(const OpenFetch& open, const std::string& tenant,
                                          const v1::NcclTransfer& t) {
     auto nccl = service_->Nccl();
@@ -184,8 +181,6 @@ class KvBankService::NcclFetchReactor final : public grpc::ServerWriteReactor<gr
 
   KvBankService* const service_;
   grpc::CallbackServerContext* const ctx_;
-  // gRPC's (until OnDone) and the queued move's: the last to go deletes the reactor.
-  std::atomic<int> refs_{1};
   grpc::ByteBuffer message_;
 };
 

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/cuda_memory.h"
 #include "server/rpc/handler_util.h"
+#include "server/rpc/reactor_refs.h"
 #include "server/rpc/service.h"
 
 namespace kvbank::rpc {
@@ -62,7 +63,8 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
 
 // Server stream of one message: the FetchResponse header, once the payload is in the region.
 // The reader opens and copies on a worker; its blocks go before the answer is sent.
-class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                                public ReactorRefs<RegionFetchReactor> {
  public:
   // Moves the opened reader's whole payload into the caller's region (it holds the region open).
   // `ended` turns true when the call ends (cancelled, past its deadline): a sink that copies in
@@ -87,8 +89,7 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
     }
     stream_->SetWaiting(false);  // it waits for the sequence, not for its client
     wait_ = std::make_unique<FetchWait>(
-        &service_->timers_, [this] { refs_.fetch_add(1, std::memory_order_relaxed); },
-        [this] { Unref(); });
+        &service_->timers_, [this] { Ref(); }, [this] { Unref(); });
     wait_->Begin(
         std::move(wait->store), wait->spec, wait->timeout,
         [this, dest = *std::move(dest), open = std::move(open)](absl::Status s) {
@@ -110,25 +111,19 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
   }
 
  private:
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
-  }
-
   void CopyOnWorker(Sink dest, OpenFetch open) {
-    refs_.fetch_add(1, std::memory_order_relaxed);
     if (absl::Status s = service_->device_work_->Submit(
             tenant_, WorkClass::kForeground,
-            [this, dest = std::move(dest), open = std::move(open)]() mutable {
+            Held([this, dest = std::move(dest), open = std::move(open)]() mutable {
               absl::StatusOr<v1::FetchResponse> resp = Copy(std::move(dest), open, ended_);
               if (resp.ok()) {
                 service_->plane_bytes_.AddSent(plane_, resp->header().payload_bytes());
               }
               Answer(resp);
-              Unref();
-            });
+            }));
         !s.ok()) {
       Answer(s);  // the tenant's backlog is full: nothing was copied
-      Unref();
+      Unref();    // the copy's reference: it will never run
     }
   }
 
@@ -174,8 +169,6 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
   const std::string tenant_;  // whose work the copy is
   const Plane plane_;
   std::atomic<bool> ended_{false};  // OnCancel or OnDone ran: nothing more goes into the region
-  // gRPC's (until OnDone) and the queued copy's: the last to go deletes the reactor.
-  std::atomic<int> refs_{1};
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
   std::unique_ptr<FetchWait> wait_;  // set by the constructor, or never
   grpc::ByteBuffer message_;

@@ -10,6 +10,7 @@
 #include "proto/append_message.h"
 #include "proto/wire.h"
 #include "server/rpc/handler_util.h"
+#include "server/rpc/reactor_refs.h"
 #include "server/rpc/service.h"
 
 namespace kvbank::rpc {
@@ -21,7 +22,8 @@ namespace kvbank::rpc {
 // The messages are AppendRequest, decoded here rather than by protobuf (the method is raw): the
 // data field's bytes are written to the pool from gRPC's slices, without protobuf's copy into a
 // std::string first.
-class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
+                                           public ReactorRefs<AppendReactor> {
  public:
   AppendReactor(KvBankService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : service_(service), ctx_(ctx), resp_(resp), stream_(service->watchdog_.Watch(ctx, [this] {
@@ -71,14 +73,10 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     // The pool's memory waits on a device: the copies (and the commit's) run on a worker, and
     // the next read starts from there. The worker holds a reference, so that the reactor
     // outlives it even when the call ends meanwhile (the idle timeout).
-    refs_.fetch_add(1, std::memory_order_relaxed);
-    auto step = [this, ok] {
-      {
-        absl::MutexLock lock(&mu_);
-        if (!finished_) Step(ok);
-      }
-      Unref();
-    };
+    auto step = Held([this, ok] {
+      absl::MutexLock lock(&mu_);
+      if (!finished_) Step(ok);
+    });
     if (!first) return service_->device_work_->Continue(tenant, std::move(step));
     if (absl::Status s = service_->device_work_->Submit(tenant, WorkClass::kForeground, step);
         !s.ok()) {
@@ -96,10 +94,6 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   }
 
  private:
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
-  }
-
   // One message read (ok) or the end of the stream (!ok).
   void Step(bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!ok) {
@@ -266,8 +260,6 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   std::string model_name_ ABSL_GUARDED_BY(mu_);
   std::string tenant_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  // gRPC's (until OnDone) and each queued worker step's: the last to go deletes the reactor.
-  std::atomic<int> refs_{1};
   // Last: its idle callback uses the members above.
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
 };
@@ -288,7 +280,8 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(Ctx* ctx, Raw* 
 // chunk is read from the pool into a buffer that gRPC then sends as it is, as the `data` field's
 // slice, so the payload is copied once on this side (protobuf would copy it again into the
 // message's serialized slices).
-class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                          public ReactorRefs<FetchReactor> {
  public:
   using Open = std::function<absl::StatusOr<std::unique_ptr<FetchReader>>()>;
   // `open` makes the reader (what to send, or why not). on_device: the model's memory waits on a
@@ -308,8 +301,7 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
     }
     stream_->SetWaiting(false);  // it waits for the sequence, not for its client
     wait_ = std::make_unique<FetchWait>(
-        &service_->timers_, [this] { refs_.fetch_add(1, std::memory_order_relaxed); },
-        [this] { Unref(); });
+        &service_->timers_, [this] { Ref(); }, [this] { Unref(); });
     // The wait may end on the thread of the commit it waited for, inside that append's
     // reaction: opening the fetch there (and reading its first chunk) would delay the append's
     // answer, so the fetch opens on a worker.
@@ -318,12 +310,10 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
         [this, open = std::move(open)](absl::Status s) {
           // The waits are bounded (the tenant's share of waits): the open that
           // follows one belongs to the admitted call.
-          refs_.fetch_add(1, std::memory_order_relaxed);
-          service_->device_work_->Continue(tenant_, [this, s = std::move(s), open] {
-            if (s.ok()) stream_->SetWaiting(true);
-            Start(s.ok() ? open() : s);
-            Unref();
-          });
+          service_->device_work_->Continue(tenant_, Held([this, s = std::move(s), open] {
+                                             if (s.ok()) stream_->SetWaiting(true);
+                                             Start(s.ok() ? open() : s);
+                                           }));
         },
         std::move(wait->claim));
   }
@@ -370,22 +360,15 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   }
 
  private:
-  void Unref() {
-    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
-  }
-
   // Opens the reader here, or on a device worker when the memory waits on a device.
   void OpenNow(Open open) {
     if (!on_device_) return Start(open());
-    refs_.fetch_add(1, std::memory_order_relaxed);
-    if (absl::Status s = service_->device_work_->Submit(tenant_, WorkClass::kForeground,
-                                                        [this, open = std::move(open)] {
-                                                          Start(open());
-                                                          Unref();
-                                                        });
+    if (absl::Status s =
+            service_->device_work_->Submit(tenant_, WorkClass::kForeground,
+                                           Held([this, open = std::move(open)] { Start(open()); }));
         !s.ok()) {
       Start(s);  // the tenant's backlog is full: the call ends with that
-      Unref();
+      Unref();   // the step's reference: it will never run
     }
   }
 
@@ -451,12 +434,10 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
       }
       if (!build) return;
       if (on_device_ && !on_worker) {
-        refs_.fetch_add(1, std::memory_order_relaxed);
-        service_->device_work_->Continue(tenant_, [this, offset] {
-          BuildAt(offset);
-          Advance(/*on_worker=*/true);
-          Unref();
-        });
+        service_->device_work_->Continue(tenant_, Held([this, offset] {
+                                           BuildAt(offset);
+                                           Advance(/*on_worker=*/true);
+                                         }));
         return;
       }
       BuildAt(offset);
@@ -506,8 +487,6 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   const std::string tenant_;  // whose work the device steps are
   const uint64_t chunk_bytes_;
   const bool on_device_;
-  // gRPC's (until OnDone) and each queued device step's: the last to go deletes the reactor.
-  std::atomic<int> refs_{1};
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
   std::unique_ptr<FetchWait> wait_;  // set by the constructor, or never
   // Used by the builder only (one at a time), and by the finisher once nothing is built.
