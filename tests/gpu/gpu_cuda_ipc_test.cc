@@ -28,6 +28,7 @@
 #include "server/core/sequence_store.h"
 #include "server/plane/cuda_ipc.h"
 #include "tests/gpu/gpu_testing.h"
+#include "tests/unit/store_testing.h"
 
 namespace kvbank {
 namespace {
@@ -50,16 +51,7 @@ std::vector<uint8_t> Payload(uint64_t bytes, uint64_t seed) {
 }
 
 ModelLayout Layout(DType storage) {
-  ModelLayout m;
-  m.name = "ipc";
-  m.num_layers = 3;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = m.head_dim_v = 64;
-  m.block_tokens = 16;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(3, storage);
-  return m;
+  return store_testing::GqaLayout("ipc", 3, 2, 64, 16, storage, DType::kFp16);
 }
 
 // The exporting child: KVBANK_CUDA_IPC_CHILD="write_fd,read_fd,bytes,seed". Sends the handles of
@@ -137,25 +129,17 @@ void Spawn(uint64_t bytes, Child* c) {
 }
 
 std::unique_ptr<SequenceStore> CudaStore(const ModelLayout& m, uint64_t blocks) {
-  const BlockLayout b = ComputeBlockLayout(m);
   DeviceSpec d;
   d.kind = MemoryKind::kCuda;
-  auto pool = BlockPool::Create(b, blocks * b.block_bytes, d);
-  if (!pool.ok()) return nullptr;
   StoreOptions o;
   o.default_lease = absl::ZeroDuration();
-  return std::make_unique<SequenceStore>(m, *std::move(pool), o);
+  auto store = store_testing::CreateStore(m, blocks, d, PoolOptions{}, o);
+  return store.ok() ? *std::move(store) : nullptr;
 }
 
 std::vector<uint8_t> HostFetch(SequenceStore& store, uint64_t id) {
-  FetchSpec f;
-  f.sequence_id = id;
-  f.dtype = DType::kFp16;
-  auto r = store.BeginFetch(f);
-  if (!r.ok()) return {};
-  std::vector<uint8_t> out((*r)->payload_bytes());
-  if (!(*r)->Read(0, absl::MakeSpan(out)).ok()) return {};
-  return out;
+  const FetchSpec f = store_testing::MakeFetch(id, 0, std::nullopt, 0, std::nullopt, DType::kFp16);
+  return store_testing::FetchToHost(store, f).value_or(std::vector<uint8_t>());
 }
 
 class CudaIpcTest : public ::testing::TestWithParam<DType> {

@@ -11,65 +11,40 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
-#include "kernels/quant_math.h"
 #include "server/core/block_pool.h"
 #include "server/core/sequence_store.h"
 #include "tests/gpu/gpu_testing.h"
+#include "tests/unit/store_testing.h"
 
 namespace kvbank {
 namespace {
 
 constexpr uint64_t kSeed = 9917;
 
-ModelLayout Layout(DType stored) {
-  ModelLayout m;
-  m.name = "devpay";
-  m.num_layers = 3;
-  m.num_q_heads = 6;
-  m.num_kv_heads = 3;
-  m.head_dim = m.head_dim_v = 40;
-  m.block_tokens = 5;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(3, stored);
-  return m;
-}
-
-std::vector<uint8_t> Fp16Payload(uint64_t bytes, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<uint8_t> out(bytes);
-  for (uint64_t i = 0; i + 1 < bytes; i += 2) {
-    const uint16_t h = kernels::qmath::FloatToHalf(dist(rng), true);
-    std::memcpy(out.data() + i, &h, 2);
-  }
-  return out;
-}
+using store_testing::ExpectBytes;
+using store_testing::Fp16PayloadBytes;
+using store_testing::MakeAppend;
+using store_testing::MakeFetch;
+using store_testing::RandomFp16;
 
 std::unique_ptr<SequenceStore> MakeStore(DType stored, MemoryKind kind) {
-  const ModelLayout m = Layout(stored);
-  const BlockLayout b = ComputeBlockLayout(m);
   DeviceSpec d;
   d.kind = kind;
   PoolOptions po;
   po.staging_bytes = 4 << 10;  // several pieces per payload
-  auto pool = BlockPool::Create(b, 64 * b.block_bytes, d, po);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  if (!pool.ok()) return nullptr;
-  return std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
+  auto store = store_testing::CreateStore(
+      store_testing::GqaLayout("devpay", 3, 3, 40, 5, stored, DType::kFp16), 64, d, po);
+  EXPECT_TRUE(store.ok()) << store.status();
+  return store.ok() ? *std::move(store) : nullptr;
 }
 
 AppendSpec Spec(uint64_t id, uint64_t tokens) {
-  AppendSpec a;
-  a.sequence_id = id;
-  a.num_tokens = tokens;
-  a.dtype = DType::kFp16;
-  return a;
+  return MakeAppend(id, 0, std::nullopt, tokens, DType::kFp16);
 }
 
 class GpuDevicePayloadTest : public ::testing::TestWithParam<DType> {
@@ -127,20 +102,10 @@ class GpuDevicePayloadTest : public ::testing::TestWithParam<DType> {
     return out;
   }
   std::vector<uint8_t> FetchHost(uint64_t id, DType dtype) {
-    FetchSpec f;
-    f.sequence_id = id;
-    f.dtype = dtype;
-    auto r = host_->BeginFetch(f);
-    EXPECT_TRUE(r.ok()) << r.status();
-    if (!r.ok()) return {};
-    std::vector<uint8_t> out((*r)->payload_bytes());
-    EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(out)).ok());
-    return out;
+    return ExpectBytes(
+        store_testing::FetchToHost(*host_, MakeFetch(id, 0, std::nullopt, 0, std::nullopt, dtype)));
   }
-  uint64_t Bytes(uint64_t tokens) const {
-    const ModelLayout& m = gpu_->layout();
-    return tokens * m.num_layers * m.num_kv_heads * (m.head_dim + m.head_dim_v) * 2;
-  }
+  uint64_t Bytes(uint64_t tokens) const { return Fp16PayloadBytes(gpu_->layout(), tokens); }
 
   std::unique_ptr<SequenceStore> gpu_, host_;
   void* dev_ = nullptr;
@@ -152,7 +117,7 @@ TEST_P(GpuDevicePayloadTest, DevicePathEqualsTheHostPath) {
   auto h = host_->Create(WithLease(absl::ZeroDuration()));
   ASSERT_TRUE(g.ok() && h.ok());
   for (uint64_t tokens : {13u, 2u, 9u}) {
-    const std::vector<uint8_t> payload = Fp16Payload(Bytes(tokens), kSeed + tokens);
+    const std::vector<uint8_t> payload = RandomFp16(Bytes(tokens), kSeed + tokens);
     auto [gs, hs] = AppendBoth(g->id, h->id, payload, tokens);
     ASSERT_TRUE(gs.ok()) << gs;
     ASSERT_TRUE(hs.ok()) << hs;
@@ -168,7 +133,7 @@ TEST_P(GpuDevicePayloadTest, NonFiniteIsRefusedByTheDeviceScanAsByTheHostCheck) 
   auto g = gpu_->Create(WithLease(absl::ZeroDuration()));
   auto h = host_->Create(WithLease(absl::ZeroDuration()));
   ASSERT_TRUE(g.ok() && h.ok());
-  std::vector<uint8_t> payload = Fp16Payload(Bytes(11), kSeed);
+  std::vector<uint8_t> payload = RandomFp16(Bytes(11), kSeed);
   const uint16_t nan = 0x7e00;
   std::memcpy(payload.data() + 2 * 1234, &nan, 2);
   auto [gs, hs] = AppendBoth(g->id, h->id, payload, 11);

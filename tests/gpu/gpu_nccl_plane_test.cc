@@ -20,7 +20,6 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +31,7 @@
 #include "server/core/sequence_store.h"
 #include "server/plane/nccl_plane.h"
 #include "tests/gpu/gpu_testing.h"
+#include "tests/unit/store_testing.h"
 
 namespace kvbank {
 namespace {
@@ -44,29 +44,7 @@ constexpr uint64_t kSeed = 4242;
     ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
   } while (0)
 
-ModelLayout Layout(DType stored) {
-  ModelLayout m;
-  m.name = "nccl";
-  m.num_layers = 5;
-  m.num_q_heads = 8;
-  m.num_kv_heads = 4;
-  m.head_dim = m.head_dim_v = 64;
-  m.block_tokens = 16;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(5, stored);
-  return m;
-}
-
-std::vector<uint8_t> Fp16Payload(uint64_t bytes, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<uint8_t> out(bytes);
-  for (uint64_t i = 0; i + 1 < bytes; i += 2) {
-    const uint16_t h = kernels::qmath::FloatToHalf(dist(rng), true);
-    std::memcpy(out.data() + i, &h, 2);
-  }
-  return out;
-}
+using store_testing::RandomFp16;
 
 std::string UniqueId() {
   ncclUniqueId id;
@@ -101,22 +79,17 @@ class NcclPlaneTest : public ::testing::Test {
     plane_ = *std::move(p);
   }
   void Make(DType stored) {
-    const ModelLayout m = Layout(stored);
     DeviceSpec cuda;
     cuda.kind = MemoryKind::kCuda;
     cuda.cuda_device = 0;
     PoolOptions po;
     po.staging_bytes = 64 << 10;  // several pieces per payload
-    auto pool =
-        BlockPool::Create(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes, cuda, po);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
+    auto store = store_testing::CreateStore(
+        store_testing::GqaLayout("nccl", 5, 4, 64, 16, stored, DType::kFp16), 256, cuda, po);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
-  uint64_t NewSeq() {
-    auto s = store_->Create(WithLease(absl::ZeroDuration()));
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? s->id : 0;
-  }
+  uint64_t NewSeq() { return store_testing::NewSequence(*store_); }
   AppendSpec Spec(uint64_t id, uint64_t tokens) {
     AppendSpec a;
     a.tenant = "t";
@@ -127,8 +100,7 @@ class NcclPlaneTest : public ::testing::Test {
   }
   // Payload bytes of `tokens` tokens of every layer.
   uint64_t PayloadBytes(uint64_t tokens) const {
-    const ModelLayout& m = store_->layout();
-    return tokens * m.num_layers * m.num_kv_heads * (m.head_dim + m.head_dim_v) * 2;  // fp16
+    return store_testing::Fp16PayloadBytes(store_->layout(), tokens);
   }
   // A single-rank communicator of tenant "t".
   uint64_t SelfComm() {
@@ -187,16 +159,9 @@ class NcclPlaneTest : public ::testing::Test {
   }
   // The same fetch through the host path.
   std::vector<uint8_t> FetchHost(uint64_t seq, DType dtype) {
-    FetchSpec f;
+    FetchSpec f = store_testing::MakeFetch(seq, 0, std::nullopt, 0, std::nullopt, dtype);
     f.tenant = "t";
-    f.sequence_id = seq;
-    f.dtype = dtype;
-    auto reader = store_->BeginFetch(f);
-    EXPECT_TRUE(reader.ok()) << reader.status();
-    if (!reader.ok()) return {};
-    std::vector<uint8_t> out((*reader)->payload_bytes());
-    EXPECT_TRUE((*reader)->Read(0, absl::MakeSpan(out)).ok());
-    return out;
+    return store_testing::ExpectBytes(store_testing::FetchToHost(*store_, f));
   }
 
   std::unique_ptr<plane::NcclPlane> plane_;
@@ -210,7 +175,7 @@ TEST_F(NcclPlaneTest, SelfSendRecvIntoFp16StoreIsBitExact) {
   // The same appends over NCCL and by host, partial blocks and odd counts.
   const uint64_t ref = NewSeq();
   for (uint64_t tokens : {37u, 5u, 70u}) {
-    const std::vector<uint8_t> payload = Fp16Payload(PayloadBytes(tokens), kSeed + tokens);
+    const std::vector<uint8_t> payload = RandomFp16(PayloadBytes(tokens), kSeed + tokens);
     KVBANK_ASSERT_OK(AppendOverSelf(comm, seq, payload, tokens));
     ASSERT_TRUE(store_->Append(Spec(ref, tokens), payload).ok());
   }
@@ -225,7 +190,7 @@ TEST_F(NcclPlaneTest, SelfRoundTripFp16PayloadComesBackAsSent) {
   ASSERT_NO_FATAL_FAILURE(Make(DType::kFp16));
   const uint64_t comm = SelfComm();
   const uint64_t seq = NewSeq();
-  const std::vector<uint8_t> payload = Fp16Payload(PayloadBytes(45), kSeed);
+  const std::vector<uint8_t> payload = RandomFp16(PayloadBytes(45), kSeed);
   KVBANK_ASSERT_OK(AppendOverSelf(comm, seq, payload, 45));
   auto out = FetchOverSelf(comm, seq, DType::kFp16);
   ASSERT_TRUE(out.ok()) << out.status();
@@ -236,7 +201,7 @@ TEST_F(NcclPlaneTest, Int8StorageEqualsTheHostPath) {
   ASSERT_NO_FATAL_FAILURE(Make(DType::kInt8));
   const uint64_t comm = SelfComm();
   const uint64_t over_nccl = NewSeq(), over_host = NewSeq();
-  const std::vector<uint8_t> payload = Fp16Payload(PayloadBytes(29), kSeed + 1);
+  const std::vector<uint8_t> payload = RandomFp16(PayloadBytes(29), kSeed + 1);
   KVBANK_ASSERT_OK(AppendOverSelf(comm, over_nccl, payload, 29));
   auto ref = store_->Append(Spec(over_host, 29), payload);
   ASSERT_TRUE(ref.ok()) << ref.status();
@@ -264,7 +229,7 @@ TEST_F(NcclPlaneTest, NanIsRefusedAndTheCommunicatorStaysUsable) {
   const uint64_t comm = SelfComm();
   const uint64_t seq = NewSeq();
   const uint64_t bytes = PayloadBytes(9);
-  std::vector<uint8_t> payload = Fp16Payload(bytes, kSeed + 2);
+  std::vector<uint8_t> payload = RandomFp16(bytes, kSeed + 2);
   const uint16_t inf = 0x7c00;
   std::memcpy(payload.data() + bytes / 2, &inf, 2);
   const absl::Status s = AppendOverSelf(comm, seq, payload, 9);
@@ -272,7 +237,7 @@ TEST_F(NcclPlaneTest, NanIsRefusedAndTheCommunicatorStaysUsable) {
   auto info = store_->Get(seq, "t");
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->length, 0u);
-  payload = Fp16Payload(bytes, kSeed + 3);
+  payload = RandomFp16(bytes, kSeed + 3);
   KVBANK_ASSERT_OK(AppendOverSelf(comm, seq, payload, 9));
 }
 
@@ -372,7 +337,7 @@ TEST_F(NcclPlaneTest, TwoRanksOnTwoGpus) {
   auto txn = store_->BeginAppend(Spec(seq, 53));
   ASSERT_TRUE(txn.ok());
   const uint64_t bytes = (*txn)->payload_bytes();
-  const std::vector<uint8_t> payload = Fp16Payload(bytes, kSeed + 4);
+  const std::vector<uint8_t> payload = RandomFp16(bytes, kSeed + 4);
   void* src = nullptr;
   void* dst = nullptr;
   CUDA_OK(cudaSetDevice(1));

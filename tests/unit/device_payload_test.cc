@@ -9,7 +9,6 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
-#include <random>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -17,52 +16,29 @@
 #include "kernels/quant_math.h"
 #include "kvbank/prefix_hash.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
+using store_testing::RandomFp16;
+
 constexpr uint32_t kSeed = 20261201;
 
 ModelLayout Layout(DType stored) {
-  ModelLayout m;
-  m.name = "dev";
-  m.num_layers = 5;
-  m.num_q_heads = 6;
-  m.num_kv_heads = 3;
-  m.head_dim = m.head_dim_v = 24;
-  m.block_tokens = 4;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(5, stored);
-  return m;
-}
-
-std::vector<uint8_t> Fp16Payload(uint64_t bytes, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  std::vector<uint8_t> out(bytes);
-  for (uint64_t i = 0; i + 1 < bytes; i += 2) {
-    const uint16_t h = kernels::qmath::FloatToHalf(dist(rng), true);
-    std::memcpy(out.data() + i, &h, 2);
-  }
-  return out;
+  return store_testing::GqaLayout("dev", 5, 3, 24, 4, stored, DType::kFp16);
 }
 
 class DevicePayloadTest : public ::testing::Test {
  protected:
   void Make(DType stored) {
-    const ModelLayout m = Layout(stored);
-    const BlockLayout b = ComputeBlockLayout(m);
-    auto pool = testenv::CreateTestPool(b, 64 * b.block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), StoreOptions{});
+    auto store = testenv::CreateTestStore(Layout(stored), 64);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
   bool OnDevicePath() const { return store_->pool().memory().kind() != MemoryKind::kHost; }
-  uint64_t NewSeq() {
-    auto s = store_->Create(WithLease(absl::ZeroDuration()));
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? s->id : 0;
-  }
+  uint64_t NewSeq() { return store_testing::NewSequence(*store_); }
   AppendSpec Spec(uint64_t id, uint64_t tokens, std::optional<DType> dtype = DType::kFp16) {
     AppendSpec a;
     a.sequence_id = id;
@@ -95,7 +71,7 @@ TEST_F(DevicePayloadTest, Fp16RoundTripIsBitExactAcrossPieces) {
   for (uint64_t tokens : {11u, 6u}) {  // the second continues a partial block
     auto txn = store_->BeginAppend(Spec(id, tokens));
     ASSERT_TRUE(txn.ok()) << txn.status();
-    const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed + tokens);
+    const std::vector<uint8_t> payload = RandomFp16((*txn)->payload_bytes(), kSeed + tokens);
     const absl::Status w = (*txn)->WriteFromDevice(payload.data());
     if (!OnDevicePath()) {
       EXPECT_EQ(w.code(), absl::StatusCode::kFailedPrecondition) << w;
@@ -112,7 +88,7 @@ TEST_F(DevicePayloadTest, Fp16RoundTripIsBitExactAcrossPieces) {
   for (uint64_t tokens : {11u, 6u}) {
     auto txn = store_->BeginAppend(Spec(ref, tokens));
     ASSERT_TRUE(txn.ok());
-    const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed + tokens);
+    const std::vector<uint8_t> payload = RandomFp16((*txn)->payload_bytes(), kSeed + tokens);
     ASSERT_TRUE((*txn)->Write(payload).ok());
     ASSERT_TRUE((*txn)->Commit().ok());
   }
@@ -127,7 +103,7 @@ TEST_F(DevicePayloadTest, Int8StorageMatchesTheHostPathBitForBit) {
   auto dev = store_->BeginAppend(Spec(dev_id, 13));
   auto ref = store_->BeginAppend(Spec(ref_id, 13));
   ASSERT_TRUE(dev.ok() && ref.ok());
-  const std::vector<uint8_t> payload = Fp16Payload((*dev)->payload_bytes(), kSeed);
+  const std::vector<uint8_t> payload = RandomFp16((*dev)->payload_bytes(), kSeed);
   ASSERT_TRUE((*dev)->WriteFromDevice(payload.data()).ok());
   ASSERT_TRUE((*ref)->Write(payload).ok());
   ASSERT_TRUE((*dev)->Commit().ok());
@@ -154,7 +130,7 @@ TEST_F(DevicePayloadTest, NonFiniteIsRefusedNamingTheRowAndNothingIsStored) {
   const uint64_t id = NewSeq();
   auto txn = store_->BeginAppend(Spec(id, 9));
   ASSERT_TRUE(txn.ok());
-  std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed);
+  std::vector<uint8_t> payload = RandomFp16((*txn)->payload_bytes(), kSeed);
   const uint16_t nan = 0x7e00;
   std::memcpy(payload.data() + payload.size() - 10, &nan, 2);  // in the last layer's V
   const absl::Status w = (*txn)->WriteFromDevice(payload.data());
@@ -179,7 +155,7 @@ TEST_F(DevicePayloadTest, StorageFormatAndPartWrittenAppendsAreRefused) {
   storage->reset();
   auto txn = store_->BeginAppend(Spec(id, 4));
   ASSERT_TRUE(txn.ok());
-  const std::vector<uint8_t> payload = Fp16Payload((*txn)->payload_bytes(), kSeed);
+  const std::vector<uint8_t> payload = RandomFp16((*txn)->payload_bytes(), kSeed);
   ASSERT_TRUE((*txn)->Write(absl::MakeConstSpan(payload).subspan(0, 2)).ok());
   EXPECT_EQ((*txn)->WriteFromDevice(payload.data()).code(), absl::StatusCode::kFailedPrecondition);
 }
@@ -196,7 +172,7 @@ TEST_F(DevicePayloadTest, FetchBlocksToTheDeviceEqualsTheHostRead) {
   a.token_ids = ids;
   auto txn = store_->BeginAppend(a);
   ASSERT_TRUE(txn.ok()) << txn.status();
-  ASSERT_TRUE((*txn)->Write(Fp16Payload((*txn)->payload_bytes(), kSeed)).ok());
+  ASSERT_TRUE((*txn)->Write(RandomFp16((*txn)->payload_bytes(), kSeed)).ok());
   ASSERT_TRUE((*txn)->Commit().ok());
   const std::vector<BlockHash> hashes = PrefixHashes(
       store_->options().hash, store_->prefix().Root("", ""), ids, store_->layout().block_tokens);

@@ -10,6 +10,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank::rpc {
@@ -46,26 +47,19 @@ TEST(TimersTest, RunInDeadlineOrderAndNotWhenCancelled) {
 }
 
 ModelLayout Tiny() {
-  ModelLayout m;
-  m.name = "wait";
-  m.num_layers = 2;
-  m.num_q_heads = 2;
-  m.num_kv_heads = 2;
-  m.head_dim = m.head_dim_v = 8;
-  m.block_tokens = 4;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(2, DType::kFp16);
+  ModelLayout m = store_testing::GqaLayout("wait", 2, 2, 8, 4, DType::kFp16);
+  m.num_q_heads = 2;  // one query head per KV head
   return m;
 }
 
 TEST(FetchWaitTest, GoesOnOnceWhicheverComesFirst) {
   const ModelLayout m = Tiny();
   const BlockLayout b = ComputeBlockLayout(m);
-  auto pool = testenv::CreateTestPool(b, 4096 * b.block_bytes);
-  ASSERT_TRUE(pool.ok());
   StoreOptions o;
   o.default_lease = absl::ZeroDuration();
-  auto store = std::make_shared<SequenceStore>(m, *std::move(pool), o);
+  auto made = testenv::CreateTestStore(m, 4096, o);
+  ASSERT_TRUE(made.ok());
+  std::shared_ptr<SequenceStore> store = *std::move(made);
   Timers timers;
   const std::vector<uint8_t> payload(PayloadLayout::Make(b, 0, 2, 4).total_bytes, 0x11);
   int ok = 0, timed_out = 0, cancelled = 0;

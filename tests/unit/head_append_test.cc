@@ -17,36 +17,18 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
+using store_testing::RandomFp32;
+
 constexpr uint32_t kLayers = 3, kHeads = 4;
 
 ModelLayout Layout(DType storage) {
-  ModelLayout m;
-  m.name = "tp-prefill";
-  m.kind = AttentionKind::kGqa;
-  m.num_layers = kLayers;
-  m.num_q_heads = 8;
-  m.num_kv_heads = kHeads;
-  m.head_dim = m.head_dim_v = 16;
-  m.block_tokens = 4;
-  m.input_dtype = DType::kFp32;
-  m.layer_dtypes.assign(kLayers, storage);
-  return m;
-}
-
-std::vector<uint8_t> RandomFp32(uint64_t bytes, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<uint8_t> out(bytes);
-  for (uint64_t i = 0; i + 4 <= bytes; i += 4) {
-    const float x = u(rng);
-    std::memcpy(out.data() + i, &x, 4);
-  }
-  return out;
+  return store_testing::GqaLayout("tp-prefill", kLayers, kHeads, 16, 4, storage, DType::kFp32);
 }
 
 class HeadAppendTest : public testing::TestWithParam<DType> {
@@ -57,11 +39,11 @@ class HeadAppendTest : public testing::TestWithParam<DType> {
   }
 
   std::unique_ptr<SequenceStore> NewStore() {
-    auto pool = testenv::CreateTestPool(b_, 256 * b_.block_bytes);
-    EXPECT_TRUE(pool.ok()) << pool.status();
     StoreOptions o;
     o.default_lease = absl::ZeroDuration();
-    return std::make_unique<SequenceStore>(m_, *std::move(pool), o);
+    auto store = testenv::CreateTestStore(m_, 256, o);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
   }
 
   static uint64_t NewSequence(SequenceStore& store) {
@@ -113,11 +95,7 @@ class HeadAppendTest : public testing::TestWithParam<DType> {
     f.token_end = t1;
     f.kv_head_begin = h0;
     f.kv_head_end = h1;
-    auto r = store.BeginFetch(f);
-    if (!r.ok()) return r.status();
-    std::vector<uint8_t> out((*r)->payload_bytes());
-    if (absl::Status s = (*r)->Read(0, absl::MakeSpan(out)); !s.ok()) return s;
-    return out;
+    return store_testing::FetchToHost(store, f);
   }
 
   // Writes `payload` in chunks of `chunk` bytes, alternating between the transactions.
@@ -438,12 +416,12 @@ TEST(HeadAppendThreadsTest, RanksAtTheirOwnPaceWithForksAlongside) {
     SCOPED_TRACE(DTypeName(storage));
     const ModelLayout m = Layout(storage);
     const BlockLayout b = ComputeBlockLayout(m);
-    auto make = [&] {
-      auto pool = testenv::CreateTestPool(b, 512 * b.block_bytes);
-      EXPECT_TRUE(pool.ok());
+    auto make = [&]() -> std::unique_ptr<SequenceStore> {
       StoreOptions o;
       o.default_lease = absl::ZeroDuration();
-      return std::make_unique<SequenceStore>(m, *std::move(pool), o);
+      auto store = testenv::CreateTestStore(m, 512, o);
+      EXPECT_TRUE(store.ok());
+      return store.ok() ? *std::move(store) : nullptr;
     };
     auto ref = make();
     auto tp = make();

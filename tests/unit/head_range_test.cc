@@ -4,9 +4,7 @@
 // full payload, and the payload is exactly the size of that many heads. An MLA model's one latent
 // head is read whole by any range; bad ranges are refused. Seeds are fixed.
 #include <cstdio>
-#include <cstring>
 #include <optional>
-#include <random>
 #include <tuple>
 #include <vector>
 
@@ -14,43 +12,19 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
-ModelLayout Layout(DType storage, AttentionKind kind) {
-  ModelLayout m;
-  m.name = "tp";
-  m.kind = kind;
-  m.num_layers = 3;
-  if (kind == AttentionKind::kMla) {
-    m.num_q_heads = 4;
-    m.num_kv_heads = 1;
-    m.kv_lora_rank = 32;
-    m.rope_dim = 8;
-    m.head_dim = 40;
-    m.head_dim_v = 32;
-  } else {
-    m.num_q_heads = 8;
-    m.num_kv_heads = 4;
-    m.head_dim = m.head_dim_v = 24;
-  }
-  m.block_tokens = 5;
-  m.input_dtype = DType::kFp32;
-  m.layer_dtypes.assign(3, storage);
-  return m;
-}
+using store_testing::RandomFp32;
 
-std::vector<uint8_t> RandomFp32(uint64_t bytes, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<uint8_t> out(bytes);
-  for (uint64_t i = 0; i + 4 <= bytes; i += 4) {
-    const float x = u(rng);
-    std::memcpy(out.data() + i, &x, 4);
+ModelLayout Layout(DType storage, AttentionKind kind) {
+  if (kind == AttentionKind::kMla) {
+    return store_testing::MlaLayout("tp", 3, 32, 8, 5, storage, DType::kFp32);
   }
-  return out;
+  return store_testing::GqaLayout("tp", 3, 4, 24, 5, storage, DType::kFp32);
 }
 
 class HeadRangeTest : public testing::TestWithParam<DType> {
@@ -59,11 +33,11 @@ class HeadRangeTest : public testing::TestWithParam<DType> {
   void Make(AttentionKind kind) {
     m_ = Layout(GetParam(), kind);
     b_ = ComputeBlockLayout(m_);
-    auto pool = testenv::CreateTestPool(b_, 128 * b_.block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
     StoreOptions o;
     o.default_lease = absl::ZeroDuration();
-    store_ = std::make_unique<SequenceStore>(m_, *std::move(pool), o);
+    auto store = testenv::CreateTestStore(m_, 128, o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
 
   // A sequence of 23 tokens (one append) plus 3 one-token appends, fed fp32, with token ids so

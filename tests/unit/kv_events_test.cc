@@ -17,23 +17,13 @@
 #include "server/core/block_pool.h"
 #include "server/core/model_registry.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
-ModelLayout TestLayout() {
-  ModelLayout m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 8;
-  m.head_dim_v = 8;
-  m.block_tokens = 4;
-  m.layer_dtypes.assign(2, DType::kFp16);
-  return m;
-}
+ModelLayout TestLayout() { return store_testing::GqaLayout("tiny", 2, 2, 8, 4, DType::kFp16); }
 
 class Harness {
  public:
@@ -44,13 +34,12 @@ class Harness {
     PoolOptions po;
     po.events = events;
     po.clock = [this] { return now; };
-    const BlockLayout bl = ComputeBlockLayout(layout);
-    auto pool = testenv::CreateTestPool(bl, blocks * bl.block_bytes, po);
-    EXPECT_TRUE(pool.ok()) << pool.status();
     StoreOptions so;
     so.clock = [this] { return now; };
     so.prefix_cache_ttl = ttl;
-    store = std::make_unique<SequenceStore>(layout, *std::move(pool), so, std::move(log));
+    auto made = testenv::CreateTestStore(layout, blocks, so, po, std::move(log));
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) store = *std::move(made);
   }
 
   // A sequence of `tenant` holding `ids` (all appended, ids given).

@@ -15,37 +15,15 @@
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
 using absl::StatusCode;
-
-// Spec builders in field order (aggregate init would leave fields unnamed).
-AppendSpec MakeAppend(uint64_t id, uint32_t l0, std::optional<uint32_t> l1, uint64_t n,
-                      std::optional<DType> dtype = std::nullopt, std::vector<uint32_t> ids = {}) {
-  AppendSpec s;
-  s.sequence_id = id;
-  s.layer_begin = l0;
-  s.layer_end = l1;
-  s.num_tokens = n;
-  s.dtype = dtype;
-  s.token_ids = std::move(ids);
-  return s;
-}
-FetchSpec MakeFetch(uint64_t id, uint64_t t0 = 0, std::optional<uint64_t> t1 = std::nullopt,
-                    uint32_t l0 = 0, std::optional<uint32_t> l1 = std::nullopt,
-                    std::optional<DType> dtype = std::nullopt) {
-  FetchSpec s;
-  s.sequence_id = id;
-  s.token_begin = t0;
-  s.token_end = t1;
-  s.layer_begin = l0;
-  s.layer_end = l1;
-  s.dtype = dtype;
-  return s;
-}
+using store_testing::MakeAppend;
+using store_testing::MakeFetch;
 
 constexpr uint64_t kSeed = 0x6b76626e6b;  // "kvbnk"
 constexpr int kSteps = 5000;
@@ -68,22 +46,15 @@ struct ModelSeq {
 class ModelTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ModelLayout m;
-    m.name = "model-test";
-    m.num_layers = kLayers;
-    m.num_q_heads = kHeads * 2;
-    m.num_kv_heads = kHeads;
-    m.head_dim = m.head_dim_v = kHeadDim;
-    m.block_tokens = kBlockTokens;
-    m.layer_dtypes.assign(kLayers, DType::kFp16);
+    const ModelLayout m = store_testing::GqaLayout("model-test", kLayers, kHeads, kHeadDim,
+                                                   kBlockTokens, DType::kFp16);
     ASSERT_EQ(ValidateLayout(m), "");
-    const BlockLayout b = ComputeBlockLayout(m);
-    auto pool = testenv::CreateTestPool(b, kPoolBlocks * b.block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
     StoreOptions opt;
     opt.max_sequences = kMaxSequences;
     opt.max_tokens_per_sequence = kMaxTokens;
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), opt);
+    auto store = testenv::CreateTestStore(m, kPoolBlocks, opt);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
 
   int NewBlock() {
@@ -123,9 +94,7 @@ class ModelTest : public ::testing::Test {
     auto r = store_->BeginFetch(MakeFetch(id, t0, t1, l0, l1));
     *st = r.status();
     if (!r.ok()) return {};
-    std::vector<uint8_t> out((*r)->payload_bytes());
-    EXPECT_TRUE((*r)->Read(0, absl::MakeSpan(out)).ok());
-    return out;
+    return store_testing::ExpectBytes(store_testing::ReadAll(**r));
   }
 
   void OpAppend(bool cancel);

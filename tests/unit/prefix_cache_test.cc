@@ -13,26 +13,19 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
+using store_testing::ExpectBytes;
+using store_testing::ReadAll;
+
 #define EXPECT_INVARIANTS(h) EXPECT_EQ((h).store->CheckInvariants(), "")
 
 // 2 layers, 2 kv heads, head_dim 8, 4 tokens a block, fp16: one token of one layer is 64 bytes.
-ModelLayout TestLayout() {
-  ModelLayout m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 8;
-  m.head_dim_v = 8;
-  m.block_tokens = 4;
-  m.layer_dtypes.assign(2, DType::kFp16);
-  return m;
-}
+ModelLayout TestLayout() { return store_testing::GqaLayout("tiny", 2, 2, 8, 4, DType::kFp16); }
 
 uint64_t Mix(uint64_t x) {  // splitmix64
   x += 0x9e3779b97f4a7c15ull;
@@ -73,12 +66,6 @@ std::vector<uint8_t> BuildPayload(const BlockLayout& bl, uint32_t l0, uint32_t l
   return out;
 }
 
-std::vector<uint8_t> ReadAll(FetchReader& r) {
-  std::vector<uint8_t> out(r.payload_bytes());
-  EXPECT_TRUE(r.Read(0, absl::MakeSpan(out)).ok());
-  return out;
-}
-
 class Harness {
  public:
   explicit Harness(uint64_t blocks, bool caching = true,
@@ -89,13 +76,12 @@ class Harness {
     po.enable_prefix_caching = caching;
     po.events = events;
     po.clock = [this] { return now; };
-    const BlockLayout bl = ComputeBlockLayout(layout);
-    auto pool = testenv::CreateTestPool(bl, blocks * bl.block_bytes, po);
-    EXPECT_TRUE(pool.ok()) << pool.status();
     StoreOptions so;
     so.clock = [this] { return now; };
     so.prefix_cache_ttl = ttl;
-    store = std::make_unique<SequenceStore>(layout, *std::move(pool), so, std::move(log));
+    auto made = testenv::CreateTestStore(layout, blocks, so, po, std::move(log));
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) store = *std::move(made);
   }
 
   // A sequence without a lease (the fake clock moves by hours in some tests).
@@ -142,9 +128,7 @@ class Harness {
     f.sequence_id = id;
     f.token_begin = t0;
     f.token_end = t1;
-    auto r = store->BeginFetch(f);
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? ReadAll(**r) : std::vector<uint8_t>();
+    return ExpectBytes(store_testing::FetchToHost(*store, f));
   }
   // What positions [t0, t1) of a sequence appended from `ids` with `tag` must read back as.
   std::vector<uint8_t> Expected(const std::vector<uint32_t>& ids, uint64_t tag, uint64_t t0,
@@ -300,7 +284,8 @@ TEST(PrefixCacheTest, PublishedBlockIsImmutableEvenForItsOnlyHolder) {
   EXPECT_EQ(h.Pool().cached, 1u) << "the old block 1 is cached under its hash";
   auto r = h.store->prefix().FetchBlocks("", h.Hashes("", prompt), 0, std::nullopt);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(ReadAll(**r), h.Expected(prompt, 1, 0, 8)) << "the published block was written";
+  EXPECT_EQ(ExpectBytes(ReadAll(**r)), h.Expected(prompt, 1, 0, 8))
+      << "the published block was written";
   EXPECT_EQ(h.Fetch("", a, 6, 8), h.Expected(ids, 3, 6, 8));
 }
 
@@ -492,18 +477,18 @@ TEST(PrefixCacheTest, FetchBlocksReturnsTheAppendedBytes) {
   auto all = h.store->prefix().FetchBlocks("", hashes, 0, std::nullopt);
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_EQ((*all)->num_tokens(), 12u);
-  EXPECT_EQ(ReadAll(**all), h.Expected(prompt, 5, 0, 12));
+  EXPECT_EQ(ExpectBytes(ReadAll(**all)), h.Expected(prompt, 5, 0, 12));
   // One layer only, and a run that stops at the first miss.
   BlockHash bogus{};
   bogus[0] = 1;
   auto part = h.store->prefix().FetchBlocks("", {hashes[0], hashes[1], bogus, hashes[2]}, 1, 2);
   ASSERT_TRUE(part.ok()) << part.status();
   EXPECT_EQ((*part)->num_tokens(), 8u);
-  EXPECT_EQ(ReadAll(**part), h.Expected(prompt, 5, 0, 8, 1, 2));
+  EXPECT_EQ(ExpectBytes(ReadAll(**part)), h.Expected(prompt, 5, 0, 8, 1, 2));
   // Blocks hashed from the middle of a chain read as themselves.
   auto mid = h.store->prefix().FetchBlocks("", {hashes[2]}, 0, std::nullopt);
   ASSERT_TRUE(mid.ok());
-  EXPECT_EQ(ReadAll(**mid), h.Expected(prompt, 5, 8, 12));
+  EXPECT_EQ(ExpectBytes(ReadAll(**mid)), h.Expected(prompt, 5, 8, 12));
   EXPECT_EQ(h.store->prefix().FetchBlocks("", {bogus, hashes[0]}, 0, std::nullopt).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(h.store->prefix().FetchBlocks("", {}, 0, std::nullopt).status().code(),
@@ -521,7 +506,7 @@ TEST(PrefixCacheTest, FetchBlocksReturnsTheAppendedBytes) {
   h.MustAppend("", big, Tokens(60, 3), 0, 60, 6);  // 15 blocks: every other one
   EXPECT_EQ(h.Pool().free + h.Pool().cached, 0u);
   EXPECT_EQ(h.MatchTokens("", prompt), 0u);
-  EXPECT_EQ(ReadAll(**mid), h.Expected(prompt, 5, 8, 12));
+  EXPECT_EQ(ExpectBytes(ReadAll(**mid)), h.Expected(prompt, 5, 8, 12));
   EXPECT_INVARIANTS(h);
   mid->reset();
   ASSERT_TRUE(h.store->Free(big, "").ok());

@@ -20,6 +20,7 @@
 #include "server/core/block_pool.h"
 #include "server/core/kv_events.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
@@ -33,16 +34,7 @@ constexpr size_t kMaxSeqs = 12;
 const char* const kTenants[] = {"a", "b"};
 
 ModelLayout TestLayout() {
-  ModelLayout m;
-  m.name = "tiny";
-  m.num_layers = kLayers;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 8;
-  m.head_dim_v = 8;
-  m.block_tokens = kBt;
-  m.layer_dtypes.assign(kLayers, DType::kFp16);
-  return m;
+  return store_testing::GqaLayout("tiny", kLayers, 2, 8, kBt, DType::kFp16);
 }
 
 uint64_t Mix(uint64_t x) {  // splitmix64
@@ -107,13 +99,12 @@ class PrefixModel {
     PoolOptions po;
     po.events = events_;
     po.clock = [this] { return now_; };
-    const BlockLayout bl = ComputeBlockLayout(TestLayout());
-    auto pool = testenv::CreateTestPool(bl, kPoolBlocks * bl.block_bytes, po);
-    EXPECT_TRUE(pool.ok());
     StoreOptions so;
     so.clock = [this] { return now_; };
     so.prefix_cache_ttl = absl::Hours(1);
-    store_ = std::make_unique<SequenceStore>(TestLayout(), *std::move(pool), so, std::move(log));
+    auto made = testenv::CreateTestStore(TestLayout(), kPoolBlocks, so, po, std::move(log));
+    EXPECT_TRUE(made.ok());
+    if (made.ok()) store_ = *std::move(made);
     // Shared prefixes of 6 to 16 tokens over a tiny alphabet: prompts overlap a lot.
     for (uint32_t n : {8u, 12u, 6u, 16u}) {
       std::vector<uint32_t> p;

@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
@@ -20,17 +21,7 @@ using absl::StatusCode;
 constexpr uint32_t kLayers = 2, kKv = 2, kQ = 4, kDim = 8, kBt = 4;
 
 ModelLayout Layout() {
-  ModelLayout m;
-  m.name = "r";
-  m.kind = AttentionKind::kGqa;
-  m.num_layers = kLayers;
-  m.num_q_heads = kQ;
-  m.num_kv_heads = kKv;
-  m.head_dim = m.head_dim_v = kDim;
-  m.block_tokens = kBt;
-  m.input_dtype = DType::kFp32;
-  m.layer_dtypes.assign(kLayers, DType::kFp32);
-  return m;
+  return store_testing::GqaLayout("r", kLayers, kKv, kDim, kBt, DType::kFp32, DType::kFp32);
 }
 
 // The reference KV of one sequence: k[l][h][t][d], v likewise, one token appended at a time.
@@ -43,13 +34,11 @@ struct Kv {
 class RetentionTest : public testing::Test {
  protected:
   void SetUp() override {
-    const ModelLayout m = Layout();
-    auto pool =
-        testenv::CreateTestPool(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes);
-    ASSERT_TRUE(pool.ok());
     StoreOptions o;
     o.default_lease = absl::ZeroDuration();
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), o);
+    auto store = testenv::CreateTestStore(Layout(), 256, o);
+    ASSERT_TRUE(store.ok());
+    store_ = *std::move(store);
   }
 
   // Appends n random tokens (ids from `first_id`) to `id` and to the reference.

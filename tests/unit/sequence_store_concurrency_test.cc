@@ -30,6 +30,7 @@
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
@@ -46,17 +47,7 @@ constexpr auto kTimeBudget = std::chrono::seconds(40);  // per run; TSan is ~10x
 constexpr uint64_t kMaxTokens = 40;
 
 ModelLayout Layout() {
-  ModelLayout m;
-  m.name = "concurrency";
-  m.kind = AttentionKind::kGqa;
-  m.num_layers = kLayers;
-  m.num_kv_heads = kHeads;
-  m.num_q_heads = 4;
-  m.head_dim = m.head_dim_v = kHeadDim;
-  m.block_tokens = 4;
-  m.input_dtype = DType::kFp16;
-  m.layer_dtypes.assign(kLayers, DType::kFp16);
-  return m;
+  return store_testing::GqaLayout("concurrency", kLayers, kHeads, kHeadDim, 4, DType::kFp16);
 }
 
 uint64_t Mix(uint64_t x) {  // splitmix64
@@ -224,13 +215,11 @@ struct Counts {
 class ConcurrencyTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const ModelLayout m = Layout();
-    const BlockLayout b = ComputeBlockLayout(m);
-    auto pool = testenv::CreateTestPool(b, 64 * b.block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
     StoreOptions o;
     o.max_tokens_per_sequence = kMaxTokens;
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), o);
+    auto store = testenv::CreateTestStore(Layout(), 64, o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
     for (auto& slot : slots_) slot = NewSequence();
   }
 

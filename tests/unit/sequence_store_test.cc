@@ -16,56 +16,20 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
 namespace {
 
 using absl::StatusCode;
-
-// Spec builders in field order (aggregate init would leave fields unnamed).
-AppendSpec MakeAppend(uint64_t id, uint32_t l0, std::optional<uint32_t> l1, uint64_t n,
-                      std::optional<DType> dtype = std::nullopt, std::vector<uint32_t> ids = {}) {
-  AppendSpec s;
-  s.sequence_id = id;
-  s.layer_begin = l0;
-  s.layer_end = l1;
-  s.num_tokens = n;
-  s.dtype = dtype;
-  s.token_ids = std::move(ids);
-  return s;
-}
-FetchSpec MakeFetch(uint64_t id, uint64_t t0 = 0, std::optional<uint64_t> t1 = std::nullopt,
-                    uint32_t l0 = 0, std::optional<uint32_t> l1 = std::nullopt,
-                    std::optional<DType> dtype = std::nullopt) {
-  FetchSpec s;
-  s.sequence_id = id;
-  s.token_begin = t0;
-  s.token_end = t1;
-  s.layer_begin = l0;
-  s.layer_end = l1;
-  s.dtype = dtype;
-  return s;
-}
+using store_testing::MakeAppend;
+using store_testing::MakeFetch;
 
 // 4 layers, 4 tokens per block; GQA with 2 heads of 3, or MLA with a latent of 3 + 2.
 ModelLayout Layout(DType d, AttentionKind kind = AttentionKind::kGqa) {
-  ModelLayout m;
-  m.name = "test-model";
-  m.kind = kind;
-  m.num_layers = 4;
-  m.num_kv_heads = kind == AttentionKind::kMla ? 1 : 2;
-  m.num_q_heads = 4;
-  m.head_dim = m.head_dim_v = 3;
-  if (kind == AttentionKind::kMla) {
-    m.head_dim = 5;
-    m.kv_lora_rank = m.head_dim_v = 3;
-    m.rope_dim = 2;
-  }
-  m.block_tokens = 4;
-  m.input_dtype = d;
-  m.layer_dtypes.assign(4, d);
-  return m;
+  if (kind == AttentionKind::kMla) return store_testing::MlaLayout("test-model", 4, 3, 2, 4, d, d);
+  return store_testing::GqaLayout("test-model", 4, 2, 3, 4, d, d);
 }
 
 // Reference content of one sequence: per layer, K and V rows token-major ([token][head][dim]).
@@ -81,17 +45,15 @@ class StoreTest : public ::testing::Test {
     const LayerView& v = b.layers[0];
     krow_ = v.num_kv_heads * v.KRowBytes();
     vrow_ = v.has_v ? v.num_kv_heads * v.VRowBytes() : 0;
-    auto pool = testenv::CreateTestPool(b, blocks * b.block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
     opt.clock = [c = clock_] { return *c; };
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), opt);
+    auto store = testenv::CreateTestStore(m, blocks, opt);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
   void SetUp() override { Make(Layout(DType::kFp16), 64); }
 
   uint64_t NewSeq(std::optional<absl::Duration> lease = absl::ZeroDuration()) {
-    auto s = store_->Create(WithLease(lease));
-    EXPECT_TRUE(s.ok()) << s.status();
-    return s.ok() ? s->id : 0;
+    return store_testing::NewSequence(*store_, lease);
   }
   Kv Rows(uint64_t n) {
     Kv kv;

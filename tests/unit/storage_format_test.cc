@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/quant.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
@@ -17,38 +18,21 @@ namespace {
 using absl::StatusCode;
 
 ModelLayout Layout(DType storage, AttentionKind kind) {
-  ModelLayout m;
-  m.name = "sf";
-  m.kind = kind;
-  m.num_layers = 3;
   if (kind == AttentionKind::kMla) {
-    m.num_q_heads = 4;
-    m.num_kv_heads = 1;
-    m.kv_lora_rank = 32;
-    m.rope_dim = 8;
-    m.head_dim = 40;
-    m.head_dim_v = 32;
-  } else {
-    m.num_q_heads = 6;
-    m.num_kv_heads = 3;
-    m.head_dim = m.head_dim_v = 72;
+    return store_testing::MlaLayout("sf", 3, 32, 8, 7, storage, DType::kFp32);
   }
-  m.block_tokens = 7;
-  m.input_dtype = DType::kFp32;
-  m.layer_dtypes.assign(3, storage);
-  return m;
+  return store_testing::GqaLayout("sf", 3, 3, 72, 7, storage, DType::kFp32);
 }
 
 class StorageFormatTest : public testing::TestWithParam<std::tuple<DType, AttentionKind>> {
  protected:
   void SetUp() override {
     const ModelLayout m = Layout(std::get<0>(GetParam()), std::get<1>(GetParam()));
-    auto pool =
-        testenv::CreateTestPool(ComputeBlockLayout(m), 256 * ComputeBlockLayout(m).block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
     StoreOptions o;
     o.default_lease = absl::ZeroDuration();
-    store_ = std::make_unique<SequenceStore>(m, *std::move(pool), o);
+    auto store = testenv::CreateTestStore(m, 256, o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
 
   uint64_t NewSeq() { return store_->Create(WithLease(std::nullopt))->id; }

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kvbank/layout.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
@@ -25,17 +26,7 @@ namespace {
 using absl::StatusCode;
 
 // 2 layers, 4 tokens per block, 2 KV heads of 4, fp16.
-ModelLayout Layout() {
-  ModelLayout m;
-  m.name = "tenancy";
-  m.num_layers = 2;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = m.head_dim_v = 4;
-  m.block_tokens = 4;
-  m.layer_dtypes.assign(2, DType::kFp16);
-  return m;
-}
+ModelLayout Layout() { return store_testing::GqaLayout("tenancy", 2, 2, 4, 4, DType::kFp16); }
 
 TenantLimits Limits(uint64_t max_blocks, uint64_t max_sequences) {
   TenantLimits l;
@@ -47,11 +38,10 @@ TenantLimits Limits(uint64_t max_blocks, uint64_t max_sequences) {
 class TenancyTest : public ::testing::Test {
  protected:
   void Make(uint64_t blocks, StoreOptions opt = {}) {
-    const BlockLayout b = ComputeBlockLayout(Layout());
-    auto pool = testenv::CreateTestPool(b, blocks * b.block_bytes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
     opt.clock = [c = clock_] { return *c; };
-    store_ = std::make_unique<SequenceStore>(Layout(), *std::move(pool), opt);
+    auto store = testenv::CreateTestStore(Layout(), blocks, opt);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
   }
   void SetUp() override { Make(64); }
 
@@ -85,10 +75,7 @@ class TenancyTest : public ::testing::Test {
     FetchSpec f;
     f.tenant = tenant;
     f.sequence_id = id;
-    auto r = store_->BeginFetch(f);
-    if (!r.ok()) return r.status();
-    std::vector<uint8_t> out((*r)->payload_bytes());
-    return (*r)->Read(0, absl::MakeSpan(out));
+    return store_testing::FetchToHost(*store_, f).status();
   }
 
   std::shared_ptr<absl::Time> clock_ =

@@ -1,7 +1,9 @@
 #include "tests/unit/test_memory.h"
 
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "gtest/gtest.h"
 #include "server/core/cuda_memory.h"
@@ -49,6 +51,16 @@ absl::StatusOr<std::unique_ptr<BlockPool>> CreateTestPool(BlockLayout layout, ui
   // several pieces, some of one layer (larger than the budget) and some of several.
   if (options.staging_bytes == PoolOptions().staging_bytes) options.staging_bytes = 4096;
   return BlockPool::Create(std::move(layout), pool_bytes, TestDevice(), std::move(options));
+}
+
+absl::StatusOr<std::unique_ptr<SequenceStore>> CreateTestStore(const ModelLayout& m,
+                                                               uint64_t blocks, StoreOptions store,
+                                                               PoolOptions pool,
+                                                               std::unique_ptr<KvEventLog> events) {
+  const BlockLayout b = ComputeBlockLayout(m);
+  auto p = CreateTestPool(b, blocks * b.block_bytes, std::move(pool));
+  if (!p.ok()) return p.status();
+  return std::make_unique<SequenceStore>(m, *std::move(p), std::move(store), std::move(events));
 }
 
 }  // namespace kvbank::testenv

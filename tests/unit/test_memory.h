@@ -14,6 +14,7 @@
 #include "kvbank/layout.h"
 #include "server/core/block_pool.h"
 #include "server/core/pool_memory.h"
+#include "server/core/sequence_store.h"
 
 namespace kvbank::testenv {
 
@@ -22,6 +23,12 @@ DeviceSpec TestDevice();
 // BlockPool::Create on TestDevice(); a default staging budget becomes 4 KiB (see the .cc).
 absl::StatusOr<std::unique_ptr<BlockPool>> CreateTestPool(BlockLayout layout, uint64_t pool_bytes,
                                                           PoolOptions options = {});
+
+// A SequenceStore of `m` over CreateTestPool(..., `blocks` blocks, `pool`), with `events` as its
+// event log; the pool's error if it cannot be made.
+absl::StatusOr<std::unique_ptr<SequenceStore>> CreateTestStore(
+    const ModelLayout& m, uint64_t blocks, StoreOptions store = {}, PoolOptions pool = {},
+    std::unique_ptr<KvEventLog> events = nullptr);
 
 }  // namespace kvbank::testenv
 

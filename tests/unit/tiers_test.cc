@@ -20,6 +20,7 @@
 #include "server/core/core_lock.h"
 #include "server/core/model_registry.h"
 #include "server/core/sequence_store.h"
+#include "tests/unit/store_testing.h"
 #include "tests/unit/test_memory.h"
 
 namespace kvbank {
@@ -28,15 +29,7 @@ namespace {
 // 2 layers (fp16, int8: quantized bytes and scales move as stored), 2 kv heads, head_dim 8,
 // 4 tokens a block.
 ModelLayout TestLayout() {
-  ModelLayout m;
-  m.name = "tiny";
-  m.num_layers = 2;
-  m.num_q_heads = 4;
-  m.num_kv_heads = 2;
-  m.head_dim = 8;
-  m.head_dim_v = 8;
-  m.block_tokens = 4;
-  m.input_dtype = DType::kFp16;
+  ModelLayout m = store_testing::GqaLayout("tiny", 2, 2, 8, 4, DType::kFp16);
   m.layer_dtypes = {DType::kFp16, DType::kInt8};
   return m;
 }
