@@ -14,14 +14,7 @@ Errors raise kvbank.Error subclasses named after the gRPC code (kvbank.NotFoundE
 
 from . import aio as aio  # kvbank.aio.AsyncClient after a plain `import kvbank`
 from ._client import (
-    Blocks,
     Client,
-    DeviceRegion,
-    Event,
-    FetchInfo,
-    ModelInfo,
-    PrefixRoot,
-    SequenceInfo,
     chain_hash,
     cuda_ipc_handle,
     layout_fingerprint,
@@ -52,11 +45,24 @@ from ._errors import (
     UnimplementedError,
     UnknownError,
 )
-from ._fleet import Fleet, FleetSequence, Replica
+from ._fleet import Fleet
 
 # The project's version, written once: project(kvbank VERSION ...) in the repository's
 # CMakeLists.txt, compiled into the extension (the package metadata carries the same).
 from ._kvbank import __version__ as __version__
+
+# The result types, whose instances the extension builds (python/src/convert.cc).
+from ._types import (
+    Blocks,
+    DeviceRegion,
+    Event,
+    FetchInfo,
+    FleetSequence,
+    ModelInfo,
+    PrefixRoot,
+    Replica,
+    SequenceInfo,
+)
 
 __all__ = [
     "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",

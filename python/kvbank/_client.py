@@ -5,7 +5,6 @@ import ctypes
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 
 import numpy as np
@@ -13,11 +12,16 @@ import numpy as np
 from . import _kvbank
 from ._device import DeviceRouter, _cuda_driver, is_cuda
 from ._errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
-
-Layout = dict[str, Any]
-"""A model layout as a dict: name, num_layers, num_q_heads, num_kv_heads, head_dim, head_dim_v,
-block_tokens, kind ("mha", "gqa", "mqa", "mla"), kv_lora_rank, rope_dim, input_dtype,
-layer_dtypes (one per layer), or "dtype" for every layer at once."""
+from ._types import (
+    Blocks,
+    DeviceRegion,
+    Event,
+    FetchInfo,
+    Layout,
+    ModelInfo,
+    PrefixRoot,
+    SequenceInfo,
+)
 
 _T = TypeVar("_T")
 
@@ -43,81 +47,6 @@ def numpy_dtype(dtype: str) -> np.dtype:
         return np.dtype(_NP_DTYPES[dtype])
     except KeyError:
         raise InvalidArgumentError(f"unknown dtype '{dtype}'") from None
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    layout: Layout
-    fingerprint: str
-    block_bytes: int
-    num_blocks: int
-    pool_bytes: int
-    payload_bytes_per_token: int
-    device: str
-    max_sequences: int
-    max_tokens_per_sequence: int
-    created: bool
-
-    def payload_bytes(self, num_tokens: int, layer_begin: int = 0,
-                      layer_end: Optional[int] = None, dtype: Optional[str] = None) -> int:
-        """Bytes of the dense payload of layers [layer_begin, layer_end) x num_tokens in `dtype`
-        (default: what the server sends when none is named): the size of a fetch_into buffer."""
-        return _kvbank.payload_bytes(self.layout, num_tokens, layer_begin, layer_end, dtype)
-
-
-@dataclass(frozen=True)
-class SequenceInfo:
-    model: str
-    id: int
-    length: int
-    layer_lengths: list[int]
-    num_blocks: int
-    cached_tokens: int
-    lease_ttl_s: float  # 0: no lease
-    compactions: int
-
-
-@dataclass(frozen=True)
-class FetchInfo:
-    """What a fetch_into wrote: payload_bytes bytes at the start of the buffer."""
-    token_begin: int
-    num_tokens: int
-    layer_begin: int
-    layer_end: int
-    kv_head_begin: int  # the kv heads the payload holds: [kv_head_begin, kv_head_end)
-    kv_head_end: int
-    dtype: str
-    payload_bytes: int
-
-
-@dataclass(frozen=True)
-class PrefixRoot:
-    root: bytes
-    algorithm: str
-    block_tokens: int
-    layout_fingerprint: str
-    tenant: str
-
-
-@dataclass(frozen=True)
-class Event:
-    """A KV event: type "stored", "removed" or "all_cleared"."""
-    type: str
-    sequence: int
-    tenant: str
-    hashes: list[bytes]
-    parent: Optional[bytes]
-    token_ids: list[int]
-    block_size: int
-    lora: str
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """Cached full blocks from fetch_blocks: `data` in the payload layout."""
-    info: FetchInfo
-    data: np.ndarray = field(repr=False)
 
 
 def _extra_keys(keys: ExtraKeys) -> list[tuple[str, bytes]]:
@@ -164,14 +93,6 @@ def _num_tokens_of(k: Any) -> int:
         raise InvalidArgumentError("num_tokens is needed unless k is 4-D "
                                    "[layers][kv_heads][tokens][head_dim]")
     return int(shape[2])
-
-
-@dataclass(frozen=True)
-class DeviceRegion:
-    """A CUDA buffer kvbankd opened through CUDA IPC (Client.register_device_region)."""
-    region_id: int
-    size: int
-    device: int  # the CUDA device kvbankd opened it on
 
 
 def cuda_ipc_handle(tensor: Any) -> tuple[bytes, int, int]:
@@ -299,8 +220,7 @@ class Client:
         CUDA IPC: append_from_device / fetch_to_device then move payloads device to device,
         converting on the device. FailedPreconditionError when the server has no cuda:N pool."""
         handle, offset, size = cuda_ipc_handle(tensor)
-        r = self._c.register_device_region(handle, offset, size)
-        return DeviceRegion(r["region_id"], r["size"], r["device"])
+        return self._c.register_device_region(handle, offset, size)
 
     def unregister_device_region(self, region: "DeviceRegion") -> None:
         self._c.unregister_device_region(region.region_id)
@@ -313,9 +233,9 @@ class Client:
                            kv_head_end: Optional[int] = None) -> SequenceInfo:
         """append whose payload is bytes [offset, offset + length) of a device region."""
         n = region.size - offset if length is None else length
-        return SequenceInfo(**self._c.append_from_device(
+        return self._c.append_from_device(
             model, seq_id, region.region_id, offset, n, num_tokens, layer_begin, layer_end,
-            dtype, list(token_ids or []), kv_head_begin, kv_head_end))
+            dtype, list(token_ids or []), kv_head_begin, kv_head_end)
 
     def fetch_to_device(self, model: str, seq_id: int, region: "DeviceRegion", *,
                         offset: int = 0, length: Optional[int] = None, token_begin: int = 0,
@@ -325,9 +245,9 @@ class Client:
                         wait_s: float = 0.0) -> FetchInfo:
         """fetch_into bytes [offset, offset + length) of a device region."""
         n = region.size - offset if length is None else length
-        return FetchInfo(**self._c.fetch_to_device(
+        return self._c.fetch_to_device(
             model, seq_id, region.region_id, offset, n, token_begin, token_end, layer_begin,
-            layer_end, dtype, kv_head_begin, kv_head_end, wait_s))
+            layer_end, dtype, kv_head_begin, kv_head_end, wait_s)
 
     def nccl_connect(self, device: int = 0) -> None:
         """Forms an NCCL communicator with kvbankd (this process rank 0 on CUDA device `device`,
@@ -349,9 +269,9 @@ class Client:
         """append whose payload (a contiguous CUDA tensor on the communicator's device, the
         payload's exact size; fp32 / fp16 / bf16) crosses NCCL. Atomic as append."""
         ptr, nbytes = _cuda_span(tensor)
-        return SequenceInfo(**self._c.append_over_nccl(
+        return self._c.append_over_nccl(
             model, seq_id, ptr, nbytes, num_tokens, layer_begin, layer_end, dtype,
-            list(token_ids or []), kv_head_begin, kv_head_end))
+            list(token_ids or []), kv_head_begin, kv_head_end)
 
     def fetch_over_nccl(self, model: str, seq_id: int, out: Any, *, token_begin: int = 0,
                         token_end: Optional[int] = None, layer_begin: int = 0,
@@ -360,9 +280,9 @@ class Client:
         """fetch_into a contiguous CUDA tensor over NCCL; payload_bytes says how much arrived
         (InvalidArgumentError, nothing sent, when it does not fit)."""
         ptr, capacity = _cuda_span(out)
-        return FetchInfo(**self._c.fetch_over_nccl(
+        return self._c.fetch_over_nccl(
             model, seq_id, ptr, capacity, token_begin, token_end, layer_begin, layer_end,
-            dtype, kv_head_begin, kv_head_end))
+            dtype, kv_head_begin, kv_head_end)
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -396,21 +316,19 @@ class Client:
         if layout is None:
             if not name:
                 raise InvalidArgumentError("a preset model needs a name")
-            d = self._c.ensure_preset(name, preset, storage, pool_bytes, block_tokens)
-        else:
-            d = dict(layout)
-            if name is not None:
-                d["name"] = name
-            if storage is not None or block_tokens:
-                raise InvalidArgumentError("storage and block_tokens go into the layout dict")
-            d = self._c.ensure_model(d, pool_bytes)
-        return ModelInfo(**d)
+            return self._c.ensure_preset(name, preset, storage, pool_bytes, block_tokens)
+        d = dict(layout)
+        if name is not None:
+            d["name"] = name
+        if storage is not None or block_tokens:
+            raise InvalidArgumentError("storage and block_tokens go into the layout dict")
+        return self._c.ensure_model(d, pool_bytes)
 
     def list_models(self) -> list[ModelInfo]:
-        return [ModelInfo(**d) for d in self._c.list_models()]
+        return list(self._c.list_models())
 
     def get_model(self, name: str) -> ModelInfo:
-        return ModelInfo(**self._c.get_model(name))
+        return self._c.get_model(name)
 
     def drop_model(self, name: str) -> None:
         self._c.drop_model(name)
@@ -432,9 +350,9 @@ class Client:
         kinds = {"full": 0, "sliding_window": 1, "heavy_hitter": 2}
         if retention not in kinds:
             raise InvalidArgumentError(f"retention must be one of {', '.join(kinds)}")
-        return SequenceInfo(**self._c.create_sequence(
+        return self._c.create_sequence(
             model, lease_s, list(prompt), cache_salt, _extra_keys(extra_keys), priority,
-            kinds[retention], window, sinks, budget))
+            kinds[retention], window, sinks, budget)
 
     def append(self, model: str, seq_id: int, payload: Any = None, *, k: Any = None,
                v: Any = None, num_tokens: Optional[int] = None, layer_begin: int = 0,
@@ -460,7 +378,7 @@ class Client:
                                                              dtype, ids, kv_head_begin,
                                                              kv_head_end))
             if r is not None:
-                return SequenceInfo(**r)
+                return r
             payload = self._staged(payload)
         if k is not None and is_cuda(k):
             k = self._staged(k)
@@ -470,14 +388,12 @@ class Client:
             n = num_tokens if num_tokens is not None else _num_tokens_of(k)
             kb = _buffer(k, False)
             vb = _buffer(v, False) if v is not None else None
-            return SequenceInfo(**self._c.append_tensors(model, seq_id, kb, vb, n, layer_begin,
-                                                         layer_end, dtype, ids, kv_head_begin,
-                                                         kv_head_end))
+            return self._c.append_tensors(model, seq_id, kb, vb, n, layer_begin, layer_end,
+                                          dtype, ids, kv_head_begin, kv_head_end)
         if num_tokens is None:
             raise InvalidArgumentError("num_tokens is needed with a payload")
-        return SequenceInfo(**self._c.append(model, seq_id, _buffer(payload, False), num_tokens,
-                                             layer_begin, layer_end, dtype, ids, kv_head_begin,
-                                             kv_head_end))
+        return self._c.append(model, seq_id, _buffer(payload, False), num_tokens, layer_begin,
+                              layer_end, dtype, ids, kv_head_begin, kv_head_end)
 
     @overload
     def fetch(self, model: str, seq_id: int, *, token_begin: int = ...,
@@ -516,7 +432,7 @@ class Client:
                                    dtype, kv_head_begin, kv_head_end, wait_s)
         if as_bytes:
             return data.tobytes()
-        return data.view(numpy_dtype(meta["dtype"]))
+        return data.view(numpy_dtype(meta.dtype))
 
     def fetch_into(self, model: str, seq_id: int, out: Any, *, token_begin: int = 0,
                    token_end: Optional[int] = None, layer_begin: int = 0,
@@ -532,14 +448,14 @@ class Client:
                                                              layer_end, dtype, kv_head_begin,
                                                              kv_head_end), wait_s)
             if r is not None:
-                return FetchInfo(**r)
+                return r
             return self._into_device(out, lambda host: self.fetch_into(
                 model, seq_id, host, token_begin=token_begin, token_end=token_end,
                 layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
                 kv_head_begin=kv_head_begin, kv_head_end=kv_head_end, wait_s=wait_s))
-        return FetchInfo(**self._c.fetch_into(model, seq_id, _buffer(out, True), token_begin,
-                                              token_end, layer_begin, layer_end, dtype,
-                                              kv_head_begin, kv_head_end, wait_s))
+        return self._c.fetch_into(model, seq_id, _buffer(out, True), token_begin, token_end,
+                                  layer_begin, layer_end, dtype, kv_head_begin, kv_head_end,
+                                  wait_s)
 
     # ---- CUDA tensors through host memory --------------------------------------------------
 
@@ -589,20 +505,20 @@ class Client:
                               kv_head_end, wait_s)
 
     def fork(self, model: str, seq_id: int, *, lease_s: Optional[float] = None) -> SequenceInfo:
-        return SequenceInfo(**self._c.fork(model, seq_id, lease_s))
+        return self._c.fork(model, seq_id, lease_s)
 
     def truncate(self, model: str, seq_id: int, num_tokens: int) -> SequenceInfo:
-        return SequenceInfo(**self._c.truncate(model, seq_id, num_tokens))
+        return self._c.truncate(model, seq_id, num_tokens)
 
     def free(self, model: str, seq_id: int) -> int:
         """Frees a sequence; returns how many block references it dropped."""
         return self._c.free(model, seq_id)
 
     def renew_lease(self, model: str, seq_id: int) -> SequenceInfo:
-        return SequenceInfo(**self._c.renew_lease(model, seq_id))
+        return self._c.renew_lease(model, seq_id)
 
     def get_sequence(self, model: str, seq_id: int) -> SequenceInfo:
-        return SequenceInfo(**self._c.get_sequence(model, seq_id))
+        return self._c.get_sequence(model, seq_id)
 
     # ---- futures --------------------------------------------------------------------------
 
@@ -671,7 +587,7 @@ class Client:
         """The longest cached run of the leading `hashes`, full blocks in the payload layout."""
         meta, data = self._c.fetch_blocks(model, [bytes(h) for h in hashes], layer_begin,
                                           layer_end, dtype, kv_head_begin, kv_head_end)
-        return Blocks(FetchInfo(**meta), data.view(numpy_dtype(meta["dtype"])))
+        return Blocks(meta, data.view(numpy_dtype(meta.dtype)))
 
     def fetch_blocks_into(self, model: str, hashes: Sequence[bytes], out: Any, *,
                           layer_begin: int = 0, layer_end: Optional[int] = None,
@@ -685,13 +601,13 @@ class Client:
             r = self._device.fetch_blocks_into(out, model, hs, (layer_begin, layer_end, dtype,
                                                                kv_head_begin, kv_head_end))
             if r is not None:
-                return FetchInfo(**r)
+                return r
             return self._into_device(out, lambda host: self.fetch_blocks_into(
                 model, hs, host, layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
                 kv_head_begin=kv_head_begin, kv_head_end=kv_head_end))
-        return FetchInfo(**self._c.fetch_blocks_into(model, [bytes(h) for h in hashes],
-                                                     _buffer(out, True), layer_begin, layer_end,
-                                                     dtype, kv_head_begin, kv_head_end))
+        return self._c.fetch_blocks_into(model, [bytes(h) for h in hashes], _buffer(out, True),
+                                         layer_begin, layer_end, dtype, kv_head_begin,
+                                         kv_head_end)
 
     def pin(self, model: str, *, tokens: Sequence[int] = (), hashes: Sequence[bytes] = (),
             cache_salt: str = "", extra_keys: ExtraKeys = (), pin: bool = True) -> int:
@@ -701,7 +617,7 @@ class Client:
                            _extra_keys(extra_keys), pin)
 
     def get_prefix_root(self, model: str, cache_salt: str = "") -> PrefixRoot:
-        return PrefixRoot(**self._c.get_prefix_root(model, cache_salt))
+        return self._c.get_prefix_root(model, cache_salt)
 
     def watch(self, model: str, *, after_sequence: Optional[int] = None,
               deadline_s: float = 60.0) -> Iterator[Event]:
@@ -715,9 +631,9 @@ class Client:
         end = time.monotonic() + deadline_s
         after = after_sequence or 0
         from_now = after_sequence is None
-        got: list[tuple[list[dict[str, Any]], int]] = []  # the batch of the current stream
+        got: list[tuple[list[Event], int]] = []  # the batch of the current stream
 
-        def on_batch(events: list[dict[str, Any]], last: int) -> bool:
+        def on_batch(events: list[Event], last: int) -> bool:
             got.append((events, last))
             return False
 
@@ -736,8 +652,7 @@ class Client:
                 return  # the server ended the stream
             events, last = got[0]
             after, from_now = last, False
-            for event in events:
-                yield Event(**event)
+            yield from events
 
     # ---- attention ------------------------------------------------------------------------
 

@@ -179,8 +179,7 @@ class DeviceRouter:
             if rid is not None:
                 self._regions.move_to_end(handle)
                 return rid, ptr - base
-        r = self._c.register_device_region(handle, 0, size)
-        rid = r["region_id"]
+        rid = self._c.register_device_region(handle, 0, size).region_id
         dropped = []
         with self._lock:
             if handle in self._regions:  # another thread registered it meanwhile: use theirs
@@ -241,8 +240,8 @@ class DeviceRouter:
                 # cannot be shared, no communicator could be formed): the next one.
                 self._drop(plane, e)
                 continue
-            self._count(plane, int(r.get("payload_bytes", nbytes)) if isinstance(r, dict)
-                        else nbytes)
+            # A fetch counts what arrived (FetchInfo.payload_bytes), an append what it sent.
+            self._count(plane, int(getattr(r, "payload_bytes", nbytes)))
             return r
 
     def _connect_nccl(self, device: int) -> None:
@@ -254,7 +253,7 @@ class DeviceRouter:
             self._nccl_device = device
 
     def append(self, tensor: Any, model: str, seq_id: int, args: tuple[Any, ...]) -> Optional[Any]:
-        """append's payload in CUDA memory: the SequenceInfo dict, or None for the host path.
+        """append's payload in CUDA memory: the SequenceInfo, or None for the host path.
         args: (num_tokens, layer_begin, layer_end, dtype, token_ids, kv_head_begin,
         kv_head_end)."""
         return self._try(
@@ -264,7 +263,7 @@ class DeviceRouter:
 
     def fetch_into(self, out: Any, model: str, seq_id: int, args: tuple[Any, ...],
                    wait_s: float) -> Optional[Any]:
-        """fetch_into a CUDA tensor: the FetchInfo dict, or None for the host path.
+        """fetch_into a CUDA tensor: the FetchInfo, or None for the host path.
         args: (token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
         kv_head_end)."""
         if wait_s > 0 and self.plane_for(cuda_span(out)[0]) == "nccl":
@@ -278,7 +277,7 @@ class DeviceRouter:
     def fetch_blocks_into(self, out: Any, model: str, hashes: Any,
                           args: tuple[Any, ...]) -> Optional[Any]:
         """fetch_blocks_into a CUDA tensor (CUDA IPC only; NCCL has no block fetch): the
-        FetchInfo dict, or None for the host path. args: (layer_begin, layer_end, dtype,
+        FetchInfo, or None for the host path. args: (layer_begin, layer_end, dtype,
         kv_head_begin, kv_head_end)."""
         if self.plane_for(cuda_span(out)[0]) != "cuda_ipc":
             return None

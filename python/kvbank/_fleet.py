@@ -7,19 +7,11 @@ is gone (never silently elsewhere).
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from . import _kvbank
 from ._client import (
-    Blocks,
-    Event,
     ExtraKeys,
-    FetchInfo,
-    Layout,
-    ModelInfo,
-    PrefixRoot,
-    SequenceInfo,
     _buffer,
     _extra_keys,
     _num_tokens_of,
@@ -27,23 +19,17 @@ from ._client import (
     numpy_dtype,
 )
 from ._errors import InvalidArgumentError
-
-
-@dataclass(frozen=True)
-class FleetSequence:
-    """A sequence and the replica that holds it (a plain value: copy it, keep it, pass it)."""
-    replica: str
-    model: str
-    id: int
-    info: SequenceInfo
-
-
-@dataclass(frozen=True)
-class Replica:
-    name: str      # kvbankd's --replica-name (its host name by default), or its address
-    address: str   # host:port
-    healthy: bool  # takes new placements
-    reason: str    # why not healthy (the last error)
+from ._types import (
+    Blocks,
+    Event,
+    FetchInfo,
+    FleetSequence,
+    Layout,
+    ModelInfo,
+    PrefixRoot,
+    Replica,
+    SequenceInfo,
+)
 
 
 def _query(q: Any, cache_salt: str, extra_keys: ExtraKeys) -> tuple:
@@ -84,15 +70,11 @@ class Fleet:
         self._f = _kvbank.Fleet(target, token or "", deadline_s, stream_deadline_s,
                                 probe_interval_s, resolve_interval_s, probe_deadline_s)
 
-    def _seq(self, replica_and_info: tuple) -> FleetSequence:
-        replica, info = replica_and_info
-        return FleetSequence(replica, info["model"], info["id"], SequenceInfo(**info))
-
     # ---- membership -----------------------------------------------------------------------
 
     def replicas(self) -> list[Replica]:
         """Every replica that joined, sorted by name."""
-        return [Replica(**r) for r in self._f.replicas()]
+        return list(self._f.replicas())
 
     def refresh(self) -> None:
         """Resolves the target and checks every replica now (the fleet does it periodically)."""
@@ -120,14 +102,13 @@ class Fleet:
         if layout is None:
             if not name:
                 raise InvalidArgumentError("a preset model needs a name")
-            return ModelInfo(**self._f.ensure_preset(name, preset, storage, pool_bytes,
-                                                     block_tokens))
+            return self._f.ensure_preset(name, preset, storage, pool_bytes, block_tokens)
         d = dict(layout)
         if name is not None:
             d["name"] = name
         if storage is not None or block_tokens:
             raise InvalidArgumentError("storage and block_tokens go into the layout dict")
-        return ModelInfo(**self._f.ensure_model(normalize_layout(d), pool_bytes))
+        return self._f.ensure_model(normalize_layout(d), pool_bytes)
 
     # ---- sequences ------------------------------------------------------------------------
 
@@ -140,9 +121,9 @@ class Fleet:
         kinds = {"full": 0, "sliding_window": 1, "heavy_hitter": 2}
         if retention not in kinds:
             raise InvalidArgumentError(f"retention must be one of {', '.join(kinds)}")
-        return self._seq(self._f.create_sequence(model, lease_s, list(prompt), cache_salt,
-                                                 _extra_keys(extra_keys), priority,
-                                                 kinds[retention], window, sinks, budget))
+        return self._f.create_sequence(model, lease_s, list(prompt), cache_salt,
+                                       _extra_keys(extra_keys), priority, kinds[retention],
+                                       window, sinks, budget)
 
     def append(self, seq: FleetSequence, payload: Any = None, *, k: Any = None, v: Any = None,
                num_tokens: Optional[int] = None, layer_begin: int = 0,
@@ -162,39 +143,38 @@ class Fleet:
         if k is not None:
             # v None with k: an MLA model's K only, through the typed path.
             vb = _buffer(v, False) if v is not None else b""
-            return SequenceInfo(**self._f.append(seq.replica, seq.model, seq.id,
-                                                 _buffer(k, False), vb, args))
-        return SequenceInfo(**self._f.append(seq.replica, seq.model, seq.id,
-                                             _buffer(payload, False), None, args))
+            return self._f.append(seq.replica, seq.model, seq.id, _buffer(k, False), vb, args)
+        return self._f.append(seq.replica, seq.model, seq.id, _buffer(payload, False), None,
+                              args)
 
     def fetch(self, seq: FleetSequence, *, as_bytes: bool = False, **kwargs: Any) -> Any:
         """As Client.fetch (same keyword arguments), from seq's replica."""
         meta, data = self._f.fetch(seq.replica, seq.model, seq.id, _fetch_args(**kwargs))
         if as_bytes:
             return data.tobytes()
-        return data.view(numpy_dtype(meta["dtype"]))
+        return data.view(numpy_dtype(meta.dtype))
 
     def fetch_into(self, seq: FleetSequence, out: Any, **kwargs: Any) -> FetchInfo:
         """As Client.fetch_into, from seq's replica."""
-        return FetchInfo(**self._f.fetch_into(seq.replica, seq.model, seq.id, _buffer(out, True),
-                                              _fetch_args(**kwargs)))
+        return self._f.fetch_into(seq.replica, seq.model, seq.id, _buffer(out, True),
+                                  _fetch_args(**kwargs))
 
     def fork(self, seq: FleetSequence, *, lease_s: Optional[float] = None) -> FleetSequence:
         """A fork on seq's replica (it shares seq's blocks)."""
-        return self._seq(self._f.fork(seq.replica, seq.model, seq.id, lease_s))
+        return self._f.fork(seq.replica, seq.model, seq.id, lease_s)
 
     def truncate(self, seq: FleetSequence, num_tokens: int) -> SequenceInfo:
-        return SequenceInfo(**self._f.truncate(seq.replica, seq.model, seq.id, num_tokens))
+        return self._f.truncate(seq.replica, seq.model, seq.id, num_tokens)
 
     def free(self, seq: FleetSequence) -> int:
         """Frees the sequence; returns how many block references it dropped."""
         return self._f.free(seq.replica, seq.model, seq.id)
 
     def renew_lease(self, seq: FleetSequence) -> SequenceInfo:
-        return SequenceInfo(**self._f.renew_lease(seq.replica, seq.model, seq.id))
+        return self._f.renew_lease(seq.replica, seq.model, seq.id)
 
     def get_sequence(self, seq: FleetSequence) -> SequenceInfo:
-        return SequenceInfo(**self._f.get_sequence(seq.replica, seq.model, seq.id))
+        return self._f.get_sequence(seq.replica, seq.model, seq.id)
 
     # ---- prefix cache ---------------------------------------------------------------------
 
@@ -206,16 +186,16 @@ class Fleet:
     def get_prefix_root(self, model: str, cache_salt: str = "") -> PrefixRoot:
         """GetPrefixRoot, answered by the replica the root is placed on (every replica agrees:
         the fleet checks it)."""
-        return PrefixRoot(**self._f.prefix_root(model, cache_salt, True))
+        return self._f.prefix_root(model, cache_salt, True)
 
     def prefix_root(self, model: str, cache_salt: str = "") -> PrefixRoot:
         """The root computed here from what every replica agreed on (no call per salt)."""
-        return PrefixRoot(**self._f.prefix_root(model, cache_salt, False))
+        return self._f.prefix_root(model, cache_salt, False)
 
     def fetch_blocks(self, model: str, hashes: Sequence[bytes], **kwargs: Any) -> Blocks:
         """As Client.fetch_blocks, from the replica the first hash is placed on."""
         meta, data = self._f.fetch_blocks(model, [bytes(h) for h in hashes], _fetch_args(**kwargs))
-        return Blocks(FetchInfo(**meta), data.view(numpy_dtype(meta["dtype"])))
+        return Blocks(meta, data.view(numpy_dtype(meta.dtype)))
 
     def pin(self, model: str, *, tokens: Sequence[int] = (), hashes: Sequence[bytes] = (),
             cache_salt: str = "", extra_keys: ExtraKeys = (), pin: bool = True) -> int:
@@ -232,5 +212,4 @@ class Fleet:
         it (its stream broke or it left the fleet); its events start again from now when it is
         back. A KV-aware router keys its index by (replica, block hash)."""
         return self._f.watch(model, from_now, deadline_s,
-                             lambda replica, events: bool(on_batch(replica,
-                                                                   [Event(**e) for e in events])))
+                             lambda replica, events: bool(on_batch(replica, events)))

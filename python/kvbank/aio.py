@@ -18,12 +18,11 @@ from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 
 import numpy as np
 
-from ._client import (
+from ._client import Client, ExtraKeys
+from ._types import (
     Blocks,
-    Client,
     DeviceRegion,
     Event,
-    ExtraKeys,
     FetchInfo,
     Layout,
     ModelInfo,

@@ -19,8 +19,9 @@ torch and transformers are imported when used; the rest of kvbank does not need 
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from ._client import Client, SequenceInfo
+from ._client import Client
 from ._errors import InvalidArgumentError
+from ._types import SequenceInfo
 
 _TORCH_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 

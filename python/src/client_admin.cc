@@ -43,7 +43,7 @@ void BindAdmin(py::class_<PyClient>& c) {
           "ensure_model",
           [](PyClient& self, const py::dict& layout, uint64_t pool_bytes) {
             const ModelLayout m = LayoutFromDict(layout);
-            return ModelInfoToDict(
+            return FromModelInfo(
                 CallWithoutGil([&] { return self.c().EnsureModel(m, pool_bytes); }));
           },
           py::arg("layout"), py::arg("pool_bytes") = 0)
@@ -53,7 +53,7 @@ void BindAdmin(py::class_<PyClient>& c) {
              const std::optional<std::string>& storage, uint64_t pool_bytes,
              uint32_t block_tokens) {
             const std::optional<DType> st = ToDType(storage);
-            return ModelInfoToDict(CallWithoutGil(
+            return FromModelInfo(CallWithoutGil(
                 [&] { return self.c().EnsurePreset(name, preset, st, pool_bytes, block_tokens); }));
           },
           py::arg("name"), py::arg("preset"), py::arg("storage") = py::none(),
@@ -66,13 +66,13 @@ void BindAdmin(py::class_<PyClient>& c) {
            [](PyClient& self) {
              py::list out;
              for (const auto& i : CallWithoutGil([&] { return self.c().ListModels(); })) {
-               out.append(ModelInfoToDict(i));
+               out.append(FromModelInfo(i));
              }
              return out;
            })
       .def("get_model",
            [](PyClient& self, const std::string& name) {
-             return ModelInfoToDict(CallWithoutGil([&] { return self.c().GetModel(name); }));
+             return FromModelInfo(CallWithoutGil([&] { return self.c().GetModel(name); }));
            })
       .def(
           "stats",

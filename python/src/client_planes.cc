@@ -82,7 +82,7 @@ void BindDevicePlanes(py::class_<PyClient>& c) {
                absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(h.data()), h.size()), offset,
                size);
          });
-         return DeviceRegionToDict(r);
+         return FromDeviceRegion(r);
        },
        py::arg("handle"), py::arg("offset"), py::arg("size"))
       .def("unregister_device_region",
@@ -100,7 +100,7 @@ void BindDevicePlanes(py::class_<PyClient>& c) {
                 MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
                                kv_head_begin, kv_head_end);
             const RegionSlice slice{region_id, offset, length};
-            return SequenceToDict(
+            return FromSequenceInfo(
                 CallWithoutGil([&] { return self.c().AppendFromDevice(model, id, a, slice); }));
           },
           py::arg("model"), py::arg("id"), py::arg("region_id"), py::arg("offset"),
@@ -119,7 +119,7 @@ void BindDevicePlanes(py::class_<PyClient>& c) {
                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
                               kv_head_end, wait_s);
             const RegionSlice slice{region_id, offset, length};
-            return FetchToDict(
+            return FromFetchResult(
                 CallWithoutGil([&] { return self.c().FetchToDevice(model, id, a, slice); }));
           },
           py::arg("model"), py::arg("id"), py::arg("region_id"), py::arg("offset"),
@@ -137,7 +137,7 @@ void BindDevicePlanes(py::class_<PyClient>& c) {
             const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
                                                       dtype, kv_head_begin, kv_head_end);
             const RegionSlice slice{region_id, offset, length};
-            return FetchToDict(
+            return FromFetchResult(
                 CallWithoutGil([&] { return self.c().FetchBlocksToDevice(model, hs, a, slice); }));
           },
           py::arg("model"), py::arg("hashes"), py::arg("region_id"), py::arg("offset"),
@@ -164,7 +164,7 @@ void BindDevicePlanes(py::class_<PyClient>& c) {
             const Client::AppendArgs a =
                 MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
                                kv_head_begin, kv_head_end);
-            return SequenceToDict(CallWithoutGil([&] {
+            return FromSequenceInfo(CallWithoutGil([&] {
               return self.c().AppendOverNccl(model, id, a, reinterpret_cast<const void*>(ptr),
                                              nbytes);
             }));
@@ -183,7 +183,7 @@ void BindDevicePlanes(py::class_<PyClient>& c) {
             const Client::FetchArgs a =
                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
                               kv_head_end, /*wait_s=*/0.0);
-            return FetchToDict(CallWithoutGil([&] {
+            return FromFetchResult(CallWithoutGil([&] {
               return self.c().FetchOverNccl(model, id, a, reinterpret_cast<void*>(ptr), capacity);
             }));
           },

@@ -57,7 +57,7 @@ void BindPrefix(py::class_<PyClient>& c) {
                                                       dtype, kv_head_begin, kv_head_end);
             Client::FetchResult r =
                 CallWithoutGil([&] { return self.c().FetchBlocks(model, hs, a); });
-            py::dict meta = FetchToDict(r);
+            py::object meta = FromFetchResult(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
           py::arg("model"), py::arg("hashes"), py::arg("layer_begin") = 0,
@@ -74,7 +74,7 @@ void BindPrefix(py::class_<PyClient>& c) {
                                                       dtype, kv_head_begin, kv_head_end);
             BufferView view(out, /*writable=*/true);
             const absl::Span<uint8_t> bytes = view.span();
-            return FetchToDict(
+            return FromFetchResult(
                 CallWithoutGil([&] { return self.planes().FetchBlocksInto(model, hs, a, bytes); }));
           },
           py::arg("model"), py::arg("hashes"), py::arg("out"), py::arg("layer_begin") = 0,
@@ -96,12 +96,12 @@ void BindPrefix(py::class_<PyClient>& c) {
           [](PyClient& self, const std::string& model, const std::string& cache_salt) {
             const auto r =
                 CallWithoutGil([&] { return self.c().GetPrefixRoot(model, cache_salt); });
-            return PrefixRootToDict(r);
+            return FromPrefixRoot(r);
           },
           py::arg("model"), py::arg("cache_salt") = "")
       .def(
           "watch",
-          // on_batch(events: list[dict], last_sequence: int) -> bool runs on the calling thread
+          // on_batch(events: list[Event], last_sequence: int) -> bool runs on the calling thread
           // with the GIL held; the stream reads with it released.
           [](PyClient& self, const std::string& model, uint64_t after_sequence, bool from_now,
              double deadline_s, const py::function& on_batch) {
@@ -115,7 +115,7 @@ void BindPrefix(py::class_<PyClient>& c) {
                                    py::gil_scoped_acquire acquire;
                                    try {
                                      py::list batch;
-                                     for (const auto& e : events) batch.append(EventToDict(e));
+                                     for (const auto& e : events) batch.append(FromEvent(e));
                                      return on_batch(batch, last).cast<bool>();
                                    } catch (py::error_already_set& e) {
                                      callback_error.emplace(std::move(e));

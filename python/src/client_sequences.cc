@@ -33,7 +33,7 @@ void BindSequences(py::class_<PyClient>& c) {
          const Client::CreateArgs a =
              MakeCreateArgs(lease_s, std::move(prompt), std::move(cache_salt), extra_keys, priority,
                             retention_kind, window, sinks, budget);
-         return SequenceToDict(CallWithoutGil([&] { return self.c().CreateSequence(model, a); }));
+         return FromSequenceInfo(CallWithoutGil([&] { return self.c().CreateSequence(model, a); }));
        },
        py::arg("model"), py::arg("lease_s") = py::none(),
        py::arg("prompt") = std::vector<uint32_t>{}, py::arg("cache_salt") = "",
@@ -44,24 +44,26 @@ void BindSequences(py::class_<PyClient>& c) {
           "fork",
           [](PyClient& self, const std::string& model, uint64_t id, std::optional<double> lease_s) {
             const auto lease = ToDuration(lease_s);
-            return SequenceToDict(CallWithoutGil([&] { return self.c().Fork(model, id, lease); }));
+            return FromSequenceInfo(
+                CallWithoutGil([&] { return self.c().Fork(model, id, lease); }));
           },
           py::arg("model"), py::arg("id"), py::arg("lease_s") = py::none())
       .def("truncate",
            [](PyClient& self, const std::string& model, uint64_t id, uint64_t num_tokens) {
-             return SequenceToDict(
+             return FromSequenceInfo(
                  CallWithoutGil([&] { return self.c().Truncate(model, id, num_tokens); }));
            })
       .def("free",
            [](PyClient& self, const std::string& model, uint64_t id) {
              return CallWithoutGil([&] { return self.c().Free(model, id); });
            })
-      .def("renew_lease",
-           [](PyClient& self, const std::string& model, uint64_t id) {
-             return SequenceToDict(CallWithoutGil([&] { return self.c().RenewLease(model, id); }));
-           })
+      .def(
+          "renew_lease",
+          [](PyClient& self, const std::string& model, uint64_t id) {
+            return FromSequenceInfo(CallWithoutGil([&] { return self.c().RenewLease(model, id); }));
+          })
       .def("get_sequence", [](PyClient& self, const std::string& model, uint64_t id) {
-        return SequenceToDict(CallWithoutGil([&] { return self.c().GetSequence(model, id); }));
+        return FromSequenceInfo(CallWithoutGil([&] { return self.c().GetSequence(model, id); }));
       });
 }
 

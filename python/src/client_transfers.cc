@@ -35,7 +35,7 @@ void BindTransfers(py::class_<PyClient>& c) {
                             kv_head_begin, kv_head_end);
          BufferView view(payload, /*writable=*/false);
          const absl::Span<const uint8_t> bytes = view.span();
-         return SequenceToDict(
+         return FromSequenceInfo(
              CallWithoutGil([&] { return self.planes().Append(model, id, a, bytes); }));
        },
        py::arg("model"), py::arg("id"), py::arg("payload"), py::arg("num_tokens"),
@@ -60,7 +60,7 @@ void BindTransfers(py::class_<PyClient>& c) {
               vbytes = vview->span();
             }
             const absl::Span<const uint8_t> kbytes = kview.span();
-            return SequenceToDict(CallWithoutGil(
+            return FromSequenceInfo(CallWithoutGil(
                 [&] { return self.c().AppendTensors(model, id, a, kbytes, vbytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("k"), py::arg("v"), py::arg("num_tokens"),
@@ -77,7 +77,7 @@ void BindTransfers(py::class_<PyClient>& c) {
                 MakeFetchArgs(token_begin, token_end, layer_begin, layer_end, dtype, kv_head_begin,
                               kv_head_end, wait_s);
             Client::FetchResult r = CallWithoutGil([&] { return self.c().Fetch(model, id, a); });
-            py::dict meta = FetchToDict(r);
+            py::object meta = FromFetchResult(r);
             return py::make_tuple(meta, ToArray(std::move(r.payload)));
           },
           py::arg("model"), py::arg("id"), py::arg("token_begin") = 0,
@@ -96,7 +96,7 @@ void BindTransfers(py::class_<PyClient>& c) {
                               kv_head_end, wait_s);
             BufferView view(out, /*writable=*/true);
             const absl::Span<uint8_t> bytes = view.span();
-            return FetchToDict(
+            return FromFetchResult(
                 CallWithoutGil([&] { return self.planes().FetchInto(model, id, a, bytes); }));
           },
           py::arg("model"), py::arg("id"), py::arg("out"), py::arg("token_begin") = 0,

@@ -204,46 +204,109 @@ ModelLayout LayoutFromDict(const py::dict& d) {
 
 // ---- results --------------------------------------------------------------------------------
 
-py::dict ModelInfoToDict(const Client::ModelInfo& i) {
-  py::dict d;
-  d["name"] = i.layout.name;
-  d["layout"] = LayoutToDict(i.layout);
-  d["fingerprint"] = i.fingerprint;
-  d["block_bytes"] = i.block_bytes;
-  d["num_blocks"] = i.num_blocks;
-  d["pool_bytes"] = i.pool_bytes;
-  d["payload_bytes_per_token"] = i.payload_bytes_per_token;
-  d["device"] = i.device;
-  d["max_sequences"] = i.max_sequences;
-  d["max_tokens_per_sequence"] = i.max_tokens_per_sequence;
-  d["created"] = i.created;
-  return d;
+namespace {
+
+// The result classes of kvbank/_types.py.
+struct ResultTypes {
+  py::object model_info, sequence_info, fetch_info, event, prefix_root, device_region, replica,
+      fleet_sequence;
+};
+
+// Written once, under the GIL; never freed: a py::object released by a static destructor would
+// outlive the interpreter.
+const ResultTypes* result_types = nullptr;
+
+// REQUIRES: the GIL held.
+const ResultTypes& Types() {
+  if (result_types == nullptr) {
+    // NOTE: the import may let other threads take the GIL (they may look the classes up too),
+    // which is why no once-flag or static local guards this: a thread waiting on one while
+    // holding the GIL would deadlock the importer. The loser's lookup is dropped.
+    const py::module_ m = py::module_::import("kvbank._types");
+    auto* t = new ResultTypes{m.attr("ModelInfo"), m.attr("SequenceInfo"), m.attr("FetchInfo"),
+                              m.attr("Event"),     m.attr("PrefixRoot"),   m.attr("DeviceRegion"),
+                              m.attr("Replica"),   m.attr("FleetSequence")};
+    if (result_types == nullptr) {
+      result_types = t;
+    } else {
+      delete t;
+    }
+  }
+  return *result_types;
 }
 
-py::dict SequenceToDict(const Client::SequenceInfo& s) {
-  py::dict d;
-  d["model"] = s.model;
-  d["id"] = s.id;
-  d["length"] = s.length;
-  d["layer_lengths"] = s.layer_lengths;
-  d["num_blocks"] = s.num_blocks;
-  d["cached_tokens"] = s.cached_tokens;
-  d["lease_ttl_s"] = absl::ToDoubleSeconds(s.lease_ttl);
-  d["compactions"] = s.compactions;
-  return d;
+const char* EventTypeName(Client::Event::Type t) {
+  switch (t) {
+    case Client::Event::Type::kStored:
+      return "stored";
+    case Client::Event::Type::kRemoved:
+      return "removed";
+    case Client::Event::Type::kAllCleared:
+      return "all_cleared";
+  }
+  return "unknown";
 }
 
-py::dict FetchToDict(const Client::FetchResult& r) {
-  py::dict d;
-  d["token_begin"] = r.token_begin;
-  d["num_tokens"] = r.num_tokens;
-  d["layer_begin"] = r.layer_begin;
-  d["layer_end"] = r.layer_end;
-  d["kv_head_begin"] = r.kv_head_begin;
-  d["kv_head_end"] = r.kv_head_end;
-  d["dtype"] = DTypeName(r.dtype);
-  d["payload_bytes"] = r.payload_bytes;
-  return d;
+}  // namespace
+
+py::object FromModelInfo(const Client::ModelInfo& i) {
+  return Types().model_info(
+      py::arg("name") = i.layout.name, py::arg("layout") = LayoutToDict(i.layout),
+      py::arg("fingerprint") = i.fingerprint, py::arg("block_bytes") = i.block_bytes,
+      py::arg("num_blocks") = i.num_blocks, py::arg("pool_bytes") = i.pool_bytes,
+      py::arg("payload_bytes_per_token") = i.payload_bytes_per_token, py::arg("device") = i.device,
+      py::arg("max_sequences") = i.max_sequences,
+      py::arg("max_tokens_per_sequence") = i.max_tokens_per_sequence,
+      py::arg("created") = i.created);
+}
+
+py::object FromSequenceInfo(const Client::SequenceInfo& s) {
+  return Types().sequence_info(
+      py::arg("model") = s.model, py::arg("id") = s.id, py::arg("length") = s.length,
+      py::arg("layer_lengths") = s.layer_lengths, py::arg("num_blocks") = s.num_blocks,
+      py::arg("cached_tokens") = s.cached_tokens,
+      py::arg("lease_ttl_s") = absl::ToDoubleSeconds(s.lease_ttl),
+      py::arg("compactions") = s.compactions);
+}
+
+py::object FromFetchResult(const Client::FetchResult& r) {
+  return Types().fetch_info(
+      py::arg("token_begin") = r.token_begin, py::arg("num_tokens") = r.num_tokens,
+      py::arg("layer_begin") = r.layer_begin, py::arg("layer_end") = r.layer_end,
+      py::arg("kv_head_begin") = r.kv_head_begin, py::arg("kv_head_end") = r.kv_head_end,
+      py::arg("dtype") = DTypeName(r.dtype), py::arg("payload_bytes") = r.payload_bytes);
+}
+
+py::object FromEvent(const Client::Event& e) {
+  return Types().event(py::arg("type") = EventTypeName(e.type), py::arg("sequence") = e.sequence,
+                       py::arg("tenant") = e.tenant, py::arg("hashes") = FromHashes(e.hashes),
+                       py::arg("parent") = e.parent.has_value() ? py::object(FromHash(*e.parent))
+                                                                : py::object(py::none()),
+                       py::arg("token_ids") = e.token_ids, py::arg("block_size") = e.block_size,
+                       py::arg("lora") = e.lora);
+}
+
+py::object FromPrefixRoot(const Client::PrefixRootInfo& r) {
+  return Types().prefix_root(
+      py::arg("root") = FromHash(r.root), py::arg("algorithm") = HashAlgorithmName(r.algorithm),
+      py::arg("block_tokens") = r.block_tokens,
+      py::arg("layout_fingerprint") = r.layout_fingerprint, py::arg("tenant") = r.tenant);
+}
+
+py::object FromDeviceRegion(const Client::DeviceRegion& r) {
+  return Types().device_region(py::arg("region_id") = r.region_id, py::arg("size") = r.size,
+                               py::arg("device") = r.device);
+}
+
+py::object FromReplica(const Fleet::Replica& r) {
+  return Types().replica(py::arg("name") = r.name, py::arg("address") = r.address,
+                         py::arg("healthy") = r.healthy, py::arg("reason") = r.reason);
+}
+
+py::object FromFleetSequence(const Fleet::Sequence& s) {
+  return Types().fleet_sequence(py::arg("replica") = s.replica, py::arg("model") = s.info.model,
+                                py::arg("id") = s.info.id,
+                                py::arg("info") = FromSequenceInfo(s.info));
 }
 
 py::dict StatsToDict(const Client::ModelStats& s) {
@@ -292,60 +355,6 @@ py::dict StatsToDict(const Client::ModelStats& s) {
   d["tenants"] = tenants;
   d["tenant_view"] = s.tenant_view;
   return d;
-}
-
-py::dict EventToDict(const Client::Event& e) {
-  py::dict d;
-  switch (e.type) {
-    case Client::Event::Type::kStored:
-      d["type"] = "stored";
-      break;
-    case Client::Event::Type::kRemoved:
-      d["type"] = "removed";
-      break;
-    case Client::Event::Type::kAllCleared:
-      d["type"] = "all_cleared";
-      break;
-  }
-  d["sequence"] = e.sequence;
-  d["tenant"] = e.tenant;
-  d["hashes"] = FromHashes(e.hashes);
-  d["parent"] = e.parent.has_value() ? py::object(FromHash(*e.parent)) : py::object(py::none());
-  d["token_ids"] = e.token_ids;
-  d["block_size"] = e.block_size;
-  d["lora"] = e.lora;
-  return d;
-}
-
-py::dict PrefixRootToDict(const Client::PrefixRootInfo& r) {
-  py::dict d;
-  d["root"] = FromHash(r.root);
-  d["algorithm"] = HashAlgorithmName(r.algorithm);
-  d["block_tokens"] = r.block_tokens;
-  d["layout_fingerprint"] = r.layout_fingerprint;
-  d["tenant"] = r.tenant;
-  return d;
-}
-
-py::dict DeviceRegionToDict(const Client::DeviceRegion& r) {
-  py::dict d;
-  d["region_id"] = r.region_id;
-  d["size"] = r.size;
-  d["device"] = r.device;
-  return d;
-}
-
-py::dict ReplicaToDict(const Fleet::Replica& r) {
-  py::dict d;
-  d["name"] = r.name;
-  d["address"] = r.address;
-  d["healthy"] = r.healthy;
-  d["reason"] = r.reason;
-  return d;
-}
-
-py::tuple FleetSequenceToTuple(const Fleet::Sequence& s) {
-  return py::make_tuple(s.replica, SequenceToDict(s.info));
 }
 
 // ---- arguments ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // kvbank._kvbank's converters: C++ SDK values (kvbank/client.h, kvbank/fleet.h, kvbank/layout.h,
 // kvbank/prefix_hash.h) to and from the Python values the bindings in module.cc, client_*.cc
 // and fleet.cc take and return. One copy of each rule, so that the Client and the Fleet read a
-// layout, a dtype name or a fetch range alike and hand back the same dicts.
+// layout, a dtype name or a fetch range alike and hand back the same values.
 //
 // Errors: bad input and failed calls raise through RaiseStatus, which throws a C++ exception that
 // the translator RegisterStatusTranslator installs turns into kvbank.Error's subclass for the
@@ -125,16 +125,20 @@ ModelLayout LayoutFromDict(const pybind11::dict& d);
 
 // ---- results --------------------------------------------------------------------------------
 
-pybind11::dict ModelInfoToDict(const Client::ModelInfo& i);  // "layout" is LayoutToDict's
-pybind11::dict SequenceToDict(const Client::SequenceInfo& s);
-pybind11::dict FetchToDict(const Client::FetchResult& r);  // the metadata; not the payload
+// Instances of the result dataclasses of kvbank/_types.py, built here with one keyword argument
+// per field (a field named differently there raises TypeError at the first call), so the
+// wrappers return them as they are. The classes are looked up at the first call, not at import:
+// kvbank._types imports this module.
+pybind11::object FromModelInfo(const Client::ModelInfo& i);  // layout: LayoutToDict's dict
+pybind11::object FromSequenceInfo(const Client::SequenceInfo& s);
+pybind11::object FromFetchResult(const Client::FetchResult& r);  // FetchInfo: not the payload
+pybind11::object FromEvent(const Client::Event& e);  // type: stored, removed or all_cleared
+pybind11::object FromPrefixRoot(const Client::PrefixRootInfo& r);
+pybind11::object FromDeviceRegion(const Client::DeviceRegion& r);
+pybind11::object FromReplica(const Fleet::Replica& r);
+pybind11::object FromFleetSequence(const Fleet::Sequence& s);  // its info a SequenceInfo
+// Client.stats's documented dicts (per-tenant rows under "tenants", dicts too).
 pybind11::dict StatsToDict(const Client::ModelStats& s);
-pybind11::dict EventToDict(const Client::Event& e);  // "type": stored, removed or all_cleared
-pybind11::dict PrefixRootToDict(const Client::PrefixRootInfo& r);
-pybind11::dict DeviceRegionToDict(const Client::DeviceRegion& r);
-pybind11::dict ReplicaToDict(const Fleet::Replica& r);
-// (replica, SequenceToDict(info)): what kvbank/_fleet.py makes a FleetSequence of.
-pybind11::tuple FleetSequenceToTuple(const Fleet::Sequence& s);
 
 // ---- arguments ------------------------------------------------------------------------------
 

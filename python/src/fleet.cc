@@ -77,20 +77,20 @@ void BindFleet(py::module_& m) {
       .def("replicas",
            [](PyFleet& self) {
              py::list out;
-             for (const auto& r : self.f().Replicas()) out.append(ReplicaToDict(r));
+             for (const auto& r : self.f().Replicas()) out.append(FromReplica(r));
              return out;
            })
       .def("ensure_model",
            [](PyFleet& self, const py::dict& layout, uint64_t pool_bytes) {
              const ModelLayout l = LayoutFromDict(layout);
-             return ModelInfoToDict(
+             return FromModelInfo(
                  CallWithoutGil([&] { return self.f().EnsureModel(l, pool_bytes); }));
            })
       .def("ensure_preset",
            [](PyFleet& self, S name, S preset, const std::optional<std::string>& storage,
               uint64_t pool_bytes, uint32_t block_tokens) {
              const auto st = ToDType(storage);
-             return ModelInfoToDict(CallWithoutGil([&] {
+             return FromModelInfo(CallWithoutGil([&] {
                return self.f().EnsurePreset(name, preset, st, pool_bytes, block_tokens);
              }));
            })
@@ -112,7 +112,7 @@ void BindFleet(py::module_& m) {
                return routed ? self.f().GetPrefixRoot(model, cache_salt)
                              : self.f().PrefixRoot(model, cache_salt);
              });
-             return PrefixRootToDict(r);
+             return FromPrefixRoot(r);
            })
       .def("create_sequence",
            [](PyFleet& self, S model, std::optional<double> lease_s, std::vector<uint32_t> prompt,
@@ -123,7 +123,7 @@ void BindFleet(py::module_& m) {
              const Client::CreateArgs a =
                  MakeCreateArgs(lease_s, std::move(prompt), std::move(cache_salt), extra_keys,
                                 priority, retention_kind, window, sinks, budget);
-             return FleetSequenceToTuple(
+             return FromFleetSequence(
                  CallWithoutGil([&] { return self.f().CreateSequence(model, a); }));
            })
       .def("append",
@@ -134,7 +134,7 @@ void BindFleet(py::module_& m) {
              BufferView kview(k, false);
              std::optional<BufferView> vview;
              if (!v.is_none()) vview.emplace(v, false);
-             return SequenceToDict(CallWithoutGil([&]() -> absl::StatusOr<Client::SequenceInfo> {
+             return FromSequenceInfo(CallWithoutGil([&]() -> absl::StatusOr<Client::SequenceInfo> {
                if (!vview.has_value()) return self.f().Append(seq, a, kview.span());
                return self.f().AppendTensors(seq, a, kview.span(), vview->span());
              }));
@@ -144,7 +144,7 @@ void BindFleet(py::module_& m) {
              const Client::FetchArgs a = FetchArgsFromDict(args);
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
              Client::FetchResult r = CallWithoutGil([&] { return self.f().Fetch(seq, a); });
-             py::dict meta = FetchToDict(r);
+             py::object meta = FromFetchResult(r);
              return py::make_tuple(meta, ToArray(std::move(r.payload)));
            })
       .def("fetch_into",
@@ -153,19 +153,19 @@ void BindFleet(py::module_& m) {
              const Client::FetchArgs a = FetchArgsFromDict(args);
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
              BufferView view(out, true);
-             return FetchToDict(
+             return FromFetchResult(
                  CallWithoutGil([&] { return self.f().FetchInto(seq, a, view.span()); }));
            })
       .def("fork",
            [](PyFleet& self, S replica, S model, uint64_t id, std::optional<double> lease_s) {
              const auto lease = ToDuration(lease_s);
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
-             return FleetSequenceToTuple(CallWithoutGil([&] { return self.f().Fork(seq, lease); }));
+             return FromFleetSequence(CallWithoutGil([&] { return self.f().Fork(seq, lease); }));
            })
       .def("truncate",
            [](PyFleet& self, S replica, S model, uint64_t id, uint64_t num_tokens) {
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
-             return SequenceToDict(
+             return FromSequenceInfo(
                  CallWithoutGil([&] { return self.f().Truncate(seq, num_tokens); }));
            })
       .def("free",
@@ -176,12 +176,12 @@ void BindFleet(py::module_& m) {
       .def("renew_lease",
            [](PyFleet& self, S replica, S model, uint64_t id) {
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
-             return SequenceToDict(CallWithoutGil([&] { return self.f().RenewLease(seq); }));
+             return FromSequenceInfo(CallWithoutGil([&] { return self.f().RenewLease(seq); }));
            })
       .def("get_sequence",
            [](PyFleet& self, S replica, S model, uint64_t id) {
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
-             return SequenceToDict(CallWithoutGil([&] { return self.f().GetSequence(seq); }));
+             return FromSequenceInfo(CallWithoutGil([&] { return self.f().GetSequence(seq); }));
            })
       .def("match",
            [](PyFleet& self, S model, const py::list& queries) {
@@ -195,7 +195,7 @@ void BindFleet(py::module_& m) {
              const Client::FetchArgs a = FetchArgsFromDict(args);
              Client::FetchResult r =
                  CallWithoutGil([&] { return self.f().FetchBlocks(model, hs, a); });
-             py::dict meta = FetchToDict(r);
+             py::object meta = FromFetchResult(r);
              return py::make_tuple(meta, ToArray(std::move(r.payload)));
            })
       .def("pin",
@@ -204,7 +204,7 @@ void BindFleet(py::module_& m) {
              return CallWithoutGil([&] { return self.f().Pin(model, q, pin); });
            })
       .def("watch",
-           // on_batch(replica: str, events: list[dict]) -> bool runs with the GIL held, from one
+           // on_batch(replica: str, events: list[Event]) -> bool runs with the GIL held, from one
            // stream thread at a time; the streams read with it released.
            [](PyFleet& self, S model, bool from_now, double deadline_s,
               const py::function& on_batch) {
@@ -220,7 +220,7 @@ void BindFleet(py::module_& m) {
                                     try {
                                       py::list events;
                                       for (const auto& e : batch.events)
-                                        events.append(EventToDict(e));
+                                        events.append(FromEvent(e));
                                       return on_batch(batch.replica, events).cast<bool>();
                                     } catch (py::error_already_set& e) {
                                       callback_error.emplace(std::move(e));

@@ -1,12 +1,13 @@
 // kvbank._kvbank: the C++ SDK (kvbank::Client, layouts, prefix hashes) for Python.
 //
 // Thin on purpose: the Pythonic surface (keyword arguments, dicts, typed exceptions, futures)
-// lives in kvbank/*.py; this module moves bytes and calls convert.h to convert types (the same
-// converters serve the Fleet in fleet.cc). Every RPC runs with the GIL released, so other Python
-// threads run while a call waits on the network. Payloads go through the buffer protocol in both
-// directions: Append reads the caller's buffer in place, FetchInto writes straight into it, and
-// Fetch hands the SDK's vector to numpy without a copy. The Client's methods are bound by topic
-// in client_*.cc (py_client.h); the shared-memory routing is the C++ SDK's PlaneRouter.
+// lives in kvbank/*.py; this module moves bytes and calls convert.h to convert types (results
+// come back as kvbank/_types.py's dataclasses; the same converters serve the Fleet in fleet.cc).
+// Every RPC runs with the GIL released, so other Python threads run while a call waits on the
+// network. Payloads go through the buffer protocol in both directions: Append reads the caller's
+// buffer in place, FetchInto writes straight into it, and Fetch hands the SDK's vector to numpy
+// without a copy. The Client's methods are bound by topic in client_*.cc (py_client.h); the
+// shared-memory routing is the C++ SDK's PlaneRouter.
 //
 // Errors: a non-OK absl::Status raises through convert.h's RaiseStatus, whose translator
 // (registered below) turns it into kvbank.Error's subclass for the gRPC code (kvbank/_errors.py).

@@ -514,6 +514,41 @@ def test_prefix_cache_match_fetch_blocks_pin_and_watch(client, model_name):
     assert stored[:3] == hashes
 
 
+def test_results_are_the_packages_dataclasses_as_the_extension_builds_them(server, client,
+                                                                           model_name):
+    # The extension builds kvbank's result classes itself: the binding's own return values are
+    # them, nested ones included, and the wrappers hand them on.
+    layout = small_layout(model_name, "fp16", block_tokens=16)
+    model = client.ensure_model(layout)
+    assert type(model) is kvbank.ModelInfo and type(client.list_models()[0]) is kvbank.ModelInfo
+    assert isinstance(model.layout, dict)  # a layout stays a dict
+    seq = client._c.create_sequence(model_name, None, list(range(40)))
+    assert type(seq) is kvbank.SequenceInfo and seq.model == model_name and seq.length == 0
+    assert type(client._c.get_sequence(model_name, seq.id)) is kvbank.SequenceInfo
+    payload = np.zeros(elements(model, 40), np.float16)
+    assert type(client.append(model_name, seq.id, payload, num_tokens=40)) is kvbank.SequenceInfo
+    meta, _ = client._c.fetch(model_name, seq.id)
+    assert type(meta) is kvbank.FetchInfo and meta.dtype == "fp16"
+    assert type(client.fetch_into(model_name, seq.id, np.empty_like(payload))) is kvbank.FetchInfo
+    root = client._c.get_prefix_root(model_name)
+    assert type(root) is kvbank.PrefixRoot and len(root.root) == 32
+    hashes = kvbank.prefix_hashes(root.root, list(range(40)), 16, algorithm=root.algorithm)
+    assert type(client.fetch_blocks(model_name, hashes).info) is kvbank.FetchInfo
+    event = next(client.watch(model_name, after_sequence=0, deadline_s=10.0))
+    assert type(event) is kvbank.Event and event.type == "stored"
+    assert all(type(h) is bytes for h in event.hashes)
+    assert isinstance(client.stats(model_name)[0], dict)  # stats stay dicts
+    client.free(model_name, seq.id)
+
+    fleet = kvbank.Fleet(server.target)
+    assert type(fleet.replicas()[0]) is kvbank.Replica
+    assert type(fleet.ensure_model(layout)) is kvbank.ModelInfo
+    fseq = fleet.create_sequence(model_name, prompt=list(range(40)))
+    assert type(fseq) is kvbank.FleetSequence and type(fseq.info) is kvbank.SequenceInfo
+    assert (fseq.model, fseq.id) == (fseq.info.model, fseq.info.id) == (model_name, fseq.id)
+    fleet.free(fseq)
+
+
 def test_attend_matches_a_numpy_reference(client, model_name):
     layout = small_layout(model_name, "fp32", layers=2, kv_heads=2, head_dim=16)
     client.ensure_model(layout)
