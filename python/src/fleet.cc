@@ -63,16 +63,15 @@ class PyFleet {
   std::unique_ptr<Fleet> fleet_;
 };
 
-}  // namespace
+using FleetClass = py::class_<PyFleet>;
+using S = const std::string&;
 
-void BindFleet(py::module_& m) {
-  using S = const std::string&;
-  py::class_<PyFleet>(m, "Fleet")
-      .def(py::init<const std::string&, const std::string&, double, double, double, double,
-                    double>(),
-           py::arg("target"), py::arg("token") = "", py::arg("deadline_s") = 30.0,
-           py::arg("stream_deadline_s") = 600.0, py::arg("probe_interval_s") = 1.0,
-           py::arg("resolve_interval_s") = 10.0, py::arg("probe_deadline_s") = 0.5)
+// The fleet itself: its replicas, models and placement.
+void BindFleetPlacement(FleetClass& c) {
+  c.def(py::init<const std::string&, const std::string&, double, double, double, double, double>(),
+        py::arg("target"), py::arg("token") = "", py::arg("deadline_s") = 30.0,
+        py::arg("stream_deadline_s") = 600.0, py::arg("probe_interval_s") = 1.0,
+        py::arg("resolve_interval_s") = 10.0, py::arg("probe_deadline_s") = 0.5)
       .def("refresh", [](PyFleet& self) { CallWithoutGil([&] { return self.f().Refresh(); }); })
       .def("replicas",
            [](PyFleet& self) {
@@ -106,26 +105,28 @@ void BindFleet(py::module_& m) {
              const BlockHash k = ToHash(key);
              return CallWithoutGil([&] { return self.f().ReplicaFor(k); });
            })
-      .def("prefix_root",
-           [](PyFleet& self, S model, S cache_salt, bool routed) {
-             auto r = CallWithoutGil([&] {
-               return routed ? self.f().GetPrefixRoot(model, cache_salt)
-                             : self.f().PrefixRoot(model, cache_salt);
-             });
-             return FromPrefixRoot(r);
-           })
-      .def("create_sequence",
-           [](PyFleet& self, S model, std::optional<double> lease_s, std::vector<uint32_t> prompt,
-              std::string cache_salt,
-              const std::vector<std::pair<std::string, py::bytes>>& extra_keys,
-              std::optional<uint32_t> priority, uint32_t retention_kind, uint32_t window,
-              uint32_t sinks, uint32_t budget) {
-             const Client::CreateArgs a =
-                 MakeCreateArgs(lease_s, std::move(prompt), std::move(cache_salt), extra_keys,
-                                priority, retention_kind, window, sinks, budget);
-             return FromFleetSequence(
-                 CallWithoutGil([&] { return self.f().CreateSequence(model, a); }));
-           })
+      .def("prefix_root", [](PyFleet& self, S model, S cache_salt, bool routed) {
+        auto r = CallWithoutGil([&] {
+          return routed ? self.f().GetPrefixRoot(model, cache_salt)
+                        : self.f().PrefixRoot(model, cache_salt);
+        });
+        return FromPrefixRoot(r);
+      });
+}
+
+// Calls on one sequence, on the replica that holds it.
+void BindFleetSequences(FleetClass& c) {
+  c.def("create_sequence",
+        [](PyFleet& self, S model, std::optional<double> lease_s, std::vector<uint32_t> prompt,
+           std::string cache_salt, const std::vector<std::pair<std::string, py::bytes>>& extra_keys,
+           std::optional<uint32_t> priority, uint32_t retention_kind, uint32_t window,
+           uint32_t sinks, uint32_t budget) {
+          const Client::CreateArgs a =
+              MakeCreateArgs(lease_s, std::move(prompt), std::move(cache_salt), extra_keys,
+                             priority, retention_kind, window, sinks, budget);
+          return FromFleetSequence(
+              CallWithoutGil([&] { return self.f().CreateSequence(model, a); }));
+        })
       .def("append",
            [](PyFleet& self, S replica, S model, uint64_t id, const py::object& k,
               const py::object& v, const py::dict& args) {
@@ -178,17 +179,20 @@ void BindFleet(py::module_& m) {
              const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
              return FromSequenceInfo(CallWithoutGil([&] { return self.f().RenewLease(seq); }));
            })
-      .def("get_sequence",
-           [](PyFleet& self, S replica, S model, uint64_t id) {
-             const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
-             return FromSequenceInfo(CallWithoutGil([&] { return self.f().GetSequence(seq); }));
-           })
-      .def("match",
-           [](PyFleet& self, S model, const py::list& queries) {
-             std::vector<Client::MatchQuery> qs;
-             for (const auto& q : queries) qs.push_back(QueryFromTuple(q));
-             return CallWithoutGil([&] { return self.f().Match(model, qs); });
-           })
+      .def("get_sequence", [](PyFleet& self, S replica, S model, uint64_t id) {
+        const Fleet::Sequence seq = PyFleet::Seq(replica, model, id);
+        return FromSequenceInfo(CallWithoutGil([&] { return self.f().GetSequence(seq); }));
+      });
+}
+
+// Prefix look-ups, reads and pins on a model's replicas, and their event streams.
+void BindFleetPrefix(FleetClass& c) {
+  c.def("match",
+        [](PyFleet& self, S model, const py::list& queries) {
+          std::vector<Client::MatchQuery> qs;
+          for (const auto& q : queries) qs.push_back(QueryFromTuple(q));
+          return CallWithoutGil([&] { return self.f().Match(model, qs); });
+        })
       .def("fetch_blocks",
            [](PyFleet& self, S model, const std::vector<py::bytes>& hashes, const py::dict& args) {
              const std::vector<BlockHash> hs = ToHashes(hashes);
@@ -232,6 +236,15 @@ void BindFleet(py::module_& m) {
              if (!s.ok() && !absl::IsDeadlineExceeded(s)) RaiseStatus(s);
              return s.ok();
            });
+}
+
+}  // namespace
+
+void BindFleet(py::module_& m) {
+  FleetClass c(m, "Fleet");
+  BindFleetPlacement(c);
+  BindFleetSequences(c);
+  BindFleetPrefix(c);
 }
 
 }  // namespace kvbank::python
