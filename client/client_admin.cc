@@ -17,13 +17,7 @@ absl::StatusOr<Client::ModelInfo> Client::EnsureModel(const ModelLayout& layout,
   v1::EnsureModelRequest req;
   proto::LayoutToSpec(layout, req.mutable_spec());
   req.mutable_spec()->set_pool_bytes(pool_bytes);
-  v1::EnsureModelResponse resp;
-  if (auto s = impl_->Call(&v1::KvBank::Stub::EnsureModel, req, &resp); !s.ok()) return s;
-  auto info = ModelFromProto(resp.model());
-  if (!info.ok()) return info.status();
-  info->created = resp.created();
-  impl_->Remember(*info);
-  return info;
+  return impl_->Ensure(req);
 }
 
 absl::Status Client::DropModel(const std::string& name) {
@@ -46,13 +40,7 @@ absl::StatusOr<Client::ModelInfo> Client::EnsurePreset(const std::string& name,
   if (storage.has_value()) spec->set_storage_dtype(proto::DTypeToProto(*storage));
   spec->set_pool_bytes(pool_bytes);
   spec->set_block_tokens(block_tokens);
-  v1::EnsureModelResponse resp;
-  if (auto s = impl_->Call(&v1::KvBank::Stub::EnsureModel, req, &resp); !s.ok()) return s;
-  auto info = ModelFromProto(resp.model());
-  if (!info.ok()) return info.status();
-  info->created = resp.created();
-  impl_->Remember(*info);
-  return info;
+  return impl_->Ensure(req);
 }
 
 absl::StatusOr<std::vector<Client::ModelInfo>> Client::ListModels() {

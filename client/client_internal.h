@@ -108,6 +108,17 @@ struct Client::Impl {
     absl::MutexLock lock(&mu);
     models.erase(name);
   }
+  // EnsureModel by layout or by preset: the model the server has (remembered), and whether the
+  // call created it.
+  absl::StatusOr<ModelInfo> Ensure(const v1::EnsureModelRequest& req) {
+    v1::EnsureModelResponse resp;
+    if (auto s = Call(&v1::KvBank::Stub::EnsureModel, req, &resp); !s.ok()) return s;
+    auto info = internal::ModelFromProto(resp.model());
+    if (!info.ok()) return info.status();
+    info->created = resp.created();
+    Remember(*info);
+    return info;
+  }
 
   // Streams `pieces` (concatenated, in order) as the data of append messages of at most
   // chunk_bytes each; the first message carries the header.

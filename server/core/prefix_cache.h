@@ -59,7 +59,6 @@ class PrefixCache {
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
 
-  HashAlgorithm hash() const { return options_.hash; }
   TierCache* tiers() const { return tiers_; }
   KvEventLog* events() const { return events_; }
   // The root hash of `tenant`'s prompts with this salt (what a router computes hashes from).

@@ -46,7 +46,6 @@ class TransferPlanner {
   TransferPlanner(ModelLayout layout, BlockLayout blocks, uint64_t staging_bytes);
 
   const ModelLayout& layout() const { return layout_; }
-  const BlockLayout& blocks() const { return blocks_; }
 
   // INVALID_ARGUMENT unless [l0, l1) is a non-empty range of the model's layers.
   absl::Status CheckLayers(uint32_t l0, uint32_t l1) const;
