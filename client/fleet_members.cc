@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <tuple>
 
@@ -39,6 +40,23 @@ std::vector<size_t> RendezvousOrder(absl::Span<const std::string> replicas, cons
   out.reserve(scored.size());
   for (const auto& s : scored) out.push_back(s.second);
   return out;
+}
+
+LoadPick PickBoundedLoad(absl::Span<const size_t> order, absl::Span<const uint64_t> loads,
+                         double epsilon) {
+  LoadPick pick;
+  uint64_t total = 0;
+  for (uint64_t l : loads) total += l;
+  const double bound =
+      std::floor((1.0 + epsilon) * static_cast<double>(total + 1) / static_cast<double>(loads.size()));
+  pick.cap = std::max<uint64_t>(1, static_cast<uint64_t>(bound));
+  pick.chosen = order.front();
+  if (loads[pick.chosen] < pick.cap) return pick;
+  pick.home = false;
+  for (size_t i : order) {
+    if (loads[i] < loads[pick.chosen]) pick.chosen = i;
+  }
+  return pick;
 }
 
 std::string RootMismatch(const Client::PrefixRootInfo& a, const Client::PrefixRootInfo& b) {

@@ -66,6 +66,20 @@ uint64_t RendezvousScore(std::string_view replica, const BlockHash& key);
 // Indices into `replicas`, best first (highest score; equal scores by name). Thread-safe.
 std::vector<size_t> RendezvousOrder(absl::Span<const std::string> replicas, const BlockHash& key);
 
+// The bounded-load choice (client/PLACEMENT.md). `order`: the replicas (indices into `loads`) in
+// the key's rendezvous order; `loads[i]`: replica i's live sequences. With N = loads.size() and
+// T = the sum of loads, the bound is cap = max(1, floor((1 + epsilon) * (T + 1) / N)) (IEEE
+// double, in that order). The key's first choice (its "home") takes the placement when its load
+// is below cap; otherwise the least-loaded replica does (equal loads: the earlier in `order`).
+// REQUIRES: order is a permutation of [0, N), N > 0, epsilon >= 0.
+struct LoadPick {
+  size_t chosen = 0;  // index into loads
+  bool home = true;   // chosen == order[0] because its load was below cap
+  uint64_t cap = 0;
+};
+LoadPick PickBoundedLoad(absl::Span<const size_t> order, absl::Span<const uint64_t> loads,
+                         double epsilon);
+
 struct FleetOptions {
   ClientOptions client;  // every replica's Client
   // dns:/// targets: how often the name is resolved again.
