@@ -135,18 +135,6 @@ absl::StatusOr<Client::ModelInfo> Fleet::EnsurePreset(const std::string& name,
   return *first;
 }
 
-absl::StatusOr<Fleet::Sequence> Fleet::CreateSequence(const std::string& model,
-                                                      const Client::CreateArgs& args) {
-  auto key = PlacementKey(model, args.prompt, args.cache_salt, args.extra_keys);
-  if (!key.ok()) return key.status();
-  return impl_->OnPlacement(*key,
-                            [&](Client& c, const std::string& name) -> absl::StatusOr<Sequence> {
-                              auto info = c.CreateSequence(model, args);
-                              if (!info.ok()) return info.status();
-                              return Sequence{name, model, info->id, *info};
-                            });
-}
-
 absl::StatusOr<Client::SequenceInfo> Fleet::Append(const Sequence& seq,
                                                    const Client::AppendArgs& args,
                                                    absl::Span<const uint8_t> payload) {
@@ -195,7 +183,9 @@ absl::StatusOr<Client::SequenceInfo> Fleet::Truncate(const Sequence& seq, uint64
 }
 
 absl::StatusOr<uint64_t> Fleet::Free(const Sequence& seq) {
-  return impl_->OnSequence(seq, [&](Client& c) { return c.Free(seq.model, seq.id); });
+  auto r = impl_->OnSequence(seq, [&](Client& c) { return c.Free(seq.model, seq.id); });
+  if (r.ok()) impl_->Freed(seq.replica);
+  return r;
 }
 
 absl::StatusOr<Client::SequenceInfo> Fleet::RenewLease(const Sequence& seq) {

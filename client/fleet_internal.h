@@ -54,6 +54,30 @@ struct Fleet::Impl {
   };
   // A healthy replica picked for a call: its name and its Client (kept alive by the pointer).
   using Pick = std::pair<std::string, std::shared_ptr<Client>>;
+  // A replica's live sequences as this fleet knows them: `reported` by its last GetStats, which
+  // was sent when this fleet's own counter `placed` (creates answered minus frees) stood at
+  // `base`, plus the creates this fleet has sent there and not had answered (`in_flight`).
+  struct Load {
+    uint64_t reported = 0;
+    int64_t placed = 0, base = 0, in_flight = 0;
+    uint64_t Now() const {
+      const int64_t n = static_cast<int64_t>(reported) + placed - base + in_flight;
+      return n > 0 ? static_cast<uint64_t>(n) : 0;
+    }
+  };
+  // One prefix copy to one replica: the create that runs it, and the creates that wait for it.
+  struct Copy {
+    bool done = false;
+    absl::Time done_at;
+  };
+  using CopyKey = std::pair<std::string, BlockHash>;  // (replica, deepest block copied)
+  // A placement decision (fleet_placement.cc).
+  struct Placement {
+    std::vector<Pick> order;  // healthy replicas in the key's rendezvous order
+    std::vector<uint64_t> loads;  // of `order`
+    LoadPick pick;
+    bool bounded = false;  // load_epsilon set
+  };
 
   std::string target;
   FleetOptions options;
@@ -71,6 +95,11 @@ struct Fleet::Impl {
   // Per model: the prefix root info for cache salt "" every replica agreed on.
   std::map<std::string, Client::PrefixRootInfo> roots ABSL_GUARDED_BY(mu);
   std::atomic<uint64_t> empty_prompts{0};
+  std::map<std::string, Load> loads ABSL_GUARDED_BY(mu);  // by replica name
+  absl::Mutex copy_mu;  // never held with mu
+  absl::CondVar copy_cv;  // a copy ended
+  std::map<CopyKey, Copy> copies ABSL_GUARDED_BY(copy_mu);
+  Fleet::Stats stats ABSL_GUARDED_BY(copy_mu);
 
   absl::Mutex stop_mu;
   bool stop ABSL_GUARDED_BY(stop_mu) = false;
@@ -80,6 +109,11 @@ struct Fleet::Impl {
   absl::StatusOr<std::vector<std::string>> Resolve() const;
   absl::Status ResolveAndUpdate() ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu);
   void ProbeAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu);
+  // Makes the pending `address` the member `name` when `checked` is OK and the name is not
+  // taken by a live address; else records why. Returns whether it joined.
+  bool Admit(const std::string& address, const std::string& name,
+             const std::shared_ptr<Client>& client, const absl::Status& checked)
+      ABSL_LOCKS_EXCLUDED(mu);
   // Ensures the remembered models on `client` and checks its prefix roots against the fleet's.
   absl::Status Prepare(Client& client) ABSL_LOCKS_EXCLUDED(mu);
   void BackgroundLoop();
@@ -93,6 +127,30 @@ struct Fleet::Impl {
   std::optional<std::pair<std::shared_ptr<Client>, std::string>> Find(const std::string& name) const
       ABSL_LOCKS_EXCLUDED(mu);
   std::vector<Pick> Healthy() const ABSL_LOCKS_EXCLUDED(mu);
+
+  // fleet_placement.cc
+  // Where a new placement of `key` goes now (UNAVAILABLE when no replica is healthy). With
+  // `reserve`, the chosen replica's load counts the placement at once (in flight), so concurrent
+  // placements see each other; the caller then calls Placed.
+  absl::StatusOr<Placement> Place(const BlockHash& key, bool reserve) ABSL_LOCKS_EXCLUDED(mu);
+  // A reserved placement on `replica` was answered: created (counted) or not (dropped).
+  void Placed(const std::string& replica, bool created) ABSL_LOCKS_EXCLUDED(mu);
+  // A sequence on `replica` was freed through this fleet.
+  void Freed(const std::string& replica) ABSL_LOCKS_EXCLUDED(mu);
+  // Copies the prefix blocks of `args.prompt` that `from` holds and `to` lacks from one to the
+  // other, once per (prefix, replica) across concurrent callers. Errors are counted and
+  // returned; the caller goes on without the copy.
+  absl::Status CopyPrefix(const std::string& model, const Client::CreateArgs& args,
+                          const Pick& from, const Pick& to) ABSL_LOCKS_EXCLUDED(copy_mu);
+  // The copy itself: the prompt's first `blocks` blocks (hashes `hashes`) that `to` lacks,
+  // fetched from `from`. Returns the blocks and bytes copied.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> RunCopy(const std::string& model,
+                                                        const Client::CreateArgs& args,
+                                                        const std::vector<BlockHash>& hashes,
+                                                        uint32_t block_tokens, size_t blocks,
+                                                        const Pick& from, const Pick& to);
+  // Learns the replica's live sequences (GetStats; no change when it fails).
+  void ReportLoad(const std::string& name, Client& client) ABSL_LOCKS_EXCLUDED(mu);
 
   // fleet.cc
   absl::StatusOr<Client::PrefixRootInfo> RootInfo(const std::string& model) ABSL_LOCKS_EXCLUDED(mu);

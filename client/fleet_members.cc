@@ -52,10 +52,10 @@ LoadPick PickBoundedLoad(absl::Span<const size_t> order, absl::Span<const uint64
   pick.cap = std::max<uint64_t>(1, static_cast<uint64_t>(bound));
   pick.chosen = order.front();
   if (loads[pick.chosen] < pick.cap) return pick;
-  pick.home = false;
   for (size_t i : order) {
     if (loads[i] < loads[pick.chosen]) pick.chosen = i;
   }
+  pick.home = pick.chosen == order.front();  // at the bound, but no replica is less loaded
   return pick;
 }
 
@@ -221,6 +221,27 @@ absl::Status Fleet::Impl::Prepare(Client& client) {
   return absl::OkStatus();
 }
 
+bool Fleet::Impl::Admit(const std::string& address, const std::string& name,
+                        const std::shared_ptr<Client>& client, const absl::Status& checked) {
+  absl::MutexLock lock(&mu);
+  auto p = pending.find(address);
+  if (p == pending.end()) return false;  // left the resolution meanwhile
+  if (!checked.ok()) {
+    p->second.reason = std::string(checked.message());
+    return false;
+  }
+  auto m = members.find(name);
+  if (m != members.end() &&
+      std::find(addresses.begin(), addresses.end(), m->second.address) != addresses.end()) {
+    p->second.reason = absl::StrCat("duplicate of replica ", name, " at ", m->second.address);
+    return false;
+  }
+  // New, or a replica back under a new address (a pod rescheduled): same name, same keys.
+  members[name] = Member{name, address, client, true, ""};
+  pending.erase(p);
+  return true;
+}
+
 void Fleet::Impl::ProbeAll() {
   std::vector<std::pair<std::string, std::shared_ptr<Client>>> waiting, joined;
   {
@@ -238,22 +259,7 @@ void Fleet::Impl::ProbeAll() {
     }
     const std::string name = s.ok() && !info->replica.empty() ? info->replica : address;
     if (s.ok()) s = Prepare(*client);
-    absl::MutexLock lock(&mu);
-    auto p = pending.find(address);
-    if (p == pending.end()) continue;  // left the resolution meanwhile
-    if (!s.ok()) {
-      p->second.reason = std::string(s.message());
-      continue;
-    }
-    auto m = members.find(name);
-    if (m != members.end() &&
-        std::find(addresses.begin(), addresses.end(), m->second.address) != addresses.end()) {
-      p->second.reason = absl::StrCat("duplicate of replica ", name, " at ", m->second.address);
-      continue;
-    }
-    // New, or a replica back under a new address (a pod rescheduled): same name, same keys.
-    members[name] = Member{name, address, client, true, ""};
-    pending.erase(p);
+    if (Admit(address, name, client, s)) ReportLoad(name, *client);
   }
   for (auto& [name, client] : joined) {
     bool was_healthy = false;
@@ -265,6 +271,7 @@ void Fleet::Impl::ProbeAll() {
     }
     absl::Status s = client->CheckServing(deadline);
     if (s.ok() && !was_healthy) s = Prepare(*client);
+    if (s.ok()) ReportLoad(name, *client);
     absl::MutexLock lock(&mu);
     auto m = members.find(name);
     if (m == members.end() || m->second.client != client) continue;
@@ -381,7 +388,9 @@ std::vector<Fleet::Replica> Fleet::Replicas() const {
   std::vector<Replica> out;
   absl::MutexLock lock(&impl_->mu);
   for (const auto& [name, m] : impl_->members) {
-    out.push_back(Replica{name, m.address, m.healthy, m.reason});
+    auto l = impl_->loads.find(name);
+    out.push_back(
+        Replica{name, m.address, m.healthy, m.reason, l == impl_->loads.end() ? 0 : l->second.Now()});
   }
   return out;
 }

@@ -61,13 +61,14 @@ from ._types import (
     ModelInfo,
     PrefixRoot,
     Replica,
+    Route,
     SequenceInfo,
 )
 
 __all__ = [
     "AbortedError", "AlreadyExistsError", "Blocks", "CancelledError", "Client", "DataLossError",
     "DeadlineExceededError", "DeviceRegion", "Error", "Event", "FailedPreconditionError",
-    "FetchInfo", "Fleet", "FleetSequence", "Replica",
+    "FetchInfo", "Fleet", "FleetSequence", "Replica", "Route",
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",

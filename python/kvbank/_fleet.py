@@ -28,6 +28,7 @@ from ._types import (
     ModelInfo,
     PrefixRoot,
     Replica,
+    Route,
     SequenceInfo,
 )
 
@@ -62,13 +63,20 @@ class Fleet:
     The target's name is resolved again every resolve_interval_s (every A / AAAA record is a
     replica); every replica's health is checked every probe_interval_s. A replica that fails or
     drains takes no new placements (its keys go to their next choice) until it is SERVING again.
+
+    Bounded load: a sequence goes to its key's first choice unless that replica holds
+    (1 + load_epsilon) x the mean live sequences or more; then to the least-loaded replica,
+    after copying the prefix blocks the first choice holds there (copy_prefixes), once per
+    (prefix, replica). load_epsilon=None: placement by key only.
     """
 
     def __init__(self, target: str, token: Optional[str] = None, *, deadline_s: float = 30.0,
                  stream_deadline_s: float = 600.0, probe_interval_s: float = 1.0,
-                 resolve_interval_s: float = 10.0, probe_deadline_s: float = 0.5) -> None:
+                 resolve_interval_s: float = 10.0, probe_deadline_s: float = 0.5,
+                 load_epsilon: Optional[float] = 0.15, copy_prefixes: bool = True) -> None:
         self._f = _kvbank.Fleet(target, token or "", deadline_s, stream_deadline_s,
-                                probe_interval_s, resolve_interval_s, probe_deadline_s)
+                                probe_interval_s, resolve_interval_s, probe_deadline_s,
+                                load_epsilon, copy_prefixes)
 
     # ---- membership -----------------------------------------------------------------------
 
@@ -85,6 +93,19 @@ class Fleet:
         """The 32-byte key a prompt is placed by: its first full block's prefix hash (a shorter
         prompt: the hash of its partial block)."""
         return self._f.placement_key(model, list(prompt), cache_salt, _extra_keys(extra_keys))
+
+    def route(self, model: str, prompt: Any, *, cache_salt: str = "",
+              extra_keys: ExtraKeys = ()) -> Route:
+        """Where create_sequence would place `prompt` (token ids, or block hashes) now, and why:
+        the replica, the key's first choice, their loads and the bound, the cached tokens at
+        both (one Match each), the tokens a prefix copy would bring and the cost (tokens left to
+        prefill there). For an engine-side router."""
+        return self._f.route(model, _query(prompt, cache_salt, extra_keys))
+
+    def stats(self) -> dict[str, int]:
+        """What this fleet did since it connected: placements (home / moved by the load
+        bound), prefix copies (copies, blocks, bytes, joined, skipped, failures)."""
+        return dict(self._f.stats())
 
     def replica_for(self, key: bytes) -> str:
         """The healthy replica a new placement of `key` goes to now."""

@@ -116,3 +116,22 @@ class Replica:
     address: str   # host:port
     healthy: bool  # takes new placements
     reason: str    # why not healthy (the last error)
+    load: int = 0  # live sequences as the fleet knows them (last report + its creates - frees)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where Fleet.create_sequence would place a prompt now, and why (Fleet.route)."""
+    replica: str             # where it goes
+    home: str                # the key's first choice among healthy replicas
+    reason: str              # "home", "over_load_bound" (home at the bound) or "by_key"
+    key: bytes               # the placement key (32 bytes)
+    load: int                # live sequences on replica
+    home_load: int
+    load_bound: int          # home takes placements while its load is below this
+    mean_load: float         # over healthy replicas, this placement counted
+    prompt_tokens: int
+    cached_tokens: int       # at replica now
+    home_cached_tokens: int  # at home now
+    copy_tokens: int         # copied from home before the create
+    cost: int                # tokens left to prefill at replica: prompt - cached after the copy

@@ -209,7 +209,7 @@ namespace {
 // The result classes of kvbank/_types.py.
 struct ResultTypes {
   py::object model_info, sequence_info, fetch_info, event, prefix_root, device_region, replica,
-      fleet_sequence;
+      fleet_sequence, route;
 };
 
 // Written once, under the GIL; never freed: a py::object released by a static destructor would
@@ -225,7 +225,7 @@ const ResultTypes& Types() {
     const py::module_ m = py::module_::import("kvbank._types");
     auto* t = new ResultTypes{m.attr("ModelInfo"), m.attr("SequenceInfo"), m.attr("FetchInfo"),
                               m.attr("Event"),     m.attr("PrefixRoot"),   m.attr("DeviceRegion"),
-                              m.attr("Replica"),   m.attr("FleetSequence")};
+                              m.attr("Replica"),   m.attr("FleetSequence"), m.attr("Route")};
     if (result_types == nullptr) {
       result_types = t;
     } else {
@@ -300,7 +300,33 @@ py::object FromDeviceRegion(const Client::DeviceRegion& r) {
 
 py::object FromReplica(const Fleet::Replica& r) {
   return Types().replica(py::arg("name") = r.name, py::arg("address") = r.address,
-                         py::arg("healthy") = r.healthy, py::arg("reason") = r.reason);
+                         py::arg("healthy") = r.healthy, py::arg("reason") = r.reason,
+                         py::arg("load") = r.load);
+}
+
+py::object FromRoute(const Fleet::RouteDecision& r) {
+  return Types().route(
+      py::arg("replica") = r.replica, py::arg("home") = r.home, py::arg("reason") = r.reason,
+      py::arg("key") = FromHash(r.key), py::arg("load") = r.load,
+      py::arg("home_load") = r.home_load, py::arg("load_bound") = r.load_bound,
+      py::arg("mean_load") = r.mean_load, py::arg("prompt_tokens") = r.prompt_tokens,
+      py::arg("cached_tokens") = r.cached_tokens,
+      py::arg("home_cached_tokens") = r.home_cached_tokens, py::arg("copy_tokens") = r.copy_tokens,
+      py::arg("cost") = r.cost);
+}
+
+py::dict FromFleetStats(const Fleet::Stats& s) {
+  py::dict d;
+  d["placements"] = s.placements;
+  d["home_placements"] = s.home_placements;
+  d["bounded_placements"] = s.bounded_placements;
+  d["prefix_copies"] = s.prefix_copies;
+  d["copied_blocks"] = s.copied_blocks;
+  d["copied_bytes"] = s.copied_bytes;
+  d["copies_joined"] = s.copies_joined;
+  d["copies_skipped"] = s.copies_skipped;
+  d["copy_failures"] = s.copy_failures;
+  return d;
 }
 
 py::object FromFleetSequence(const Fleet::Sequence& s) {

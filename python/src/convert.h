@@ -136,6 +136,8 @@ pybind11::object FromEvent(const Client::Event& e);  // type: stored, removed or
 pybind11::object FromPrefixRoot(const Client::PrefixRootInfo& r);
 pybind11::object FromDeviceRegion(const Client::DeviceRegion& r);
 pybind11::object FromReplica(const Fleet::Replica& r);
+pybind11::object FromRoute(const Fleet::RouteDecision& r);
+pybind11::dict FromFleetStats(const Fleet::Stats& s);
 pybind11::object FromFleetSequence(const Fleet::Sequence& s);  // its info a SequenceInfo
 // Client.stats's documented dicts (per-tenant rows under "tenants", dicts too).
 pybind11::dict StatsToDict(const Client::ModelStats& s);

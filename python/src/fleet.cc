@@ -36,7 +36,7 @@ class PyFleet {
  public:
   PyFleet(const std::string& target, const std::string& token, double deadline_s,
           double stream_deadline_s, double probe_interval_s, double resolve_interval_s,
-          double probe_deadline_s) {
+          double probe_deadline_s, std::optional<double> load_epsilon, bool copy_prefixes) {
     if (!(deadline_s > 0) || !(stream_deadline_s > 0) || !(probe_interval_s > 0) ||
         !(resolve_interval_s > 0) || !(probe_deadline_s > 0)) {
       RaiseInvalid("deadlines and intervals must be > 0 seconds");
@@ -48,6 +48,9 @@ class PyFleet {
     o.probe_interval = absl::Seconds(probe_interval_s);
     o.resolve_interval = absl::Seconds(resolve_interval_s);
     o.probe_deadline = absl::Seconds(probe_deadline_s);
+    if (load_epsilon.has_value() && !(*load_epsilon >= 0)) RaiseInvalid("load_epsilon must be >= 0");
+    o.load_epsilon = load_epsilon;
+    o.copy_prefixes = copy_prefixes;
     fleet_ = CallWithoutGil([&] { return Fleet::Connect(target, o); });
   }
   Fleet& f() { return *fleet_; }
@@ -68,10 +71,12 @@ using S = const std::string&;
 
 // The fleet itself: its replicas, models and placement.
 void BindFleetPlacement(FleetClass& c) {
-  c.def(py::init<const std::string&, const std::string&, double, double, double, double, double>(),
+  c.def(py::init<const std::string&, const std::string&, double, double, double, double, double,
+                 std::optional<double>, bool>(),
         py::arg("target"), py::arg("token") = "", py::arg("deadline_s") = 30.0,
         py::arg("stream_deadline_s") = 600.0, py::arg("probe_interval_s") = 1.0,
-        py::arg("resolve_interval_s") = 10.0, py::arg("probe_deadline_s") = 0.5)
+        py::arg("resolve_interval_s") = 10.0, py::arg("probe_deadline_s") = 0.5,
+        py::arg("load_epsilon") = 0.15, py::arg("copy_prefixes") = true)
       .def("refresh", [](PyFleet& self) { CallWithoutGil([&] { return self.f().Refresh(); }); })
       .def("replicas",
            [](PyFleet& self) {
@@ -100,6 +105,12 @@ void BindFleetPlacement(FleetClass& c) {
              return FromHash(CallWithoutGil(
                  [&] { return self.f().PlacementKey(model, prompt, cache_salt, keys); }));
            })
+      .def("route",
+           [](PyFleet& self, S model, const py::tuple& query) {
+             const Client::MatchQuery q = QueryFromTuple(query);
+             return FromRoute(CallWithoutGil([&] { return self.f().Route(model, q); }));
+           })
+      .def("stats", [](PyFleet& self) { return FromFleetStats(self.f().GetStats()); })
       .def("replica_for",
            [](PyFleet& self, const py::bytes& key) {
              const BlockHash k = ToHash(key);

@@ -74,7 +74,7 @@ std::vector<size_t> RendezvousOrder(absl::Span<const std::string> replicas, cons
 // REQUIRES: order is a permutation of [0, N), N > 0, epsilon >= 0.
 struct LoadPick {
   size_t chosen = 0;  // index into loads
-  bool home = true;   // chosen == order[0] because its load was below cap
+  bool home = true;   // chosen == order[0] (below cap, or no replica is less loaded)
   uint64_t cap = 0;
 };
 LoadPick PickBoundedLoad(absl::Span<const size_t> order, absl::Span<const uint64_t> loads,
@@ -88,6 +88,20 @@ struct FleetOptions {
   absl::Duration probe_interval = absl::Seconds(1);
   // Bound on one health check (and on GetServerInfo when an address joins).
   absl::Duration probe_deadline = absl::Milliseconds(500);
+  // Bounded-load placement (client/PLACEMENT.md): a sequence goes to its key's first choice
+  // unless that replica holds (1 + load_epsilon) x the fleet's mean live sequences or more; then
+  // to the least-loaded replica. Unset: by key only (every prompt that shares a first block
+  // lands on one replica, however hot).
+  std::optional<double> load_epsilon = 0.15;
+  // A sequence placed away from its key's first choice gets, before it is created, the prefix
+  // blocks that replica holds for its prompt and the chosen one lacks (fetched by hash there,
+  // appended here, then left cached): its cached_tokens are what the first choice would have
+  // given. Once per (prefix, replica) even when many creates arrive at once; a copy that fails
+  // leaves the create to proceed with what is cached (counted in Stats()).
+  bool copy_prefixes = true;
+  // How long a finished copy is trusted before the next create of that prefix on that replica
+  // checks again that the blocks are still there (they may have been evicted).
+  absl::Duration copy_recheck = absl::Seconds(5);
   // Set: replaces the target's resolution (another discovery source, or a test's membership):
   // returns the replicas' gRPC addresses now; called where the target would be resolved.
   std::function<absl::StatusOr<std::vector<std::string>>()> resolver;
@@ -100,6 +114,42 @@ class Fleet {
     std::string address;  // host:port the Client talks to
     bool healthy = false;
     std::string reason;  // why not healthy (the last error); empty when healthy
+    // Live sequences as this fleet knows them: the replica's last reported count (GetStats at
+    // each health check, all models, the caller's tenant's view) plus the creates this fleet
+    // sent it since, minus its frees.
+    uint64_t load = 0;
+  };
+  // Where a new sequence of a prompt goes now, and why (Route).
+  struct RouteDecision {
+    std::string replica;  // where CreateSequence would place it now
+    std::string home;     // the key's first choice among healthy replicas
+    // "home": under the load bound; "over_load_bound": home is at the bound, so the
+    // least-loaded replica; "by_key": no load bound configured.
+    std::string reason;
+    BlockHash key{};
+    uint64_t load = 0, home_load = 0;  // live sequences (see Replica::load)
+    uint64_t load_bound = 0;           // home takes placements while its load is below this
+    double mean_load = 0;              // over healthy replicas, with this placement counted
+    uint64_t prompt_tokens = 0;
+    uint64_t cached_tokens = 0;       // at `replica` now (Match)
+    uint64_t home_cached_tokens = 0;  // at `home` now (Match); == cached_tokens when home
+    // Tokens CreateSequence would copy from home before creating (copy_prefixes):
+    // home_cached_tokens - cached_tokens when positive.
+    uint64_t copy_tokens = 0;
+    // The cost of the request at `replica` in tokens the engine must prefill there:
+    // prompt_tokens - max(cached_tokens, home_cached_tokens with copy_prefixes).
+    uint64_t cost = 0;
+  };
+  // What the fleet did, since it was connected.
+  struct Stats {
+    uint64_t placements = 0;         // sequences created through CreateSequence
+    uint64_t home_placements = 0;    // of those, on their key's first choice
+    uint64_t bounded_placements = 0;  // moved off a home at the load bound
+    uint64_t prefix_copies = 0;      // copies run (replica to replica)
+    uint64_t copied_blocks = 0, copied_bytes = 0;
+    uint64_t copies_joined = 0;   // creates that waited for a copy another create ran
+    uint64_t copies_skipped = 0;  // creates whose prefix was already copied there
+    uint64_t copy_failures = 0;   // copies that failed (the create went on without them)
   };
   // A sequence and the replica that holds it. Copyable: a plain value, no resources.
   struct Sequence {
@@ -162,7 +212,14 @@ class Fleet {
   absl::StatusOr<Client::PrefixRootInfo> PrefixRoot(const std::string& model,
                                                     const std::string& cache_salt = "");
 
-  // Placed on the prompt's replica (the next healthy choice when it answers UNAVAILABLE).
+  // Where CreateSequence would place a prompt now, with the loads, the cached tokens at the
+  // chosen replica and at the key's first choice (one Match on each), and the cost.
+  absl::StatusOr<RouteDecision> Route(const std::string& model, const Client::MatchQuery& prompt);
+  Stats GetStats() const;
+
+  // Placed by its key with bounded load (see FleetOptions::load_epsilon; the next choice when
+  // the chosen replica answers UNAVAILABLE), after copying its prefix there when it is not the
+  // key's first choice (FleetOptions::copy_prefixes).
   absl::StatusOr<Sequence> CreateSequence(const std::string& model,
                                           const Client::CreateArgs& args = {});
   // Calls on a sequence: on its replica only (UNAVAILABLE naming both when it is gone).
