@@ -59,7 +59,7 @@ def pick_bounded_load(order, loads, epsilon):
     for i in order:  # strictly less: equal loads keep the earlier in the order
         if loads[i] < loads[chosen]:
             chosen = i
-    return cap, chosen, False
+    return cap, chosen, chosen == home
 
 
 FINGERPRINT = ("kvbank.layout.v1;kind=gqa;layers=2;q_heads=4;kv_heads=2;head_dim=8;head_dim_v=8;"
