@@ -183,3 +183,53 @@ def test_fleet_and_client_refuse_bad_arguments_alike(replicas):
     assert registered.layout["layer_dtypes"] == ["bf16"] * 3
     assert client.get_model("partial").fingerprint == registered.fingerprint
     fleet.free(seq)
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_fleet_spreads_a_hot_system_prompt_within_the_bound(n):
+    servers = [Server([f"--replica-name=hot-{i}", "--pool-bytes=16MiB"]) for i in range(n)]
+    try:
+        fleet = kvbank.Fleet(",".join(s.target for s in servers), probe_interval_s=0.1)
+        model = fleet.ensure_model(LAYOUT, pool_bytes=8 << 20)
+        system = tokens(1, 4 * BT)
+        first = fleet.route("fleet", system + tokens(2, 50))
+        assert (first.reason, first.replica, first.cached_tokens) == ("home", first.home, 0)
+        assert first.cost == first.prompt_tokens == 4 * BT + 50
+
+        placed, cached = {}, 0
+        requests = 40 * n
+        for i in range(requests):
+            prompt = system + tokens(1000 + i, 50)
+            seq = fleet.create_sequence("fleet", prompt=prompt)
+            placed[seq.replica] = placed.get(seq.replica, 0) + 1
+            cached += seq.info.cached_tokens
+            rest = len(prompt) - seq.info.cached_tokens
+            fleet.append(seq, kv(model, rest, seed=i), num_tokens=rest,
+                         token_ids=prompt[seq.info.cached_tokens:])
+        # Every replica within 15 % of the mean; without the bound all would sit on one.
+        mean = requests / n
+        assert len(placed) == n
+        assert all(abs(c - mean) <= 0.15 * mean for c in placed.values()), placed
+        # The system prompt was copied once to each other replica, never recomputed.
+        assert cached == 4 * BT * (requests - 1)
+        stats = fleet.stats()
+        assert stats["placements"] == requests
+        assert stats["prefix_copies"] == n - 1
+        assert stats["copied_bytes"] == (n - 1) * model.payload_bytes(4 * BT)
+        assert stats["copy_failures"] == 0
+
+        # Route says where the next one goes, with the loads it was decided on.
+        r = fleet.route("fleet", system + tokens(3, 50))
+        assert isinstance(r, kvbank.Route) and r.home == first.home
+        assert r.mean_load == pytest.approx((requests + 1) / n, rel=0.2)
+        assert r.home_cached_tokens == 4 * BT and r.cost == 50
+        assert r.reason in ("home", "over_load_bound")
+        assert (r.replica == r.home) == (r.reason == "home")
+
+        by_key = kvbank.Fleet(",".join(s.target for s in servers), load_epsilon=None)
+        assert by_key.route("fleet", system + tokens(3, 50)).replica == first.home
+        with pytest.raises(kvbank.InvalidArgumentError):
+            kvbank.Fleet(servers[0].target, load_epsilon=-1.0)
+    finally:
+        for s in servers:
+            s.stop()
