@@ -108,22 +108,23 @@ Trace HotAndCold(size_t requests) {
 // kvbankd replicas as child processes.
 class Replicas {
  public:
-  Replicas(std::string kvbankd, std::string dir) : kvbankd_(std::move(kvbankd)), dir_(std::move(dir)) {}
+  Replicas(std::string kvbankd, std::string dir)
+      : kvbankd_(std::move(kvbankd)), dir_(std::move(dir)) {}
   ~Replicas() { StopAll(); }
   std::string Start(const std::string& name) {
     const std::string log = absl::StrCat(dir_, "/", name, ".log");
     const std::string port_file = absl::StrCat(dir_, "/", name, ".port");
     std::remove(port_file.c_str());
-    const pid_t pid = bench::SpawnServer({kvbankd_, "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                                          "--models=", "--no-auth", "--shm-socket=",
-                                          "--replica-name=" + name},
-                                         log);
+    const pid_t pid =
+        bench::SpawnServer({kvbankd_, "--listen=127.0.0.1:0", "--port-file=" + port_file,
+                            "--models=", "--no-auth", "--shm-socket=", "--replica-name=" + name},
+                           log);
     const int port = bench::WaitForPortFile(pid, port_file, log);
     pids_.push_back(pid);
     const std::string target = absl::StrCat("127.0.0.1:", port);
     auto c = Ok(Client::Connect(target), "connect " + name);
     Ok(c->WaitForServing(absl::Seconds(20)) ? absl::OkStatus()
-                                             : absl::UnavailableError("not serving"),
+                                            : absl::UnavailableError("not serving"),
        name);
     return target;
   }
@@ -195,15 +196,16 @@ struct Setup {
   std::vector<std::string> targets;
 };
 
-Setup StartFleet(const std::string& kvbankd, const std::string& dir, int n, const std::string& tag) {
+Setup StartFleet(const std::string& kvbankd, const std::string& dir, int n,
+                 const std::string& tag) {
   Setup s;
   s.replicas = std::make_unique<Replicas>(kvbankd, dir);
   for (int i = 0; i < n; ++i) s.targets.push_back(s.replicas->Start(absl::StrCat(tag, "-", i)));
   return s;
 }
 
-std::unique_ptr<Fleet> Connect(const std::vector<std::string>& targets, bool bounded,
-                               uint64_t pool, Client::ModelInfo* m) {
+std::unique_ptr<Fleet> Connect(const std::vector<std::string>& targets, bool bounded, uint64_t pool,
+                               Client::ModelInfo* m) {
   auto fleet = Ok(Fleet::Connect(absl::StrJoin(targets, ","), Options(bounded)), "fleet");
   *m = Ok(fleet->EnsureModel(Layout(), pool), "ensure model");
   return fleet;
@@ -260,8 +262,8 @@ void CopyRow(const std::string& kvbankd, const std::string& dir, int n) {
   const uint64_t size = system.size() * m.payload_bytes_per_token;
   std::printf("| %d | %zu | %llu | %llu | %.3f | %llu | %.3f |\n", n, where.size(),
               (unsigned long long)st.prefix_copies, (unsigned long long)st.copied_bytes,
-              double(st.copied_bytes) / double((n - 1) * size), (unsigned long long)st.copies_joined,
-              double(cached) / double(64 * system.size()));
+              double(st.copied_bytes) / double((n - 1) * size),
+              (unsigned long long)st.copies_joined, double(cached) / double(64 * system.size()));
 }
 
 void TwoSdkRow(const std::string& kvbankd, const std::string& dir, int n) {
@@ -346,25 +348,30 @@ int main(int argc, char** argv) {
   const size_t requests = quick ? 60 : 300;
 
   std::printf("## Traces: spread of sequences and hit rate\n\n");
-  std::printf("| replicas | trace | placement | busiest / mean | idlest / mean | hit rate | "
-              "one replica | ratio | copies | bytes copied |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| replicas | trace | placement | busiest / mean | idlest / mean | hit rate | "
+      "one replica | ratio | copies | bytes copied |\n|---|---|---|---|---|---|---|---|---|---|\n");
   for (int n : sizes) {
     kvbank::TraceRows(kvbankd, dir, n, "system prompt", kvbank::SystemPrompt(requests), 0);
     kvbank::TraceRows(kvbankd, dir, n, "hot + cold", kvbank::HotAndCold(2 * requests), 12 * n);
   }
   std::printf("\n## A new hot prefix (8 blocks), 64 concurrent creates\n\n");
-  std::printf("| replicas | replicas used | copies | bytes copied | ÷ (N-1) x prefix | joined | "
-              "cached ÷ prefix |\n|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| replicas | replicas used | copies | bytes copied | ÷ (N-1) x prefix | joined | "
+      "cached ÷ prefix |\n|---|---|---|---|---|---|---|\n");
   for (int n : sizes) kvbank::CopyRow(kvbankd, dir, n);
   std::printf("\n## Two SDK instances, the system-prompt trace split between them\n\n");
-  std::printf("| replicas | busiest / mean | idlest / mean | hit rate | copies |\n"
-              "|---|---|---|---|---|\n");
+  std::printf(
+      "| replicas | busiest / mean | idlest / mean | hit rate | copies |\n"
+      "|---|---|---|---|---|\n");
   for (int n : sizes) kvbank::TwoSdkRow(kvbankd, dir, n);
   std::printf("\n## Adding a replica: placement keys moved (3000 keys)\n\n");
-  std::printf("| replicas | moved | share | share x (N+1) | moved between old replicas |\n"
-              "|---|---|---|---|---|\n");
+  std::printf(
+      "| replicas | moved | share | share x (N+1) | moved between old replicas |\n"
+      "|---|---|---|---|---|\n");
   for (int n : sizes) kvbank::MoveRow(kvbankd, dir, n);
   std::string rm = "rm -rf " + dir;
-  if (std::system(rm.c_str()) != 0) std::fprintf(stderr, "fleet_bench: could not remove %s\n", dir.c_str());
+  if (std::system(rm.c_str()) != 0)
+    std::fprintf(stderr, "fleet_bench: could not remove %s\n", dir.c_str());
   return 0;
 }

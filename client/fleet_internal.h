@@ -5,6 +5,7 @@
 #define KVBANK_CLIENT_FLEET_INTERNAL_H_
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -71,9 +72,26 @@ struct Fleet::Impl {
     absl::Time done_at;
   };
   using CopyKey = std::pair<std::string, BlockHash>;  // (replica, deepest block copied)
+  // The replica this fleet last placed a block's prompt on, for placement_memory hashes.
+  struct Placements {
+    struct Entry {
+      std::string replica;
+      uint64_t serial = 0;  // the newest insertion; older queue entries of the hash are stale
+    };
+    std::map<BlockHash, Entry> where;
+    std::deque<std::pair<BlockHash, uint64_t>> order;  // oldest first
+    uint64_t next = 0;
+  };
+  // A prompt's hashes and where its longest known prefix was placed (Source).
+  struct Prefix {
+    Client::PrefixRootInfo root;    // algorithm, block_tokens
+    std::vector<BlockHash> hashes;  // every full block of the prompt
+    std::string holder;  // the replica of the deepest hash this fleet placed; empty: none
+    size_t holder_blocks = 0;
+  };
   // A placement decision (fleet_placement.cc).
   struct Placement {
-    std::vector<Pick> order;  // healthy replicas in the key's rendezvous order
+    std::vector<Pick> order;      // healthy replicas in the key's rendezvous order
     std::vector<uint64_t> loads;  // of `order`
     LoadPick pick;
     bool bounded = false;  // load_epsilon set
@@ -96,7 +114,8 @@ struct Fleet::Impl {
   std::map<std::string, Client::PrefixRootInfo> roots ABSL_GUARDED_BY(mu);
   std::atomic<uint64_t> empty_prompts{0};
   std::map<std::string, Load> loads ABSL_GUARDED_BY(mu);  // by replica name
-  absl::Mutex copy_mu;  // never held with mu
+  Placements placements ABSL_GUARDED_BY(copy_mu);
+  absl::Mutex copy_mu;    // never held with mu
   absl::CondVar copy_cv;  // a copy ended
   std::map<CopyKey, Copy> copies ABSL_GUARDED_BY(copy_mu);
   Fleet::Stats stats ABSL_GUARDED_BY(copy_mu);
@@ -137,11 +156,24 @@ struct Fleet::Impl {
   void Placed(const std::string& replica, bool created) ABSL_LOCKS_EXCLUDED(mu);
   // A sequence on `replica` was freed through this fleet.
   void Freed(const std::string& replica) ABSL_LOCKS_EXCLUDED(mu);
+  // The prompt's block hashes and the replica this fleet last placed its longest prefix on.
+  absl::StatusOr<Prefix> Lookup(const std::string& model, const std::vector<uint32_t>& prompt,
+                                const std::string& cache_salt,
+                                const std::vector<ExtraKey>& extra_keys)
+      ABSL_LOCKS_EXCLUDED(copy_mu);
+  // Sets prefix's holder from its hashes (none when this fleet placed none of them).
+  void FindHolder(Prefix* prefix) ABSL_LOCKS_EXCLUDED(copy_mu);
+  // Remembers every hash of `prefix` as placed on `replica`.
+  void Remember(const Prefix& prefix, const std::string& replica) ABSL_LOCKS_EXCLUDED(copy_mu);
+  // Where a sequence placed on `chosen` (home: the key's first choice) copies its prefix from:
+  // the known holder, else home when chosen is not home; null when none.
+  const Pick* CopySource(const Placement& p, const Prefix& prefix) const;
   // Copies the prefix blocks of `args.prompt` that `from` holds and `to` lacks from one to the
   // other, once per (prefix, replica) across concurrent callers. Errors are counted and
   // returned; the caller goes on without the copy.
   absl::Status CopyPrefix(const std::string& model, const Client::CreateArgs& args,
-                          const Pick& from, const Pick& to) ABSL_LOCKS_EXCLUDED(copy_mu);
+                          const Prefix& prefix, const Pick& from, const Pick& to)
+      ABSL_LOCKS_EXCLUDED(copy_mu);
   // The copy itself: the prompt's first `blocks` blocks (hashes `hashes`) that `to` lacks,
   // fetched from `from`. Returns the blocks and bytes copied.
   absl::StatusOr<std::pair<uint64_t, uint64_t>> RunCopy(const std::string& model,

@@ -47,8 +47,8 @@ LoadPick PickBoundedLoad(absl::Span<const size_t> order, absl::Span<const uint64
   LoadPick pick;
   uint64_t total = 0;
   for (uint64_t l : loads) total += l;
-  const double bound =
-      std::floor((1.0 + epsilon) * static_cast<double>(total + 1) / static_cast<double>(loads.size()));
+  const double bound = std::floor((1.0 + epsilon) * static_cast<double>(total + 1) /
+                                  static_cast<double>(loads.size()));
   pick.cap = std::max<uint64_t>(1, static_cast<uint64_t>(bound));
   pick.chosen = order.front();
   if (loads[pick.chosen] < pick.cap) return pick;
@@ -389,8 +389,8 @@ std::vector<Fleet::Replica> Fleet::Replicas() const {
   absl::MutexLock lock(&impl_->mu);
   for (const auto& [name, m] : impl_->members) {
     auto l = impl_->loads.find(name);
-    out.push_back(
-        Replica{name, m.address, m.healthy, m.reason, l == impl_->loads.end() ? 0 : l->second.Now()});
+    out.push_back(Replica{name, m.address, m.healthy, m.reason,
+                          l == impl_->loads.end() ? 0 : l->second.Now()});
   }
   return out;
 }

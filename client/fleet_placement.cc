@@ -63,16 +63,76 @@ void Fleet::Impl::ReportLoad(const std::string& name, Client& client) {
   l.base = base;
 }
 
-absl::Status Fleet::Impl::CopyPrefix(const std::string& model, const Client::CreateArgs& args,
-                                     const Pick& from, const Pick& to) {
+absl::StatusOr<Fleet::Impl::Prefix> Fleet::Impl::Lookup(const std::string& model,
+                                                        const std::vector<uint32_t>& prompt,
+                                                        const std::string& cache_salt,
+                                                        const std::vector<ExtraKey>& extra_keys) {
+  Prefix out;
   auto info = RootInfo(model);
   if (!info.ok()) return info.status();
+  out.root = *info;
   const uint32_t bt = info->block_tokens;
-  if (bt == 0 || args.prompt.size() < bt) return absl::OkStatus();  // no full block to share
+  if (bt == 0 || prompt.size() < bt) return out;  // no full block to share
   const BlockHash root =
-      RootHash(info->algorithm, {info->layout_fingerprint, info->tenant, args.cache_salt});
-  const std::vector<BlockHash> hashes =
-      PrefixHashes(info->algorithm, root, args.prompt, bt, args.extra_keys);
+      RootHash(info->algorithm, {info->layout_fingerprint, info->tenant, cache_salt});
+  out.hashes = PrefixHashes(info->algorithm, root, prompt, bt, extra_keys);
+  FindHolder(&out);
+  return out;
+}
+
+void Fleet::Impl::FindHolder(Prefix* prefix) {
+  absl::MutexLock lock(&copy_mu);
+  for (size_t i = prefix->hashes.size(); i > 0; --i) {
+    auto it = placements.where.find(prefix->hashes[i - 1]);
+    if (it == placements.where.end()) continue;
+    prefix->holder = it->second.replica;
+    prefix->holder_blocks = i;
+    return;
+  }
+}
+
+void Fleet::Impl::Remember(const Prefix& prefix, const std::string& replica) {
+  absl::MutexLock lock(&copy_mu);
+  Placements& p = placements;
+  for (const BlockHash& h : prefix.hashes) {
+    const uint64_t serial = ++p.next;
+    p.where[h] = Placements::Entry{replica, serial};
+    p.order.emplace_back(h, serial);
+  }
+  while (p.order.size() > options.placement_memory) {
+    const auto [h, serial] = p.order.front();
+    p.order.pop_front();
+    auto it = p.where.find(h);
+    if (it != p.where.end() && it->second.serial == serial) p.where.erase(it);
+  }
+}
+
+const Fleet::Impl::Pick* Fleet::Impl::CopySource(const Placement& p, const Prefix& prefix) const {
+  const std::string& chosen = p.order[p.pick.chosen].first;
+  if (!prefix.holder.empty()) {
+    for (const Pick& r : p.order) {
+      if (r.first == prefix.holder) return r.first == chosen ? nullptr : &r;
+    }
+    // The holder is not healthy: as if unknown.
+  }
+  return p.pick.home ? nullptr : &p.order.front();
+}
+
+absl::Status Fleet::Impl::CopyPrefix(const std::string& model, const Client::CreateArgs& args,
+                                     const Prefix& prefix, const Pick& from, const Pick& to) {
+  const std::vector<BlockHash>& hashes = prefix.hashes;
+  const uint32_t bt = prefix.root.block_tokens;
+  if (hashes.empty()) return absl::OkStatus();
+  if (from.first == prefix.holder && prefix.holder_blocks > 0) {
+    // Copied there lately: no call at all.
+    absl::MutexLock lock(&copy_mu);
+    auto it = copies.find(CopyKey{to.first, hashes[prefix.holder_blocks - 1]});
+    if (it != copies.end() && it->second.done &&
+        absl::Now() - it->second.done_at < options.copy_recheck) {
+      ++stats.copies_skipped;
+      return absl::OkStatus();
+    }
+  }
   Client::MatchQuery q;
   q.hashes = hashes;
   auto held = from.second->Match(model, {q});
@@ -82,7 +142,7 @@ absl::Status Fleet::Impl::CopyPrefix(const std::string& model, const Client::Cre
     return held.ok() ? absl::InternalError("Match answered nothing") : held.status();
   }
   const size_t blocks = std::min<size_t>(held->front() / bt, hashes.size());
-  if (blocks == 0) return absl::OkStatus();  // the first choice holds none of it either
+  if (blocks == 0) return absl::OkStatus();  // the source holds none of it either
 
   const CopyKey key{to.first, hashes[blocks - 1]};
   {
@@ -177,9 +237,9 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> Fleet::Impl::RunCopy(
     aa.token_ids.assign(c.prompt.begin() + first * bt, c.prompt.end());
     auto appended = to.second->Append(model, seq->id, aa, payload->payload);
     if (!appended.ok()) {
-      status = absl::Status(appended.status().code(),
-                            absl::StrCat("appending the copy to ", to.first, ": ",
-                                         appended.status().message()));
+      status = absl::Status(
+          appended.status().code(),
+          absl::StrCat("appending the copy to ", to.first, ": ", appended.status().message()));
       break;
     }
     bytes += payload->payload.size();
@@ -193,20 +253,32 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> Fleet::Impl::RunCopy(
 
 absl::StatusOr<Fleet::Sequence> Fleet::CreateSequence(const std::string& model,
                                                       const Client::CreateArgs& args) {
-  auto key = PlacementKey(model, args.prompt, args.cache_salt, args.extra_keys);
-  if (!key.ok()) return key.status();
+  Impl::Prefix prefix;
+  if (impl_->options.copy_prefixes) {
+    auto p = impl_->Lookup(model, args.prompt, args.cache_salt, args.extra_keys);
+    if (!p.ok()) return p.status();
+    prefix = *std::move(p);
+  }
+  BlockHash key;
+  if (!prefix.hashes.empty()) {
+    key = prefix.hashes.front();  // what PlacementKey computes for a prompt of a block or more
+  } else {
+    auto k = PlacementKey(model, args.prompt, args.cache_salt, args.extra_keys);
+    if (!k.ok()) return k.status();
+    key = *k;
+  }
   absl::Status last;
   for (;;) {
-    auto p = impl_->Place(*key, /*reserve=*/true);
+    auto p = impl_->Place(key, /*reserve=*/true);
     if (!p.ok()) {
       if (last.ok()) return p.status();
       return absl::UnavailableError(
           absl::StrCat("every healthy replica answered UNAVAILABLE; the last: ", last.message()));
     }
     const Impl::Pick& chosen = p->order[p->pick.chosen];
-    if (!p->pick.home && impl_->options.copy_prefixes) {
+    if (const Impl::Pick* from = impl_->CopySource(*p, prefix); from != nullptr) {
       // Errors are counted; the create goes on with what `chosen` holds.
-      impl_->CopyPrefix(model, args, p->order.front(), chosen).IgnoreError();
+      impl_->CopyPrefix(model, args, prefix, *from, chosen).IgnoreError();
     }
     auto info = chosen.second->CreateSequence(model, args);
     impl_->Placed(chosen.first, info.ok());
@@ -217,6 +289,7 @@ absl::StatusOr<Fleet::Sequence> Fleet::CreateSequence(const std::string& model,
           absl::StrCat("replica ", chosen.first, ": ", info.status().message()));
       continue;
     }
+    impl_->Remember(prefix, chosen.first);
     {
       absl::MutexLock lock(&impl_->copy_mu);
       ++impl_->stats.placements;
@@ -243,9 +316,8 @@ absl::StatusOr<Fleet::RouteDecision> Fleet::Route(const std::string& model,
   auto p = impl_->Place(d.key, /*reserve=*/false);
   if (!p.ok()) return p.status();
   const Impl::Pick& chosen = p->order[p->pick.chosen];
-  const Impl::Pick& home = p->order.front();
   d.replica = chosen.first;
-  d.home = home.first;
+  d.home = p->order.front().first;
   d.reason = !p->bounded ? "by_key" : p->pick.home ? "home" : "over_load_bound";
   d.load = p->loads[p->pick.chosen];
   d.home_load = p->loads.front();
@@ -265,20 +337,30 @@ absl::StatusOr<Fleet::RouteDecision> Fleet::Route(const std::string& model,
                         absl::StrCat("replica ", chosen.first, ": ", cached.status().message()));
   }
   d.cached_tokens = cached->empty() ? 0 : cached->front();
-  d.home_cached_tokens = d.cached_tokens;
-  if (!p->pick.home) {
-    auto at_home = home.second->Match(model, {prompt});
-    if (!at_home.ok()) {
-      return absl::Status(at_home.status().code(),
-                          absl::StrCat("replica ", home.first, ": ", at_home.status().message()));
+  if (impl_->options.copy_prefixes) {
+    Impl::Prefix prefix;
+    if (prompt.hashes.empty()) {
+      auto looked = impl_->Lookup(model, prompt.tokens, prompt.cache_salt, prompt.extra_keys);
+      if (!looked.ok()) return looked.status();
+      prefix = *std::move(looked);
+    } else {
+      prefix.hashes = prompt.hashes;
+      impl_->FindHolder(&prefix);
     }
-    d.home_cached_tokens = at_home->empty() ? 0 : at_home->front();
+    if (const Impl::Pick* from = impl_->CopySource(*p, prefix); from != nullptr) {
+      auto there = from->second->Match(model, {prompt});
+      if (!there.ok()) {
+        return absl::Status(there.status().code(),
+                            absl::StrCat("replica ", from->first, ": ", there.status().message()));
+      }
+      d.copy_from = from->first;
+      d.copy_from_cached_tokens = there->empty() ? 0 : there->front();
+      if (d.copy_from_cached_tokens > d.cached_tokens) {
+        d.copy_tokens = d.copy_from_cached_tokens - d.cached_tokens;
+      }
+    }
   }
-  uint64_t after = d.cached_tokens;
-  if (impl_->options.copy_prefixes && d.home_cached_tokens > d.cached_tokens) {
-    d.copy_tokens = d.home_cached_tokens - d.cached_tokens;
-    after = d.home_cached_tokens;
-  }
+  const uint64_t after = d.cached_tokens + d.copy_tokens;
   d.cost = d.prompt_tokens > after ? d.prompt_tokens - after : 0;
   return d;
 }

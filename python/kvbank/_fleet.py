@@ -65,9 +65,11 @@ class Fleet:
     drains takes no new placements (its keys go to their next choice) until it is SERVING again.
 
     Bounded load: a sequence goes to its key's first choice unless that replica holds
-    (1 + load_epsilon) x the mean live sequences or more; then to the least-loaded replica,
-    after copying the prefix blocks the first choice holds there (copy_prefixes), once per
-    (prefix, replica). load_epsilon=None: placement by key only.
+    (1 + load_epsilon) x the mean live sequences or more; then to the least-loaded replica.
+    Before the create, the prefix blocks another replica holds for the prompt are copied where
+    it lands (copy_prefixes): from where this fleet last placed the prompt's longest prefix (an
+    earlier turn), else from the key's first choice; once per (prefix, replica).
+    load_epsilon=None: placement by key only.
     """
 
     def __init__(self, target: str, token: Optional[str] = None, *, deadline_s: float = 30.0,
@@ -97,9 +99,9 @@ class Fleet:
     def route(self, model: str, prompt: Any, *, cache_salt: str = "",
               extra_keys: ExtraKeys = ()) -> Route:
         """Where create_sequence would place `prompt` (token ids, or block hashes) now, and why:
-        the replica, the key's first choice, their loads and the bound, the cached tokens at
-        both (one Match each), the tokens a prefix copy would bring and the cost (tokens left to
-        prefill there). For an engine-side router."""
+        the replica, the key's first choice, their loads and the bound, the cached tokens there
+        and at the replica a prefix copy would come from (one Match each), the tokens the copy
+        would bring and the cost (tokens left to prefill there). For an engine-side router."""
         return self._f.route(model, _query(prompt, cache_salt, extra_keys))
 
     def stats(self) -> dict[str, int]:

@@ -132,6 +132,7 @@ class Route:
     mean_load: float         # over healthy replicas, this placement counted
     prompt_tokens: int
     cached_tokens: int       # at replica now
-    home_cached_tokens: int  # at home now
-    copy_tokens: int         # copied from home before the create
-    cost: int                # tokens left to prefill at replica: prompt - cached after the copy
+    copy_from: str           # where a prefix copy would come from ("" when none would run)
+    copy_from_cached_tokens: int  # tokens of the prompt copy_from holds now
+    copy_tokens: int         # the tokens the copy would bring to replica
+    cost: int                # tokens left to prefill at replica: prompt - cached - copied

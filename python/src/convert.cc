@@ -223,8 +223,8 @@ const ResultTypes& Types() {
     // which is why no once-flag or static local guards this: a thread waiting on one while
     // holding the GIL would deadlock the importer. The loser's lookup is dropped.
     const py::module_ m = py::module_::import("kvbank._types");
-    auto* t = new ResultTypes{m.attr("ModelInfo"), m.attr("SequenceInfo"), m.attr("FetchInfo"),
-                              m.attr("Event"),     m.attr("PrefixRoot"),   m.attr("DeviceRegion"),
+    auto* t = new ResultTypes{m.attr("ModelInfo"), m.attr("SequenceInfo"),  m.attr("FetchInfo"),
+                              m.attr("Event"),     m.attr("PrefixRoot"),    m.attr("DeviceRegion"),
                               m.attr("Replica"),   m.attr("FleetSequence"), m.attr("Route")};
     if (result_types == nullptr) {
       result_types = t;
@@ -310,9 +310,9 @@ py::object FromRoute(const Fleet::RouteDecision& r) {
       py::arg("key") = FromHash(r.key), py::arg("load") = r.load,
       py::arg("home_load") = r.home_load, py::arg("load_bound") = r.load_bound,
       py::arg("mean_load") = r.mean_load, py::arg("prompt_tokens") = r.prompt_tokens,
-      py::arg("cached_tokens") = r.cached_tokens,
-      py::arg("home_cached_tokens") = r.home_cached_tokens, py::arg("copy_tokens") = r.copy_tokens,
-      py::arg("cost") = r.cost);
+      py::arg("cached_tokens") = r.cached_tokens, py::arg("copy_from") = r.copy_from,
+      py::arg("copy_from_cached_tokens") = r.copy_from_cached_tokens,
+      py::arg("copy_tokens") = r.copy_tokens, py::arg("cost") = r.cost);
 }
 
 py::dict FromFleetStats(const Fleet::Stats& s) {

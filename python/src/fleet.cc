@@ -48,7 +48,8 @@ class PyFleet {
     o.probe_interval = absl::Seconds(probe_interval_s);
     o.resolve_interval = absl::Seconds(resolve_interval_s);
     o.probe_deadline = absl::Seconds(probe_deadline_s);
-    if (load_epsilon.has_value() && !(*load_epsilon >= 0)) RaiseInvalid("load_epsilon must be >= 0");
+    if (load_epsilon.has_value() && !(*load_epsilon >= 0))
+      RaiseInvalid("load_epsilon must be >= 0");
     o.load_epsilon = load_epsilon;
     o.copy_prefixes = copy_prefixes;
     fleet_ = CallWithoutGil([&] { return Fleet::Connect(target, o); });

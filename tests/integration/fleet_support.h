@@ -74,8 +74,8 @@ inline std::vector<uint8_t> Payload(const Client::ModelInfo& m, uint64_t n) {
 // One request: a sequence with `prompt`, its uncached KV appended (so its blocks are
 // published), freed (they stay cached). Returns the cached tokens CreateSequence reported.
 inline absl::StatusOr<uint64_t> Serve(Fleet& fleet, const Client::ModelInfo& m,
-                               const std::vector<uint32_t>& prompt,
-                               std::string* replica = nullptr) {
+                                      const std::vector<uint32_t>& prompt,
+                                      std::string* replica = nullptr) {
   Client::CreateArgs args;
   args.prompt = prompt;
   auto seq = fleet.CreateSequence(kModel, args);

@@ -256,7 +256,8 @@ TEST_P(FleetBalanceTest, RouteExplainsThePlacement) {
   // beside the fleet: it learns of them from the replica's report).
   ASSERT_TRUE(RunTrace(*fleet, model_, {Concat(system, Tokens(11, 30))}, 0).ok());
   auto home = fleet->ReplicaClient(empty->home);
-  for (int i = 0; i < 2 * n; ++i) ASSERT_TRUE(home->CreateSequence(kModel, Client::CreateArgs{}).ok());
+  for (int i = 0; i < 2 * n; ++i)
+    ASSERT_TRUE(home->CreateSequence(kModel, Client::CreateArgs{}).ok());
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   auto home_load = [&] {
     for (const auto& r : fleet->Replicas()) {
@@ -278,7 +279,8 @@ TEST_P(FleetBalanceTest, RouteExplainsThePlacement) {
   EXPECT_EQ(routed->load_bound, uint64_t(std::floor(1.15 * double(2 * n + 2) / n)));
   EXPECT_DOUBLE_EQ(routed->mean_load, double(2 * n + 2) / n);
   EXPECT_EQ(routed->cached_tokens, 0u);
-  EXPECT_EQ(routed->home_cached_tokens, system.size());
+  EXPECT_EQ(routed->copy_from, routed->home);
+  EXPECT_EQ(routed->copy_from_cached_tokens, system.size());
   EXPECT_EQ(routed->copy_tokens, system.size());
   // CreateSequence goes where Route said.
   Client::CreateArgs args;
@@ -297,6 +299,65 @@ TEST_P(FleetBalanceTest, RouteExplainsThePlacement) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->reason, "by_key");
   EXPECT_EQ(r->replica, empty->home);
+}
+
+TEST_P(FleetBalanceTest, ConversationHistoryFollowsItsNextTurn) {
+  const int n = GetParam();
+  ASSERT_NO_FATAL_FAILURE(StartReplicas(n));
+  auto fleet = Connect();
+  ASSERT_NE(fleet, nullptr);
+  // Turn 1 lands on its key's home; its prompt and answer are appended there.
+  const std::vector<uint32_t> turn1 = Concat(Tokens(20, 64), Tokens(21, 90));
+  Client::CreateArgs args;
+  args.prompt = turn1;
+  auto first = fleet->CreateSequence(kModel, args);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<uint32_t> history = Concat(turn1, Tokens(22, 40));  // + the answer
+  Client::AppendArgs append;
+  append.num_tokens = history.size();
+  append.token_ids = history;
+  ASSERT_TRUE(fleet->Append(*first, append, Payload(model_, history.size())).ok());
+  ASSERT_TRUE(fleet->Free(*first).ok());
+  // The home gets busy (sequences made beside the fleet), so turn 2 goes elsewhere: its history
+  // is copied there from the replica turn 1 was placed on, not recomputed.
+  auto home = fleet->ReplicaClient(first->replica);
+  for (int i = 0; i < 2 * n; ++i) {
+    ASSERT_TRUE(home->CreateSequence(kModel, Client::CreateArgs{}).ok());
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto home_load = [&] {
+    for (const auto& r : fleet->Replicas()) {
+      if (r.name == first->replica) return r.load;
+    }
+    return uint64_t{0};
+  };
+  while (home_load() < uint64_t(2 * n) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  args.prompt = Concat(history, Tokens(23, 30));
+  const uint64_t history_blocks = history.size() / kBt * kBt;
+  auto routed = fleet->Route(kModel, {args.prompt, {}, "", {}});
+  ASSERT_TRUE(routed.ok()) << routed.status();
+  EXPECT_EQ(routed->copy_from, first->replica);
+  EXPECT_EQ(routed->copy_tokens, history_blocks);
+  EXPECT_EQ(routed->cost, args.prompt.size() - history_blocks);
+  auto second = fleet->CreateSequence(kModel, args);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->replica, first->replica);
+  EXPECT_EQ(second->info.cached_tokens, history_blocks);
+
+  // Without copies the same turn on another replica recomputes its history.
+  FleetOptions no_copies = FastOptions();
+  no_copies.copy_prefixes = false;
+  auto plain = Connect(no_copies);
+  ASSERT_NE(plain, nullptr);
+  args.prompt = Concat(history, Tokens(24, 30));
+  auto third = plain->CreateSequence(kModel, args);
+  ASSERT_TRUE(third.ok()) << third.status();
+  if (third->replica != first->replica && third->replica != second->replica) {
+    EXPECT_EQ(third->info.cached_tokens, 0u);
+  }
+  EXPECT_EQ(plain->GetStats().prefix_copies, 0u);
 }
 
 TEST_P(FleetBalanceTest, AddingAReplicaMovesItsShareOfKeys) {

@@ -222,7 +222,7 @@ def test_fleet_spreads_a_hot_system_prompt_within_the_bound(n):
         r = fleet.route("fleet", system + tokens(3, 50))
         assert isinstance(r, kvbank.Route) and r.home == first.home
         assert r.mean_load == pytest.approx((requests + 1) / n, rel=0.2)
-        assert r.home_cached_tokens == 4 * BT and r.cost == 50
+        assert r.cached_tokens == 4 * BT and r.cost == 50
         assert r.reason in ("home", "over_load_bound")
         assert (r.replica == r.home) == (r.reason == "home")
 

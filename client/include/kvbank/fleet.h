@@ -93,12 +93,17 @@ struct FleetOptions {
   // to the least-loaded replica. Unset: by key only (every prompt that shares a first block
   // lands on one replica, however hot).
   std::optional<double> load_epsilon = 0.15;
-  // A sequence placed away from its key's first choice gets, before it is created, the prefix
-  // blocks that replica holds for its prompt and the chosen one lacks (fetched by hash there,
-  // appended here, then left cached): its cached_tokens are what the first choice would have
-  // given. Once per (prefix, replica) even when many creates arrive at once; a copy that fails
-  // leaves the create to proceed with what is cached (counted in Stats()).
+  // Before a sequence is created, the prefix blocks of its prompt that another replica holds
+  // and the chosen one lacks are copied there (fetched by hash there, appended here, then left
+  // cached), so its cached_tokens are what that replica would have given. The source is the
+  // replica this fleet last placed the prompt's longest known prefix on (a conversation's
+  // earlier turn, a prefix used before), else the key's first choice when the sequence is
+  // placed away from it. Once per (prefix, replica) even when many creates arrive at once; a
+  // copy that fails leaves the create to proceed with what is cached (counted in Stats()).
   bool copy_prefixes = true;
+  // How many block hashes the fleet remembers the replica of (the copy source index above):
+  // every full block of every prompt it placed, the oldest forgotten first.
+  size_t placement_memory = 1 << 18;
   // How long a finished copy is trusted before the next create of that prefix on that replica
   // checks again that the blocks are still there (they may have been evicted).
   absl::Duration copy_recheck = absl::Seconds(5);
@@ -131,21 +136,23 @@ class Fleet {
     uint64_t load_bound = 0;           // home takes placements while its load is below this
     double mean_load = 0;              // over healthy replicas, with this placement counted
     uint64_t prompt_tokens = 0;
-    uint64_t cached_tokens = 0;       // at `replica` now (Match)
-    uint64_t home_cached_tokens = 0;  // at `home` now (Match); == cached_tokens when home
-    // Tokens CreateSequence would copy from home before creating (copy_prefixes):
-    // home_cached_tokens - cached_tokens when positive.
+    uint64_t cached_tokens = 0;  // at `replica` now (Match)
+    // Where CreateSequence would copy the prompt's prefix from (copy_prefixes; see there), and
+    // the tokens it holds of the prompt now (Match); empty and 0 when no copy would run.
+    std::string copy_from;
+    uint64_t copy_from_cached_tokens = 0;
+    // Tokens the copy would bring: copy_from_cached_tokens - cached_tokens when positive.
     uint64_t copy_tokens = 0;
     // The cost of the request at `replica` in tokens the engine must prefill there:
-    // prompt_tokens - max(cached_tokens, home_cached_tokens with copy_prefixes).
+    // prompt_tokens - (cached_tokens + copy_tokens).
     uint64_t cost = 0;
   };
   // What the fleet did, since it was connected.
   struct Stats {
-    uint64_t placements = 0;         // sequences created through CreateSequence
-    uint64_t home_placements = 0;    // of those, on their key's first choice
+    uint64_t placements = 0;          // sequences created through CreateSequence
+    uint64_t home_placements = 0;     // of those, on their key's first choice
     uint64_t bounded_placements = 0;  // moved off a home at the load bound
-    uint64_t prefix_copies = 0;      // copies run (replica to replica)
+    uint64_t prefix_copies = 0;       // copies run (replica to replica)
     uint64_t copied_blocks = 0, copied_bytes = 0;
     uint64_t copies_joined = 0;   // creates that waited for a copy another create ran
     uint64_t copies_skipped = 0;  // creates whose prefix was already copied there
@@ -213,7 +220,7 @@ class Fleet {
                                                     const std::string& cache_salt = "");
 
   // Where CreateSequence would place a prompt now, with the loads, the cached tokens at the
-  // chosen replica and at the key's first choice (one Match on each), and the cost.
+  // chosen replica and at the copy source (one Match on each), and the cost.
   absl::StatusOr<RouteDecision> Route(const std::string& model, const Client::MatchQuery& prompt);
   Stats GetStats() const;
 
