@@ -14,10 +14,16 @@
 // Addresses that leave the resolution leave the fleet; two addresses that report the same name
 // are one replica (the first that answered).
 //
-// Placement: rendezvous (highest-random-weight) hashing. Every replica scores a key with
-// RendezvousScore(name, key); the healthy replica with the highest score takes it, the next
-// one when it is down. Adding a replica to N moves about 1/(N+1) of the keys (only those the new
-// one now wins); removing one moves only its own keys.
+// Placement (specified byte for byte, with test vectors, in client/PLACEMENT.md): rendezvous
+// (highest-random-weight) hashing with bounded load. Every replica scores a key with
+// RendezvousScore(name, key); the healthy replica with the highest score is the key's home.
+// Adding a replica to N moves about 1/(N+1) of the keys' homes (only those the new one now
+// wins); removing one moves only its own. The home takes a new sequence unless it already holds
+// (1 + load_epsilon) x the fleet's mean of live sequences (PickBoundedLoad), when the
+// least-loaded replica does: a hot system prompt spreads over the fleet instead of pinning it to
+// one replica. Before such a create, the prompt's prefix blocks are copied where it lands from
+// the replica that holds them (copy_prefixes): a hit, never a recompute, once per (prefix,
+// replica). Route says where a prompt would go and why.
 //
 // The key of a sequence is its first full block's prefix hash (kvbank/prefix_hash.h, computed
 // here; the hash chains the model's root, i.e. layout fingerprint, tenant and cache salt, the
