@@ -48,6 +48,7 @@ absl::StatusOr<Client::SequenceInfo> Client::CreateSequence(const std::string& m
   req.mutable_retention()->set_window(args.window);
   req.mutable_retention()->set_sinks(args.sinks);
   req.mutable_retention()->set_budget(args.budget);
+  req.set_prefix_copy(args.prefix_copy);
   v1::SequenceInfo resp;
   if (auto s = impl_->Call(&v1::KvBank::Stub::CreateSequence, req, &resp); !s.ok()) return s;
   return FromProto(resp);

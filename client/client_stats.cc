@@ -59,6 +59,8 @@ absl::StatusOr<std::vector<Client::ModelStats>> Client::GetStats(const std::stri
     m.prefix_query_tokens = p.prefix_query_tokens();
     m.prefix_hit_tokens = p.prefix_hit_tokens();
     m.fetches_waiting = p.fetches_waiting();
+    m.prefix_copies_in = p.prefix_copies_in();
+    m.prefix_copy_bytes_in = p.prefix_copy_bytes_in();
     if (p.has_tiers()) {
       const v1::TierStats& t = p.tiers();
       ModelStats::Tiers o;

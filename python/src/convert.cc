@@ -359,6 +359,8 @@ py::dict StatsToDict(const Client::ModelStats& s) {
   KVBANK_STAT(prefix_query_tokens);
   KVBANK_STAT(prefix_hit_tokens);
   KVBANK_STAT(fetches_waiting);
+  KVBANK_STAT(prefix_copies_in);
+  KVBANK_STAT(prefix_copy_bytes_in);
 #undef KVBANK_STAT
   py::list tenants;
   for (const auto& t : s.tenants) {

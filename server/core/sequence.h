@@ -81,6 +81,7 @@ struct Sequence {
   std::vector<double> scores;  // heavy hitter: attention mass per token (all heads and layers)
   uint64_t generation = 0;     // bumped by every compaction (positions move)
   bool publishable = true;     // false once compacted: the ids no longer form a prompt prefix
+  bool prefix_copy = false;    // CreateOptions::prefix_copy: its appends count as copied bytes
 
   // Length() as the store's token counters hold it (SequenceStore::Account).
   uint64_t counted_length = 0;

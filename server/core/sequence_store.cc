@@ -225,11 +225,13 @@ absl::StatusOr<SequenceInfo> SequenceStore::Create(const CreateOptions& o) {
   s->cached_tokens = s->table.size() * uint64_t{layout_.block_tokens};
   for (uint64_t& l : s->layer_len) l = s->cached_tokens;
   s->retention = o.retention;
+  s->prefix_copy = o.prefix_copy;
   // A sliding window releases now; a heavy-hitter compaction copies rows, which the next
   // append's commit does outside the lock.
   if (o.retention.kind == RetentionPolicy::Kind::kSlidingWindow) Retain(*s);
   Account(*s);
   tenants_->PrefixLookedUp(o.tenant, o.prompt.size(), s->cached_tokens);
+  if (o.prefix_copy) tenants_->PrefixCopyCreated(o.tenant);
   return Info(*s);
 }
 

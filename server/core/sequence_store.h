@@ -74,6 +74,9 @@ struct CreateOptions {
   std::vector<ExtraKey> extra_keys;  // go into every block's hash (LoRA name, ...)
   std::optional<uint8_t> priority;   // of the blocks this sequence publishes
   RetentionPolicy retention;
+  // It carries prefix blocks copied from another replica: counted in prefix_copies_in, and its
+  // appends' payload in prefix_copy_bytes_in (Stats). A fork of it is not a copy.
+  bool prefix_copy = false;
 };
 
 // A new empty sequence with this lease: nullopt = the default lease, zero = no lease (it lives
@@ -96,10 +99,10 @@ struct SequenceInfo {
 
 // Stats() for an admin: the model's totals, every tenant's row. Stats(&tenant) is what that
 // tenant may see (tenant_view): every figure is the tenant's own (sequences, tokens_stored,
-// appends, fetches, bytes, leases_expired, prefix tokens, pool.used = its blocks_referenced) and
-// tenants holds its row only. pool.total is the pool's fixed size (configuration, not activity);
-// pool.free, cached, pinned and evictions are pool-wide and move with other tenants' work, so a
-// tenant view leaves them 0.
+// appends, fetches, bytes, leases_expired, prefix tokens, prefix copies in and their bytes,
+// pool.used = its blocks_referenced) and tenants holds its row only. pool.total is the pool's
+// fixed size (configuration, not activity); pool.free, cached, pinned and evictions are pool-wide
+// and move with other tenants' work, so a tenant view leaves them 0.
 struct StoreStats : Activity {
   bool tenant_view = false;
   uint64_t fetches_waiting = 0;  // WhenCommitted waiters now (0 in a tenant view)

@@ -292,7 +292,7 @@ absl::StatusOr<SequenceInfo> AppendTxn::Commit() {
     st.PublishFullBlocks(s);
     compaction = st.Retain(s);
     st.Account(s);
-    st.tenants_->Appended(s.tenant, written);
+    st.tenants_->Appended(s.tenant, written, s.prefix_copy);
     if (!compaction.has_value()) {
       st.EndAppend(s, /*region_id=*/0);
       st.TakeReadyWaiters(s.id, &fired);

@@ -17,6 +17,8 @@ Activity& Activity::operator+=(const Activity& o) {
   bytes_appended += o.bytes_appended;
   bytes_fetched += o.bytes_fetched;
   leases_expired += o.leases_expired;
+  prefix_copies_in += o.prefix_copies_in;
+  prefix_copy_bytes_in += o.prefix_copy_bytes_in;
   return *this;
 }
 
@@ -73,11 +75,17 @@ void StoreTenants::PrefixLookedUp(const std::string& tenant, uint64_t query_toke
   c.prefix_hit_tokens += hit_tokens;
 }
 
-void StoreTenants::Appended(const std::string& tenant, uint64_t bytes) {
+void StoreTenants::PrefixCopyCreated(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  ++counters_[tenant].prefix_copies_in;
+}
+
+void StoreTenants::Appended(const std::string& tenant, uint64_t bytes, bool prefix_copy) {
   absl::MutexLock lock(&mu_);
   Counters& c = counters_[tenant];
   ++c.appends;
   c.bytes_appended += bytes;
+  if (prefix_copy) c.prefix_copy_bytes_in += bytes;
 }
 
 void StoreTenants::Fetched(const std::string& tenant, uint64_t bytes) {

@@ -29,6 +29,8 @@ struct Activity {
   uint64_t bytes_appended = 0;
   uint64_t bytes_fetched = 0;
   uint64_t leases_expired = 0;
+  uint64_t prefix_copies_in = 0;      // sequences created as prefix copies from another replica
+  uint64_t prefix_copy_bytes_in = 0;  // of bytes_appended, those appended to such sequences
 
   Activity& operator+=(const Activity& o);
 };
@@ -67,7 +69,10 @@ class StoreTenants {
   void SequenceRemoved(const std::string& tenant, bool lease_expired);
   void TokensChanged(const std::string& tenant, uint64_t before, uint64_t now);
   void PrefixLookedUp(const std::string& tenant, uint64_t query_tokens, uint64_t hit_tokens);
-  void Appended(const std::string& tenant, uint64_t bytes);
+  // A sequence created as a prefix copy (CreateOptions::prefix_copy).
+  void PrefixCopyCreated(const std::string& tenant);
+  // One committed append of `bytes` payload bytes; `prefix_copy`: to a prefix-copy sequence.
+  void Appended(const std::string& tenant, uint64_t bytes, bool prefix_copy);
   void Fetched(const std::string& tenant, uint64_t bytes);
 
   // One tenant's row (zeros for a tenant never seen).

@@ -57,6 +57,13 @@ const Figure<v1::ModelStats> kModelFigures[] = {
      [](const v1::ModelStats& m) { return double(m.bytes_fetched()); }},
     {"kvbank_leases_expired_total", "Sequences freed because their lease ran out.",
      MetricType::kCounter, [](const v1::ModelStats& m) { return double(m.leases_expired()); }},
+    {"kvbank_prefix_copies_in_total",
+     "Sequences created as prefix copies from another replica (CreateSequence prefix_copy).",
+     MetricType::kCounter, [](const v1::ModelStats& m) { return double(m.prefix_copies_in()); }},
+    {"kvbank_prefix_copy_bytes_in_total",
+     "Payload bytes of the appends committed to prefix-copy sequences (part of bytes appended).",
+     MetricType::kCounter,
+     [](const v1::ModelStats& m) { return double(m.prefix_copy_bytes_in()); }},
 };
 
 // Per tenant of a model, from v1::TenantStats (every figure the tenant's own).

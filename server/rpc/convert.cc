@@ -197,6 +197,8 @@ void ToProto(const SequenceStore& model, const StoreStats& st, v1::ModelStats* o
   out->set_prefix_hit_tokens(st.prefix_hit_tokens);
   out->set_tenant_view(st.tenant_view);
   out->set_fetches_waiting(st.fetches_waiting);
+  out->set_prefix_copies_in(st.prefix_copies_in);
+  out->set_prefix_copy_bytes_in(st.prefix_copy_bytes_in);
   if (st.tiers.has_value()) {
     const TierStats& t = *st.tiers;
     v1::TierStats* p = out->mutable_tiers();

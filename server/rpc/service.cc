@@ -209,6 +209,7 @@ absl::StatusOr<CreateOptions> ToCreateOptions(const v1::CreateSequenceRequest& r
   o.tenant = tenant;
   o.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
   o.cache_salt = req.cache_salt();
+  o.prefix_copy = req.prefix_copy();
   auto keys = ExtraKeysFromProto(req.extra_keys());
   if (!keys.ok()) return keys.status();
   o.extra_keys = *std::move(keys);

@@ -39,6 +39,7 @@ class MetricsTest : public KvbankdTest {
             testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::create_directories(dir_);
     std::ofstream(dir_ + "/tokens") << "token-of-a a\n"
+                                    << "token-of-b b\n"
                                     << "token-of-ops ops admin\n";
   }
   void TearDown() override {
@@ -197,6 +198,11 @@ TEST_F(MetricsTest, ScrapeReportsTheWorkDone) {
   EXPECT_EQ(at("kvbank_appends_total{model=\"m\"}"), st.appends);
   EXPECT_EQ(at("kvbank_bytes_appended_total{model=\"m\"}"), st.bytes_appended);
   EXPECT_EQ(at("kvbank_bytes_fetched_total{model=\"m\"}"), st.bytes_fetched);
+  // None of these sequences was a prefix copy.
+  EXPECT_EQ(at("kvbank_prefix_copies_in_total{model=\"m\"}"), 0);
+  EXPECT_EQ(at("kvbank_prefix_copy_bytes_in_total{model=\"m\"}"), 0);
+  EXPECT_EQ(st.prefix_copies_in, 0u);
+  EXPECT_EQ(st.prefix_copy_bytes_in, 0u);
 
   // Connections (the clients above hold theirs open) and the build.
   EXPECT_GE(at("kvbank_connections"), 1);
@@ -205,6 +211,78 @@ TEST_F(MetricsTest, ScrapeReportsTheWorkDone) {
   auto info = ops->GetServerInfo();
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(at("kvbank_build_info{version=\"" + info->version + "\"}"), 1);
+}
+
+// A prefix copied in from another replica (a sequence created with prefix_copy, its blocks
+// appended, then freed) counts once, with its payload bytes, in GetStats and /metrics; a plain
+// sequence of the same shape counts in neither; a tenant's view holds only its own copies.
+TEST_F(MetricsTest, PrefixCopiesCountOnTheReplicaTheyCameInto) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> ops = As("token-of-ops");
+  std::unique_ptr<Client> a = As("token-of-a");
+  std::unique_ptr<Client> b = As("token-of-b");
+  const ModelLayout layout = SmallLayout("m");
+  auto model = ops->EnsureModel(layout, 4 * kMiB);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const uint64_t per_token = model->payload_bytes_per_token;
+  ASSERT_GT(per_token, 0u);
+  Random rng(4211);
+  std::cerr << "[metrics] seed 4211\n";
+
+  // As a fleet copies a prefix: the prefix's tokens as the prompt, its blocks appended, freed.
+  const uint64_t copied = 3 * kBt;
+  Client::CreateArgs copy;
+  copy.prompt = Tokens(4211, copied);
+  copy.prefix_copy = true;
+  auto in = a->CreateSequence("m", copy);
+  ASSERT_TRUE(in.ok()) << in.status();
+  ASSERT_EQ(in->cached_tokens, 0u);
+  KvReference ref_in(layout);
+  ASSERT_TRUE(AppendKv(*a, "m", in->id, ref_in, rng, copied).ok());
+  ASSERT_TRUE(a->Free("m", in->id).ok());
+
+  // Tenant b's plain sequence of 2 blocks and 5 tokens: appended, not copied.
+  const uint64_t plain = 2 * kBt + 5;
+  Client::CreateArgs own;
+  own.prompt = Tokens(4212, plain);
+  auto mine = b->CreateSequence("m", own);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  KvReference ref_mine(layout);
+  ASSERT_TRUE(AppendKv(*b, "m", mine->id, ref_mine, rng, plain).ok());
+
+  const Client::ModelStats st = StatsOf(*ops, "m");
+  EXPECT_EQ(st.prefix_copies_in, 1u);
+  EXPECT_EQ(st.prefix_copy_bytes_in, copied * per_token);
+  EXPECT_EQ(st.bytes_appended, (copied + plain) * per_token) << "copied bytes are appended bytes";
+  EXPECT_EQ(st.appends, 2u);
+  // Each tenant sees its own.
+  const Client::ModelStats st_a = StatsOf(*a, "m");
+  ASSERT_TRUE(st_a.tenant_view);
+  EXPECT_EQ(st_a.prefix_copies_in, 1u);
+  EXPECT_EQ(st_a.prefix_copy_bytes_in, copied * per_token);
+  const Client::ModelStats st_b = StatsOf(*b, "m");
+  ASSERT_TRUE(st_b.tenant_view);
+  EXPECT_EQ(st_b.prefix_copies_in, 0u);
+  EXPECT_EQ(st_b.prefix_copy_bytes_in, 0u);
+  EXPECT_EQ(st_b.bytes_appended, plain * per_token);
+
+  const std::string answer = testing_http::Request(metrics_port_, "/metrics");
+  ASSERT_TRUE(absl::StartsWith(answer, "HTTP/1.1 200 OK\r\n")) << answer.substr(0, 200);
+  const std::string body = testing_http::Body(answer);
+  for (const std::string name :
+       {"kvbank_prefix_copies_in_total", "kvbank_prefix_copy_bytes_in_total"}) {
+    EXPECT_TRUE(absl::StrContains(body, "\n# HELP " + name + " ")) << name;
+    EXPECT_TRUE(absl::StrContains(body, "\n# TYPE " + name + " counter\n")) << name;
+  }
+  const std::map<std::string, double> m = ParseSeries(body);
+  auto at = [&](const std::string& series) {
+    auto it = m.find(series);
+    EXPECT_NE(it, m.end()) << "no series " << series;
+    return it == m.end() ? -1.0 : it->second;
+  };
+  EXPECT_EQ(at("kvbank_prefix_copies_in_total{model=\"m\"}"), 1);
+  EXPECT_EQ(at("kvbank_prefix_copy_bytes_in_total{model=\"m\"}"), double(copied * per_token));
+  EXPECT_EQ(at("kvbank_bytes_appended_total{model=\"m\"}"), double((copied + plain) * per_token));
 }
 
 // A call whose client gives up (its deadline passes while the fetch waits for tokens) counts once,

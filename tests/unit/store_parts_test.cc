@@ -223,7 +223,9 @@ TEST(StoreTenantsTest, CountsPerTenantAndTotalsAreTheirSum) {
   t.TokensChanged("a", 0, 10);
   t.TokensChanged("b", 0, 3);
   t.TokensChanged("a", 10, 7);
-  t.Appended("a", 100);
+  t.Appended("a", 100, /*prefix_copy=*/false);
+  t.PrefixCopyCreated("b");
+  t.Appended("b", 30, /*prefix_copy=*/true);
   t.Fetched("b", 40);
   t.Fetched("b", 2);
   t.PrefixLookedUp("a", 32, 16);
@@ -237,13 +239,23 @@ TEST(StoreTenantsTest, CountsPerTenantAndTotalsAreTheirSum) {
   EXPECT_EQ(a.leases_expired, 1u);
   EXPECT_EQ(a.prefix_query_tokens, 32u);
   EXPECT_EQ(a.prefix_hit_tokens, 16u);
-  EXPECT_EQ(a.fetches, 0u);  // b's fetches are b's
+  EXPECT_EQ(a.fetches, 0u);           // b's fetches are b's
+  EXPECT_EQ(a.prefix_copies_in, 0u);  // b's copy is b's
+  EXPECT_EQ(a.prefix_copy_bytes_in, 0u);
+  const TenantStats b = t.Row("b");
+  EXPECT_EQ(b.prefix_copies_in, 1u);
+  EXPECT_EQ(b.prefix_copy_bytes_in, 30u);
+  EXPECT_EQ(b.bytes_appended, 30u) << "copied bytes are appended bytes";
   const Activity all = t.Totals();
   EXPECT_EQ(all.sequences, 2u);
   EXPECT_EQ(all.tokens_stored, 10u);
   EXPECT_EQ(all.fetches, 2u);
   EXPECT_EQ(all.bytes_fetched, 42u);
   EXPECT_EQ(all.leases_expired, 1u);
+  EXPECT_EQ(all.appends, 2u);
+  EXPECT_EQ(all.bytes_appended, 130u);
+  EXPECT_EQ(all.prefix_copies_in, 1u);
+  EXPECT_EQ(all.prefix_copy_bytes_in, 30u);
   const std::vector<TenantStats> rows = t.Rows();
   ASSERT_EQ(rows.size(), 2u);
   EXPECT_EQ(rows[0].tenant, "a");  // by name

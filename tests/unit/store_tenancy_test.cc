@@ -195,6 +195,53 @@ TEST_F(TenancyTest, ATenantSeesOnlyItsOwnFigures) {
   EXPECT_EQ(all.fetches, 3u);
   EXPECT_EQ(all.leases_expired, 3u);
   EXPECT_EQ(all.pool.free + all.pool.cached + all.pool.used, 64u);
+  EXPECT_EQ(all.prefix_copies_in, 0u) << "no sequence was a prefix copy";
+  EXPECT_EQ(all.prefix_copy_bytes_in, 0u);
+  EXPECT_EQ(store_->CheckInvariants(), "");
+}
+
+// A sequence created as a prefix copy counts once at create, and every committed append to it
+// counts its payload bytes (also in bytes_appended); its fork, a plain sequence and an append
+// refused count nothing. Per tenant, the model's the sum.
+TEST_F(TenancyTest, PrefixCopiesCountTheSequenceAndTheBytesAppendedToIt) {
+  const std::vector<uint32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9};  // 2 blocks and 1 token
+  CreateOptions o;
+  o.tenant = "a";
+  o.lease = absl::ZeroDuration();
+  o.prompt = prompt;
+  o.prefix_copy = true;
+  auto copy = store_->Create(o);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  // The prefix's blocks in two appends, as a copy of blocks fetched by hash may arrive.
+  ASSERT_TRUE(Append("a", copy->id, 4).ok());
+  EXPECT_EQ(Append("a", copy->id, 5, {5, 6, 7, 8, 0}).status().code(), StatusCode::kInvalidArgument)
+      << "ids that differ from the prompt's: refused, not counted";
+  ASSERT_TRUE(Append("a", copy->id, 5).ok());
+  auto fork = store_->Fork(copy->id, std::nullopt, "a");
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  ASSERT_TRUE(Append("a", fork->id, 3).ok());
+  ASSERT_TRUE(store_->Free(copy->id, "a").ok());
+  auto plain = Create("b", absl::ZeroDuration(), prompt);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE(Append("b", plain->id, 9).ok());
+
+  const std::string tenant_a = "a", tenant_b = "b";
+  const StoreStats va = store_->Stats(&tenant_a);
+  EXPECT_EQ(va.prefix_copies_in, 1u);
+  EXPECT_EQ(va.prefix_copy_bytes_in, PayloadBytes(4) + PayloadBytes(5));
+  EXPECT_EQ(va.bytes_appended, PayloadBytes(4) + PayloadBytes(5) + PayloadBytes(3));
+  const StoreStats vb = store_->Stats(&tenant_b);
+  EXPECT_EQ(vb.prefix_copies_in, 0u);
+  EXPECT_EQ(vb.prefix_copy_bytes_in, 0u);
+  EXPECT_EQ(vb.bytes_appended, PayloadBytes(9));
+  const StoreStats all = store_->Stats();
+  EXPECT_EQ(all.prefix_copies_in, 1u) << "counted at create; the free does not take it back";
+  EXPECT_EQ(all.prefix_copy_bytes_in, PayloadBytes(9));
+  EXPECT_EQ(all.bytes_appended, PayloadBytes(9) + PayloadBytes(3) + PayloadBytes(9));
+  ASSERT_EQ(all.tenants.size(), 2u);
+  EXPECT_EQ(all.tenants[0].prefix_copies_in, 1u);
+  EXPECT_EQ(all.tenants[0].prefix_copy_bytes_in, PayloadBytes(9));
+  EXPECT_EQ(all.tenants[1].prefix_copies_in, 0u);
   EXPECT_EQ(store_->CheckInvariants(), "");
 }
 

@@ -126,6 +126,9 @@ class Client {
     uint64_t blocks_cached = 0, blocks_pinned = 0, evictions = 0;
     uint64_t prefix_query_tokens = 0, prefix_hit_tokens = 0;
     uint64_t fetches_waiting = 0;  // fetches waiting for their tokens (FetchArgs::wait)
+    // Sequences created with CreateArgs::prefix_copy, and the payload bytes appended to them
+    // (counted in bytes_appended too): prefixes copied in from other replicas.
+    uint64_t prefix_copies_in = 0, prefix_copy_bytes_in = 0;
     // The tiers below the pool (v1::TierStats); unset when the model has none.
     struct Tiers {
       uint64_t host_blocks = 0, host_capacity = 0, disk_blocks = 0, disk_capacity = 0;
@@ -171,6 +174,10 @@ class Client {
     // Retention: kind 0 full, 1 sliding window (window, sinks), 2 heavy hitter (budget, window).
     uint32_t retention_kind = 0;
     uint32_t window = 0, sinks = 0, budget = 0;
+    // The sequence carries prefix blocks copied from another replica (a Fleet's prefix copy):
+    // the server counts it, and the payload appended to it, in ModelStats::prefix_copies_in and
+    // prefix_copy_bytes_in. Nothing else about the sequence changes.
+    bool prefix_copy = false;
   };
   struct MatchQuery {
     std::vector<uint32_t> tokens;   // either token ids ...
