@@ -191,6 +191,12 @@ absl::Status Fleet::Impl::CopyPrefix(const std::string& model, const Client::Cre
 absl::StatusOr<std::pair<uint64_t, uint64_t>> Fleet::Impl::RunCopy(
     const std::string& model, const Client::CreateArgs& args, const std::vector<BlockHash>& hashes,
     uint32_t bt, size_t blocks, const Pick& from, const Pick& to) {
+  // Already there (another copy, or the target's own sequences): no copy sequence at all.
+  Client::MatchQuery q;
+  q.hashes.assign(hashes.begin(), hashes.begin() + blocks);
+  auto there = to.second->Match(model, {q});
+  if (!there.ok()) return there.status();
+  if (!there->empty() && there->front() >= uint64_t(blocks) * bt) return std::make_pair(0, 0);
   auto layout = to.second->GetModel(model);
   if (!layout.ok()) return layout.status();
   Client::CreateArgs c;
@@ -199,6 +205,7 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> Fleet::Impl::RunCopy(
   c.extra_keys = args.extra_keys;
   c.priority = args.priority;
   c.lease = kCopyLease;
+  c.prefix_copy = true;  // counted as a copy on `to` (GetStats, /metrics)
   // The create attaches whatever `to` holds already; the copy fills in the rest.
   auto seq = to.second->CreateSequence(model, c);
   if (!seq.ok()) return seq.status();

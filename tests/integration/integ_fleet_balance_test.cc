@@ -152,6 +152,15 @@ TEST_P(FleetBalanceTest, SharedSystemPromptSpreadsWithinTheBound) {
   EXPECT_EQ(stats.prefix_copies, uint64_t(n - 1));
   EXPECT_EQ(stats.copied_blocks, 4u * (n - 1));
   EXPECT_EQ(stats.copy_failures, 0u);
+  uint64_t copies_in = 0, bytes_in = 0;
+  for (const auto& rep : fleet->Replicas()) {
+    auto st = fleet->ReplicaClient(rep.name)->GetStats(kModel);
+    ASSERT_TRUE(st.ok()) << st.status();
+    copies_in += st->front().prefix_copies_in;
+    bytes_in += st->front().prefix_copy_bytes_in;
+  }
+  EXPECT_EQ(copies_in, stats.prefix_copies);
+  EXPECT_EQ(bytes_in, stats.copied_bytes);
   // The fleet's load figures become the replicas' own counts (at the next health check).
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   auto loads_agree = [&] {
@@ -226,6 +235,16 @@ TEST_P(FleetBalanceTest, ConcurrentCreatesCopyAHotPrefixOncePerReplica) {
   EXPECT_EQ(stats.copied_bytes, (per_replica.size() - 1) * prefix_bytes);
   EXPECT_EQ(stats.prefix_copies, per_replica.size() - 1);
   EXPECT_EQ(stats.copy_failures, 0u);
+  // The replicas count the same copies and bytes as having come in (GetStats, /metrics).
+  uint64_t copies_in = 0, bytes_in = 0;
+  for (const auto& r : fleet->Replicas()) {
+    auto st = fleet->ReplicaClient(r.name)->GetStats(kModel);
+    ASSERT_TRUE(st.ok()) << st.status();
+    copies_in += st->front().prefix_copies_in;
+    bytes_in += st->front().prefix_copy_bytes_in;
+  }
+  EXPECT_EQ(copies_in, stats.prefix_copies);
+  EXPECT_EQ(bytes_in, stats.copied_bytes);
   // The replicas agree: each one the sequences landed on holds the system prompt.
   for (const auto& [name, count] : per_replica) {
     Client::MatchQuery q;

@@ -217,6 +217,10 @@ def test_fleet_spreads_a_hot_system_prompt_within_the_bound(n):
         assert stats["prefix_copies"] == n - 1
         assert stats["copied_bytes"] == (n - 1) * model.payload_bytes(4 * BT)
         assert stats["copy_failures"] == 0
+        # The replicas count what came in as copies, in GetStats (and /metrics).
+        came_in = [kvbank.Client(s.target).stats("fleet")[0] for s in servers]
+        assert sum(m["prefix_copies_in"] for m in came_in) == n - 1
+        assert sum(m["prefix_copy_bytes_in"] for m in came_in) == stats["copied_bytes"]
 
         # Route says where the next one goes, with the loads it was decided on.
         r = fleet.route("fleet", system + tokens(3, 50))
