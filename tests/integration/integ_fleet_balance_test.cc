@@ -176,6 +176,34 @@ TEST_P(FleetBalanceTest, SharedSystemPromptSpreadsWithinTheBound) {
   EXPECT_GE(r->HitRate(), 0.9 * one) << "fleet " << r->HitRate() << ", one replica " << one;
 }
 
+TEST_P(FleetBalanceTest, TwoSdkInstancesConvergeThroughTheReplicasReports) {
+  const int n = GetParam();
+  ASSERT_NO_FATAL_FAILURE(StartReplicas(n));
+  auto a = Connect();
+  auto b = Connect();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  // Two routers, no coordinator: each learns the other's sequences only from the replicas'
+  // load reports (every 100 ms here). Each keeps its own placements within the bound and spreads
+  // the rest evenly, so the sum stays near it; between two reports a view lags the other's
+  // placements, which may take the home a few sequences past (1 + epsilon) x the mean.
+  const auto trace = SystemPromptTrace(300);
+  std::vector<std::vector<uint32_t>> odd, even;
+  for (size_t i = 0; i < trace.size(); ++i) (i % 2 ? odd : even).push_back(trace[i]);
+  absl::StatusOr<TraceResult> ra, rb;
+  std::thread x([&] { ra = RunTrace(*a, model_, even, 0); });
+  std::thread y([&] { rb = RunTrace(*b, model_, odd, 0); });
+  x.join();
+  y.join();
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  TraceResult both;
+  for (const TraceResult* r : {&*ra, &*rb}) {
+    for (const auto& [name, count] : r->placed) both.placed[name] += count;
+  }
+  ExpectWithinBound(both, n, 0.2);
+}
+
 TEST_P(FleetBalanceTest, HotAndColdPrefixesKeepTheHitRateOfOneReplica) {
   const int n = GetParam();
   ASSERT_NO_FATAL_FAILURE(StartReplicas(n));
