@@ -196,7 +196,8 @@ def test_fleet_spreads_a_hot_system_prompt_within_the_bound(n):
         assert (first.reason, first.replica, first.cached_tokens) == ("home", first.home, 0)
         assert first.cost == first.prompt_tokens == 4 * BT + 50
 
-        placed, cached = {}, 0
+        placed: dict[str, int] = {}
+        cached = 0
         requests = 40 * n
         for i in range(requests):
             prompt = system + tokens(1000 + i, 50)
