@@ -5,13 +5,13 @@
 # executions of each target and their total; fails when any target crashes, leaks, times out
 # or breaks one of its properties (the input is then in build/fuzz/artifacts/).
 #   scripts/fuzz.sh [SECONDS]   SECONDS per target, default 60; FUZZ_JOBS targets at a time
-#                               (default: all seven, sharing the cores: SECONDS is then the wall
+#                               (default: all eight, sharing the cores: SECONDS is then the wall
 #                               time of the whole run, and no core idles while one target ends)
 #   scripts/fuzz.sh --seeds     rewrites the seed corpora (tests/fuzz/fuzz_seeds.cc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 targets=(append_message_fuzz fetch_decoder_fuzz auth_tokens_fuzz server_config_fuzz
-         prefix_hash_fuzz shm_hello_fuzz metrics_http_fuzz)
+         prefix_hash_fuzz shm_hello_fuzz metrics_http_fuzz shm_control_fuzz)
 jobs=${FUZZ_JOBS:-${#targets[@]}}
 cmake --preset fuzz >/dev/null
 if [ "${1:-}" = "--seeds" ]; then

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvbank/v1/kvbank.pb.h"
+#include "proto/shm_control.h"
 
 namespace {
 
@@ -260,6 +261,48 @@ bool MetricsHttpSeeds(const std::string& dir) {
   return ok;
 }
 
+bool ShmControlSeeds(const std::string& dir) {
+  using namespace kvbank::proto;  // NOLINT: the seeds' one subject
+  kvbank::v1::RegionSlice slice;
+  slice.set_region_id(3);
+  slice.set_length(4096);
+  kvbank::v1::AppendHeader append;
+  append.set_model("llama");
+  append.set_sequence_id(7);
+  append.set_num_tokens(2);
+  append.add_token_ids(11);
+  append.add_token_ids(12);
+  *append.mutable_source() = slice;
+  kvbank::v1::FetchRequest fetch;
+  fetch.set_model("llama");
+  fetch.set_sequence_id(7);
+  fetch.set_token_end(32);
+  fetch.set_wait_ms(100);
+  *fetch.mutable_dest() = slice;
+  kvbank::v1::FetchBlocksRequest blocks;
+  blocks.set_model("llama");
+  blocks.add_block_hashes(std::string(32, '\x5a'));
+  *blocks.mutable_dest() = slice;
+  kvbank::v1::AppendResponse appended;
+  appended.mutable_sequence()->set_length(2);
+  kvbank::v1::FetchResponse fetched;
+  fetched.mutable_header()->set_num_tokens(32);
+  auto bytes = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
+  bool ok = true;
+  ok &= Write(dir, "append", bytes(EncodeShmControlRequest({1, append})));
+  ok &= Write(dir, "fetch", bytes(EncodeShmControlRequest({2, fetch})));
+  ok &= Write(dir, "fetch_blocks", bytes(EncodeShmControlRequest({3, blocks})));
+  ok &= Write(dir, "append_reply",
+              bytes(EncodeShmControlReply({1, ShmControlOp::kAppend, absl::OkStatus(), appended})));
+  ok &= Write(dir, "fetch_reply",
+              bytes(EncodeShmControlReply({2, ShmControlOp::kFetch, absl::OkStatus(), fetched})));
+  ok &= Write(
+      dir, "error_reply",
+      bytes(EncodeShmControlReply(
+          {3, ShmControlOp::kFetchBlocks, absl::NotFoundError("block 0 is not cached"), {}})));
+  return ok;
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     std::fprintf(stderr, "usage: fuzz_seeds <corpus dir> (its <target>/ folders must exist)\n");
@@ -270,7 +313,7 @@ int main(int argc, char** argv) {
       AppendSeeds(d + "/append_message_fuzz") && FetchSeeds(d + "/fetch_decoder_fuzz") &&
       AuthSeeds(d + "/auth_tokens_fuzz") && ConfigSeeds(d + "/server_config_fuzz") &&
       PrefixHashSeeds(d + "/prefix_hash_fuzz") && ShmHelloSeeds(d + "/shm_hello_fuzz") &&
-      MetricsHttpSeeds(d + "/metrics_http_fuzz");
+      MetricsHttpSeeds(d + "/metrics_http_fuzz") && ShmControlSeeds(d + "/shm_control_fuzz");
   if (!ok) std::fprintf(stderr, "fuzz_seeds: cannot write under %s\n", d.c_str());
   return ok ? 0 : 1;
 }
