@@ -67,6 +67,18 @@ absl::StatusOr<M> Parse(absl::Span<const uint8_t> body, const char* what) {
   return m;
 }
 
+// A fetch's request: it names the region it is written into (dest), and no device region.
+template <typename M>
+absl::StatusOr<M> ParseWithDest(absl::Span<const uint8_t> body, ShmControlOp op, const char* what) {
+  auto m = Parse<M>(body, what);
+  if (m.ok() && (!m->has_dest() || m->has_device_dest())) {
+    return absl::InvalidArgumentError(absl::StrCat("control frame: a ", OpName(op),
+                                                   " names the region it is written into "
+                                                   "(dest), and no device region"));
+  }
+  return m;
+}
+
 }  // namespace
 
 absl::StatusOr<ShmControlHeader> DecodeShmControlHeader(absl::Span<const uint8_t> bytes,
@@ -128,24 +140,15 @@ absl::StatusOr<ShmControlRequest> DecodeShmControlRequest(absl::Span<const uint8
       break;
     }
     case ShmControlOp::kFetch: {
-      auto m = Parse<v1::FetchRequest>(body, "FetchRequest");
+      auto m = ParseWithDest<v1::FetchRequest>(body, ShmControlOp::kFetch, "FetchRequest");
       if (!m.ok()) return m.status();
-      if (!m->has_dest() || m->has_device_dest()) {
-        return absl::InvalidArgumentError(
-            "control frame: a fetch names the region it is written into (dest), and no device "
-            "region");
-      }
       out.body = *std::move(m);
       break;
     }
     case ShmControlOp::kFetchBlocks: {
-      auto m = Parse<v1::FetchBlocksRequest>(body, "FetchBlocksRequest");
+      auto m = ParseWithDest<v1::FetchBlocksRequest>(body, ShmControlOp::kFetchBlocks,
+                                                     "FetchBlocksRequest");
       if (!m.ok()) return m.status();
-      if (!m->has_dest() || m->has_device_dest()) {
-        return absl::InvalidArgumentError(
-            "control frame: a fetch-blocks names the region it is written into (dest), and no "
-            "device region");
-      }
       out.body = *std::move(m);
       break;
     }
