@@ -11,7 +11,8 @@ Checks: the probes name the --health-listen port and the kvbank.v1.KvBank servic
 flags agree; the grace period covers the preStop sleep, --drain-timeout-ms and a margin; the
 pool fraction leaves headroom under the memory limit; the flags' files lie on mounted volumes
 whose Secrets exist; the Services, the PodDisruptionBudget, the NetworkPolicy and the
-ServiceMonitor select the pods and name real ports; the dashboard ConfigMap holds
+ServiceMonitor select the pods and name real ports (the NetworkPolicy admits a pod labelled
+only kvbank.io/client=true); the dashboard ConfigMap holds
 deploy/dashboards/kvbank.json and its panels query every kvbank metric they are meant to.
 """
 
@@ -25,6 +26,7 @@ import yaml
 HEALTH_SERVICE = "kvbank.v1.KvBank"
 GRACE_MARGIN_S = 5
 MIN_HEADROOM_BYTES = 1 << 30
+CLIENT_LABELS = {"kvbank.io/client": "true"}  # what deploy/README.md tells clients to carry
 DASHBOARD_METRICS = [
     "kvbank_kv_cache_usage_perc",
     "kvbank_prefix_cache_hits_total",
@@ -68,6 +70,29 @@ def port_of(address):
 
 def selects(selector, labels):
     return all(labels.get(k) == v for k, v in (selector or {}).items())
+
+
+def selector_matches(selector, labels):
+    """A LabelSelector (matchLabels and matchExpressions) against a pod's labels."""
+    if not selects(selector.get("matchLabels"), labels):
+        return False
+    for e in selector.get("matchExpressions", []):
+        op, key, values = e["operator"], e["key"], e.get("values", [])
+        if not {"In": key in labels and labels[key] in values,
+                "NotIn": labels.get(key) not in values,
+                "Exists": key in labels,
+                "DoesNotExist": key not in labels}[op]:
+            return False
+    return True
+
+
+def admits(np, labels, port):
+    """Whether a NetworkPolicy's ingress lets pods with these labels (any namespace) reach
+    port (by name)."""
+    return any(port in [p["port"] for p in rule.get("ports", [])] and
+               any("podSelector" in f and selector_matches(f["podSelector"], labels)
+                   for f in rule.get("from", []))
+               for rule in np["spec"].get("ingress", []))
 
 
 class Checker:
@@ -176,6 +201,8 @@ def check(rendered, dashboard_path):
         named = [p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]]
         c.expect(all(p in ports for p in named) and {"grpc", "metrics"} <= set(named),
                  "NetworkPolicy admits the grpc and metrics ports by name")
+        c.expect(admits(np, CLIENT_LABELS, "grpc"),
+                 "NetworkPolicy admits a pod labelled only %s to port grpc" % CLIENT_LABELS)
     monitors = by_kind.get("ServiceMonitor", [])
     c.expect(len(monitors) == 1, "one ServiceMonitor")
     for sm in monitors:
