@@ -3,7 +3,9 @@
 # renders every overlay (kubectl kustomize), validates the rendered objects against the
 # Kubernetes API schemas (kubernetes-validate --strict), runs checkov on them, and cross-checks
 # what no schema knows (tests/deploy/check_rendered.py: probes against ports and flags, the
-# shutdown budget, the ServiceMonitor's Service, the dashboard's metrics).
+# shutdown budget, the ServiceMonitor's Service, the dashboard's metrics; in the sidecar and
+# node-local overlays, the engine against its kvbankd: uid, socket folder, target, token).
+# Every folder under deploy/overlays/ is an overlay and gets every check.
 #
 #   scripts/check-deploy.sh               # all of it; exit 0 only if every check passes
 #   scripts/check-deploy.sh --venv-only   # make the tool venv and print its bin directory
