@@ -26,9 +26,13 @@
 // append and shm fetch ÷ aggregate GB/s of as many threads each memcpy'ing 2 MiB at once
 // (--in-flight-iters transfers a thread per repetition; each memcpy from another 2 MiB, as each
 // fetch reads other pool blocks).
+// Last, 4 KiB transfers (SmallTransfers): p50 of a region fetch and append asked for with a
+// control frame on the shm socket, and the same asked by gRPC, against a Unix-socket ping-pong
+// between two processes measured in the same rounds.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -120,6 +124,124 @@ double TimedThreads(int threads, F body) {
   go.store(true, std::memory_order_release);
   for (std::thread& th : pool) th.join();
   return Seconds(t0, Clock::now());
+}
+
+// Microseconds of `n` round trips of a 64-byte message between this process and a child that
+// echoes it over a Unix socket pair (blocking reads and writes): what one request and its
+// answer cost between two processes, with no server work.
+std::vector<double> UnixPingPong(int n) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) Die("socketpair");
+  const pid_t child = fork();
+  if (child < 0) Die("fork");
+  char msg[64] = {};
+  auto full = [](int fd, char* p, size_t len, bool reading) {
+    while (len > 0) {
+      const ssize_t k = reading ? read(fd, p, len) : write(fd, p, len);
+      if (k <= 0) return false;
+      p += k;
+      len -= size_t(k);
+    }
+    return true;
+  };
+  if (child == 0) {
+    close(sv[0]);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    while (full(sv[1], msg, sizeof(msg), true) && full(sv[1], msg, sizeof(msg), false)) {
+    }
+    _exit(0);
+  }
+  close(sv[1]);
+  std::vector<double> us;
+  for (int i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    if (!full(sv[0], msg, sizeof(msg), false) || !full(sv[0], msg, sizeof(msg), true)) {
+      Die("ping-pong");
+    }
+    us.push_back(Seconds(t0, Clock::now()) * 1e6);
+  }
+  close(sv[0]);
+  waitpid(child, nullptr, 0);
+  return us;
+}
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, size_t(q * double(v.size())))];
+}
+
+// 4 KiB transfers into and out of a registered region (one token of one layer of llama-3.1-8b,
+// 8 KV heads x 512 bytes): the cost of asking. Frames on the shm socket (the default client)
+// against the same transfers asked by gRPC (a second client with shm_control off, on the same
+// server and region), and a Unix-socket ping-pong between two processes, in rounds that
+// interleave the four so that the machine's noise falls on all alike. p50 and p90 of `n` each.
+void SmallTransfers(Client* frames, const std::string& target, const std::string& socket,
+                    ShmRegion* region, int n) {
+  ClientOptions o;
+  o.shm_socket = socket;
+  o.shm_control = false;
+  auto grpc = Check(Client::Connect(target, o), "Connect (gRPC control)");
+  constexpr uint64_t kSmall = 4096;
+  const uint32_t layers = 32;
+  std::vector<double> ping, fetch[2], append[2];  // [0]: frames, [1]: gRPC
+  Client* clients[2] = {frames, grpc.get()};
+  const uint64_t before = frames->ShmControlRequests();
+  const int rounds = 10;
+  for (int round = 0; round < rounds; ++round) {
+    const int per = n / rounds;
+    for (double us : UnixPingPong(per)) ping.push_back(us);
+    for (int c = 0; c < 2; ++c) {
+      // Appends: one token a layer, layer by layer, into a fresh sequence every 32.
+      uint64_t seq = 0;
+      for (int i = 0; i < per; ++i) {
+        const uint32_t layer = uint32_t(i) % layers;
+        if (layer == 0) {
+          if (seq != 0) Check(clients[c]->Free(kModel, seq), "Free");
+          seq = Check(clients[c]->CreateSequence(kModel, absl::ZeroDuration()), "Create").id;
+        }
+        Client::AppendArgs args;
+        args.num_tokens = 1;
+        args.layer_begin = layer;
+        args.layer_end = layer + 1;
+        const auto t0 = Clock::now();
+        Check(clients[c]->AppendFromRegion(kModel, seq, args, region->Slice(0, kSmall)),
+              "AppendFromRegion (4 KiB)");
+        append[c].push_back(Seconds(t0, Clock::now()) * 1e6);
+      }
+      // Fetches: token 0 of layer 0 of the last sequence, into the region.
+      Client::FetchArgs fa;
+      fa.token_end = 1;
+      fa.layer_end = 1;
+      for (int i = 0; i < per; ++i) {
+        const auto t0 = Clock::now();
+        const auto f = Check(clients[c]->FetchToRegion(kModel, seq, fa, region->Slice(0, kSmall)),
+                             "FetchToRegion (4 KiB)");
+        fetch[c].push_back(Seconds(t0, Clock::now()) * 1e6);
+        if (f.payload_bytes != kSmall) Die("FetchToRegion (4 KiB): not 4 KiB");
+      }
+      Check(clients[c]->Free(kModel, seq), "Free");
+    }
+  }
+  if (frames->ShmControlRequests() - before != uint64_t(2 * (n / rounds) * rounds) ||
+      grpc->ShmControlRequests() != 0) {
+    Die("4 KiB: the transfers did not take the control path asked for");
+  }
+  const double floor = Percentile(ping, 0.5);
+  std::printf(
+      "4 KiB into / out of a registered region, %d each (p50 / p90 us; ratio = p50 / the "
+      "Unix-socket ping-pong's p50):\n",
+      (n / rounds) * rounds);
+  std::printf("  unix ping-pong (64 B)  %7.1f / %7.1f\n", floor, Percentile(ping, 0.9));
+  const char* names[2] = {"frames", "gRPC  "};
+  for (int c = 0; c < 2; ++c) {
+    std::printf("  fetch  control %s   %7.1f / %7.1f  ratio %5.2f\n", names[c],
+                Percentile(fetch[c], 0.5), Percentile(fetch[c], 0.9),
+                Percentile(fetch[c], 0.5) / floor);
+    std::printf("  append control %s   %7.1f / %7.1f  ratio %5.2f\n", names[c],
+                Percentile(append[c], 0.5), Percentile(append[c], 0.9),
+                Percentile(append[c], 0.5) / floor);
+  }
 }
 
 struct Row {
@@ -343,6 +465,10 @@ int Main(int argc, char** argv) {
               in_flight, Median(agg[0]), Median(agg[1]), Median(ratio[0]), Median(agg[2]),
               Median(ratio[1]));
   lanes.reset();
+
+  // ---- 4 KiB transfers: the control path's cost ----
+  SmallTransfers(client.get(), "127.0.0.1:" + std::to_string(port), socket, region.get(),
+                 quick ? 300 : 3000);
   region.reset();
   client.reset();
   kill(server, SIGTERM);

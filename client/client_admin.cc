@@ -77,6 +77,7 @@ absl::StatusOr<Client::ServerInfo> Client::GetServerInfo() {
   ServerInfo info;
   info.version = resp.version();
   info.shm_socket = resp.shm_socket();
+  info.shm_control_version = resp.shm_control_version();
   info.replica = resp.replica();
   if (resp.has_cuda_ipc_device()) info.cuda_ipc_device = resp.cuda_ipc_device();
   info.nccl = resp.nccl();

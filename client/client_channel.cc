@@ -80,7 +80,7 @@ void TuneMalloc() {
 
 }  // namespace
 
-Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) { impl_->owner = this; }
 Client::~Client() = default;
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,

@@ -4,6 +4,7 @@
 #ifndef KVBANK_CLIENT_CLIENT_INTERNAL_H_
 #define KVBANK_CLIENT_CLIENT_INTERNAL_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@ namespace kvbank {
 namespace internal {
 
 class NcclLink;
+class ShmControlChannel;
 
 absl::Status FromGrpc(const grpc::Status& s);
 Client::SequenceInfo FromProto(const v1::SequenceInfo& p);
@@ -134,6 +136,16 @@ struct Client::Impl {
   // above): only the header comes back, its payload_bytes bounded by dest's length.
   template <typename Request>
   absl::StatusOr<FetchResult> FetchToSlice(Request req, const RegionSlice& dest, bool device);
+  // The control channel of the shm socket (client/shm_control_channel.h), opened by the first
+  // region transfer; null when options.shm_control is off, the server takes no frames, or it
+  // could not be opened (then region transfers use gRPC for good).
+  std::shared_ptr<internal::ShmControlChannel> Control();
+  absl::Mutex control_mu;
+  std::shared_ptr<internal::ShmControlChannel> control ABSL_GUARDED_BY(control_mu);
+  bool control_off ABSL_GUARDED_BY(control_mu) = false;
+  std::atomic<uint64_t> control_requests{0};  // transfers asked for on the channel
+  Client* owner = nullptr;  // the Client this is the Impl of (for Control's own calls)
+
   // Unregister(Device)Region: one request naming the region.
   template <typename Req, typename Resp>
   absl::Status Unregister(grpc::Status (v1::KvBank::Stub::*method)(grpc::ClientContext*, const Req&,

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client_internal.h"
 #include "client/nccl_link.h"
+#include "client/shm_control_channel.h"
 #include "client/shm_handshake.h"
 #include "kvbank/client.h"
 #include "proto/convert.h"
@@ -60,10 +61,78 @@ std::unique_ptr<grpc::ClientReader<v1::FetchResponse>> Open(v1::KvBank::Stub* st
 
 }  // namespace
 
+std::shared_ptr<internal::ShmControlChannel> Client::Impl::Control() {
+  if (!options.shm_control || options.shm_socket.empty()) return nullptr;
+  absl::MutexLock lock(&control_mu);
+  if (control != nullptr && !control->broken()) return control;
+  // A channel that broke (kvbankd restarted, say) is opened again once; if that fails, region
+  // transfers stay on gRPC.
+  if (control_off) return nullptr;
+  control.reset();
+  auto info = owner->GetServerInfo();
+  if (!info.ok() || info->shm_control_version != proto::kShmControlVersion ||
+      info->shm_socket != options.shm_socket) {
+    control_off = true;
+    return nullptr;
+  }
+  // One page: the region is there for its connection, which binds the frames to this tenant.
+  auto region = owner->RegisterRegion(4096);
+  if (!region.ok()) {
+    control_off = true;
+    return nullptr;
+  }
+  const int conn = (*region)->conn_;
+  control = std::make_shared<internal::ShmControlChannel>(*std::move(region), conn);
+  return control;
+}
+
+namespace {
+
+// A region transfer as a control frame on `channel`: its answer, or nullopt when nothing of it
+// reached the server (it may go by gRPC then).
+template <typename Answer, typename Body>
+std::optional<absl::StatusOr<Answer>> AskOverSocket(internal::ShmControlChannel& channel, Body body,
+                                                    absl::Time deadline) {
+  proto::ShmControlRequest request;
+  request.body = std::move(body);
+  internal::ShmControlChannel::Outcome out = channel.Call(std::move(request), deadline);
+  if (!out.reply.ok()) {
+    if (!out.sent) return std::nullopt;
+    return out.reply.status();
+  }
+  if (!out.reply->status.ok()) return out.reply->status;
+  const Answer* answer = std::get_if<Answer>(&out.reply->answer);
+  if (answer == nullptr) return absl::InternalError("a control frame answered the wrong reply");
+  return *answer;
+}
+
+absl::StatusOr<Client::FetchResult> FetchResultOf(const v1::FetchResponse& resp, uint64_t limit) {
+  if (!resp.has_header()) return absl::InternalError("a fetch into a region answered no header");
+  bool dtype_ok = false;
+  Client::FetchResult r = internal::ResultFromHeader(resp.header(), &dtype_ok);
+  if (!dtype_ok) return absl::InternalError("a fetch into a region answered with no payload dtype");
+  if (r.payload_bytes > limit) {
+    return absl::InternalError(absl::StrCat("a fetch into a region of ", limit, " bytes answered ",
+                                            r.payload_bytes, " payload bytes"));
+  }
+  return r;
+}
+
+}  // namespace
+
 template <typename Request>
 absl::StatusOr<Client::FetchResult> Client::Impl::FetchToSlice(Request req, const RegionSlice& dest,
                                                                bool device) {
   SetSlice(dest, device ? req.mutable_device_dest() : req.mutable_dest());
+  if (std::shared_ptr<internal::ShmControlChannel> channel = Control()) {
+    auto answer =
+        AskOverSocket<v1::FetchResponse>(*channel, req, absl::Now() + options.stream_deadline);
+    if (answer.has_value()) {
+      control_requests.fetch_add(1, std::memory_order_relaxed);
+      if (!answer->ok()) return answer->status();
+      return FetchResultOf(**answer, dest.length);
+    }
+  }
   grpc::ClientContext ctx;
   Deadline(&ctx, true);
   auto reader = Open(stub.get(), &ctx, req);
@@ -75,6 +144,15 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::AppendFromSlice(v1::AppendHea
                                                                    bool device) {
   // payload_bytes 0: the server checks source.length against the payload and names that field.
   SetSlice(source, device ? header.mutable_device_source() : header.mutable_source());
+  if (std::shared_ptr<internal::ShmControlChannel> channel = Control()) {
+    auto answer =
+        AskOverSocket<v1::AppendResponse>(*channel, header, absl::Now() + options.stream_deadline);
+    if (answer.has_value()) {
+      control_requests.fetch_add(1, std::memory_order_relaxed);
+      if (!answer->ok()) return answer->status();
+      return FromProto((*answer)->sequence());
+    }
+  }
   return StreamAppend(header, {});
 }
 
@@ -117,6 +195,10 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size)
   if (auto s = impl_->Call(&v1::KvBank::Stub::RegisterRegion, req, &resp); !s.ok()) return s;
   region->id_ = resp.region_id();
   return region;
+}
+
+uint64_t Client::ShmControlRequests() const {
+  return impl_->control_requests.load(std::memory_order_relaxed);
 }
 
 absl::Status Client::UnregisterRegion(uint64_t region_id) {

@@ -256,6 +256,7 @@ PlaneRouter::Stats PlaneRouter::GetStats() const {
     st.planes[p].calls = state_->counts[p].calls.load();
     st.planes[p].bytes = state_->counts[p].bytes.load();
   }
+  st.shm_control_requests = state_->client->ShmControlRequests();
   absl::MutexLock lock(&state_->staging_mu);
   st.staging_dropped = state_->staging_dropped;
   return st;

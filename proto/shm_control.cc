@@ -29,7 +29,7 @@ const char* OpName(ShmControlOp op) {
   return "?";
 }
 
-std::vector<uint8_t> Frame(uint16_t op, uint32_t status, uint64_t request_id,
+std::vector<uint8_t> Frame(uint16_t op, uint32_t status, uint64_t request_id, uint32_t timeout_ms,
                            const std::string& body) {
   ShmControlHeader h{};
   std::memcpy(h.magic, kShmControlMagic, sizeof(h.magic));
@@ -38,6 +38,7 @@ std::vector<uint8_t> Frame(uint16_t op, uint32_t status, uint64_t request_id,
   h.body_bytes = static_cast<uint32_t>(body.size());
   h.status = status;
   h.request_id = request_id;
+  h.timeout_ms = timeout_ms;
   std::vector<uint8_t> out(kHeader + body.size());
   std::memcpy(out.data(), &h, kHeader);
   if (!body.empty()) std::memcpy(out.data() + kHeader, body.data(), body.size());
@@ -67,14 +68,14 @@ absl::StatusOr<M> Parse(absl::Span<const uint8_t> body, const char* what) {
   return m;
 }
 
-// A fetch's request: it names the region it is written into (dest), and no device region.
+// A fetch's request: it names the one region it is written into (dest or device_dest).
 template <typename M>
 absl::StatusOr<M> ParseWithDest(absl::Span<const uint8_t> body, ShmControlOp op, const char* what) {
   auto m = Parse<M>(body, what);
-  if (m.ok() && (!m->has_dest() || m->has_device_dest())) {
+  if (m.ok() && m->has_dest() == m->has_device_dest()) {
     return absl::InvalidArgumentError(absl::StrCat("control frame: a ", OpName(op),
-                                                   " names the region it is written into "
-                                                   "(dest), and no device region"));
+                                                   " names the one region it is written into "
+                                                   "(dest or device_dest)"));
   }
   return m;
 }
@@ -97,6 +98,9 @@ absl::StatusOr<ShmControlHeader> DecodeShmControlHeader(absl::Span<const uint8_t
                                                    ", this end speaks ", kShmControlVersion));
   }
   if (h.reserved != 0) return absl::InvalidArgumentError("control frame: reserved is not 0");
+  if (reply && h.timeout_ms != 0) {
+    return absl::InvalidArgumentError("control frame: a reply's timeout_ms must be 0");
+  }
   const bool is_reply = (h.op & kShmControlReply) != 0;
   if (is_reply != reply || !KnownOp(h.op & ~kShmControlReply)) {
     return absl::InvalidArgumentError(absl::StrCat("control frame: op ", h.op, " is not a ",
@@ -119,7 +123,8 @@ absl::StatusOr<ShmControlHeader> DecodeShmControlHeader(absl::Span<const uint8_t
 std::vector<uint8_t> EncodeShmControlRequest(const ShmControlRequest& request) {
   std::string body;
   std::visit([&](const auto& m) { m.SerializeToString(&body); }, request.body);
-  return Frame(static_cast<uint16_t>(request.op()), 0, request.request_id, body);
+  return Frame(static_cast<uint16_t>(request.op()), 0, request.request_id, request.timeout_ms,
+               body);
 }
 
 absl::StatusOr<ShmControlRequest> DecodeShmControlRequest(absl::Span<const uint8_t> frame) {
@@ -128,13 +133,15 @@ absl::StatusOr<ShmControlRequest> DecodeShmControlRequest(absl::Span<const uint8
   const auto& [h, body] = *split;
   ShmControlRequest out;
   out.request_id = h.request_id;
+  out.timeout_ms = h.timeout_ms;
   switch (static_cast<ShmControlOp>(h.op)) {
     case ShmControlOp::kAppend: {
       auto m = Parse<v1::AppendHeader>(body, "AppendHeader");
       if (!m.ok()) return m.status();
-      if (!m->has_source()) {
+      if (m->has_source() == m->has_device_source()) {
         return absl::InvalidArgumentError(
-            "control frame: an append names its payload's region (source)");
+            "control frame: an append names the one region that holds its payload (source or "
+            "device_source)");
       }
       out.body = *std::move(m);
       break;
@@ -160,11 +167,11 @@ std::vector<uint8_t> EncodeShmControlReply(const ShmControlReplyFrame& reply) {
   const uint16_t op = static_cast<uint16_t>(reply.op) | kShmControlReply;
   if (!reply.status.ok()) {
     std::string text(reply.status.message().substr(0, kShmControlMaxMessage));
-    return Frame(op, static_cast<uint32_t>(reply.status.code()), reply.request_id, text);
+    return Frame(op, static_cast<uint32_t>(reply.status.code()), reply.request_id, 0, text);
   }
   std::string body;
   std::visit([&](const auto& m) { m.SerializeToString(&body); }, reply.answer);
-  return Frame(op, 0, reply.request_id, body);
+  return Frame(op, 0, reply.request_id, 0, body);
 }
 
 absl::StatusOr<ShmControlReplyFrame> DecodeShmControlReply(absl::Span<const uint8_t> frame) {

@@ -1,13 +1,16 @@
-// The control frames of the same-host shared-memory plane: a region transfer asked for on the
-// region's own Unix connection to kvbankd's --shm-socket (proto/shm_wire.h), after the region
-// is registered, instead of a gRPC call. Both ends run on one host, so integers travel in host
-// byte order.
+// The control frames of the same-host planes: a region transfer asked for on a Unix connection
+// to kvbankd's --shm-socket whose region is registered (proto/shm_wire.h), instead of a gRPC
+// call. The connection's region binds it to the tenant that claimed it (RegisterRegion, an
+// authenticated call); its frames may name any region of that tenant: shared-memory regions and
+// CUDA IPC device regions alike. Both ends run on one host, so integers travel in host byte
+// order.
 //
 //   client -> server  ShmControlHeader (op kAppend / kFetch / kFetchBlocks, status 0), then
 //                     body_bytes bytes: the request message the gRPC call takes, serialized
-//                     (an Append stream's AppendHeader with `source`; FetchRequest or
-//                     FetchBlocksRequest with `dest`), naming a region of the connection's
-//                     tenant.
+//                     (an Append stream's AppendHeader with `source` or `device_source`;
+//                     FetchRequest or FetchBlocksRequest with `dest` or `device_dest`).
+//                     timeout_ms: the caller's deadline (0: none): past it the server stops the
+//                     transfer, as it stops a gRPC call past its deadline.
 //   server -> client  ShmControlHeader (op | kReply, the request's request_id, a gRPC status
 //                     code), then body_bytes bytes: on status 0 the call's answer, serialized
 //                     (AppendResponse; for a fetch, the FetchResponse that carries its header);
@@ -15,11 +18,13 @@
 //
 // The body is the gRPC call's own message, so that both paths run one implementation of each
 // operation with the same checks, errors, tenancy and limits; the frame adds what the socket
-// needs (a length, a request id to match answers, the status). A connection carries one request
-// at a time; the server answers requests in order. A frame that does not decode (bad magic or
-// version, an unknown op, a body over kShmControlMaxBody, a body that does not parse, a request
-// without its region) is answered with INVALID_ARGUMENT naming the problem when its header was
-// whole, and the connection is closed.
+// needs (a length, a request id to match answers, the status, the deadline). A connection may
+// carry up to kShmControlMaxInFlight requests at once; each is answered once, in the order they
+// finish (match replies by request_id); past the limit the server reads no more of the
+// connection until one is answered. A frame that does not decode (bad magic or version, an
+// unknown op, a body over kShmControlMaxBody, a body that does not parse, a request without its
+// region) is answered with INVALID_ARGUMENT naming the problem when its header was whole, and
+// the connection is closed; so is a connection that does not read its replies.
 #ifndef KVBANK_PROTO_SHM_CONTROL_H_
 #define KVBANK_PROTO_SHM_CONTROL_H_
 
@@ -41,11 +46,13 @@ inline constexpr uint16_t kShmControlVersion = 1;
 // each) of a long prompt, with room; the payload itself is in the region.
 inline constexpr uint32_t kShmControlMaxBody = 4u << 20;
 inline constexpr uint32_t kShmControlMaxMessage = 4096;
+// Requests a connection may have in flight (their replies always fit the socket's buffer).
+inline constexpr uint32_t kShmControlMaxInFlight = 32;
 
 enum class ShmControlOp : uint16_t {
-  kAppend = 1,       // AppendHeader (with `source`) -> AppendResponse
-  kFetch = 2,        // FetchRequest (with `dest`) -> FetchResponse (its header)
-  kFetchBlocks = 3,  // FetchBlocksRequest (with `dest`) -> FetchResponse (its header)
+  kAppend = 1,       // AppendHeader (source or device_source) -> AppendResponse
+  kFetch = 2,        // FetchRequest (dest or device_dest) -> FetchResponse (its header)
+  kFetchBlocks = 3,  // FetchBlocksRequest (dest or device_dest) -> FetchResponse (its header)
 };
 inline constexpr uint16_t kShmControlReply = 0x8000;  // or-ed into a reply's op
 
@@ -56,7 +63,8 @@ struct ShmControlHeader {
   uint32_t body_bytes;  // what follows the header
   uint32_t status;      // a reply's gRPC status code; 0 in a request
   uint64_t request_id;  // the client's; echoed in the reply
-  uint64_t reserved;    // 0
+  uint32_t timeout_ms;  // a request's deadline from its arrival, 0: none; 0 in a reply
+  uint32_t reserved;    // 0
 };
 static_assert(sizeof(ShmControlHeader) == 32, "the frame header is 32 bytes on every host");
 
@@ -64,6 +72,7 @@ using ShmControlRequestBody =
     std::variant<v1::AppendHeader, v1::FetchRequest, v1::FetchBlocksRequest>;
 struct ShmControlRequest {
   uint64_t request_id = 0;
+  uint32_t timeout_ms = 0;
   ShmControlRequestBody body;
   ShmControlOp op() const { return static_cast<ShmControlOp>(body.index() + 1); }
 };

@@ -54,6 +54,11 @@ void BindShmPlane(py::class_<PyClient>& c) {
                }
                d[names[p]] = e;
              }
+             // Of the shm and shm_staged calls, those asked for with a control frame on the shm
+             // socket rather than a gRPC call.
+             py::dict control;
+             control["calls"] = st.shm_control_requests;
+             d["shm_control"] = control;
              return d;
            })
       .def(

@@ -273,7 +273,21 @@ absl::Status ConfigureService(const DeviceSpec& device, const rpc::Authenticator
   options->ledger->SetCap(Resource::kQueuedBackground, absl::GetFlag(FLAGS_max_queued_prefetch));
   options->ledger->SetCap(Resource::kWatchStreams, absl::GetFlag(FLAGS_max_watch_streams));
   options->ledger->SetCap(Resource::kWaits, absl::GetFlag(FLAGS_max_waits));
-  if (std::string path = absl::GetFlag(FLAGS_shm_socket); !path.empty()) {
+  std::string shm_path = absl::GetFlag(FLAGS_shm_socket);
+  const bool shm_auto = shm_path == "auto";
+  if (shm_auto) {
+    // On by default: the same-host clients then move payloads through shared memory with no
+    // flag. A folder that is not safe to use turns it off, said once.
+    auto path = plane::DefaultShmSocketPath();
+    if (path.ok()) {
+      shm_path = *path;
+    } else {
+      log::Warn("plane").Field("plane", "shm")
+          << "shared-memory plane off: " << path.status().message();
+      shm_path.clear();
+    }
+  }
+  if (std::string path = shm_path; !path.empty()) {
     plane::ShmOptions shm;
     shm.socket_path = path;
     auto total = ParseBytes(absl::GetFlag(FLAGS_shm_max_total_bytes));
@@ -293,8 +307,11 @@ absl::Status ConfigureService(const DeviceSpec& device, const rpc::Authenticator
     if (!regions.ok()) return regions.status();
     options->shm_regions = *std::move(regions);
     log::Info("plane").Field("plane", "shm").Field("socket", path)
-        << "shared-memory plane on " << path << " (regions up to " << *max_region
-        << " bytes, at most " << shm.max_regions << ")";
+        << "shared-memory plane on " << path
+        << (shm_auto ? " (the default; --shm-socket= turns it off)" : "") << " (regions up to "
+        << *max_region << " bytes, at most " << shm.max_regions << ")";
+  } else {
+    log::Info("plane").Field("plane", "shm") << "shared-memory plane off";
   }
   if (on_gpu) {
     plane::CudaIpcOptions ipc;

@@ -93,9 +93,11 @@ ABSL_FLAG(std::string, tls_key, "", "private key (PEM) of --tls-cert");
 ABSL_FLAG(std::string, replica_name, "",
           "this replica's name in a fleet (GetServerInfo), which clients hash sequences to; "
           "empty: the host name (a StatefulSet pod's stable name)");
-ABSL_FLAG(std::string, shm_socket, "",
-          "same-host shared-memory plane: listen for memfd regions on this Unix socket path "
-          "(mode 0600; a stale file is replaced, one a server answers on is refused); empty: off");
+ABSL_FLAG(std::string, shm_socket, "auto",
+          "same-host shared-memory plane: listen for memfd regions and their transfers on this "
+          "Unix socket path (mode 0600; a stale file is replaced, one a server answers on is "
+          "refused). auto: kvbankd-<pid>.sock in $XDG_RUNTIME_DIR/kvbank, else /tmp/kvbank-<uid> "
+          "(a folder of mode 0700); empty (--shm-socket=): off");
 ABSL_FLAG(std::string, shm_max_region_bytes, "64GiB",
           "largest shared-memory region a client may register");
 ABSL_FLAG(uint32_t, shm_max_regions, 256,

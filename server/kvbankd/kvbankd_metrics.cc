@@ -284,6 +284,11 @@ void KvbankdMetrics::CollectServer(std::vector<FamilySnapshot>* out) const {
   for (rpc::Plane p : rpc::kPlanes) {
     sent->samples.push_back({"", {{"plane", rpc::PlaneName(p)}}, double(bytes.sent(p))});
   }
+  AddFamily(out, "kvbank_shm_control_requests_total",
+            "Region transfers asked for with a control frame on the shm socket instead of a gRPC "
+            "call (any outcome).",
+            MetricType::kCounter)
+      ->samples.push_back({"", {}, double(bytes.control_requests())});
   const rpc::Listener* listener = listener_.load(std::memory_order_acquire);
   const rpc::ListenerStats ls = listener != nullptr ? listener->stats() : rpc::ListenerStats();
   AddFamily(out, "kvbank_connections",

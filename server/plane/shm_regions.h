@@ -24,16 +24,27 @@
 // could make kvbankd's own cgroup pay for its pages. Only shmem (tmpfs) memfds are taken:
 // hugetlbfs ones can lose their pages under a copy.
 //
+// Control frames (proto/shm_control.h): once a region is claimed, its connection is a channel of
+// the claiming tenant. Region transfers may be asked for on it with a small binary frame instead
+// of a gRPC call; the listener reads and decodes them and hands each to the control handler (the
+// service), which answers it through ShmControlCall::Reply from any thread. A connection that
+// closes ends its calls in flight (ShmControlCall::ended), as a cancelled gRPC call does.
+//
 // Tenancy: each tenant's regions count in the ledger (shm_regions, shm_region_bytes: a share of
 // --shm-max-regions and --shm-max-total-bytes each); a RegisterRegion past either is
 // RESOURCE_EXHAUSTED and the handed-over memfd is dropped.
 #ifndef KVBANK_SERVER_PLANE_SHM_REGIONS_H_
 #define KVBANK_SERVER_PLANE_SHM_REGIONS_H_
 
+#include <poll.h>
+
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -42,6 +53,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "proto/shm_control.h"
 #include "server/core/tenant_ledger.h"
 
 namespace kvbank::plane {
@@ -91,6 +103,51 @@ struct RegionBytes {
   absl::Span<uint8_t> bytes;
 };
 
+// Where kvbankd puts its shm socket when --shm-socket is left at "auto": the folder kvbank in
+// $XDG_RUNTIME_DIR, else /tmp/kvbank-<uid>; made with mode 0700 when missing, and refused when it
+// is not a directory of this user that only this user can write (FAILED_PRECONDITION naming
+// why). The socket is kvbankd-<pid>.sock in it (many servers may share the folder); sockets
+// there whose server is gone (nothing answers) are removed.
+absl::StatusOr<std::string> DefaultShmSocketPath();
+
+struct ShmControlLink;  // a claimed connection's reply side (shm_regions.cc)
+
+// One control frame's request, from its arrival to its reply. Thread-safe.
+class ShmControlCall {
+ public:
+  ShmControlCall(std::string tenant, proto::ShmControlRequest request,
+                 std::shared_ptr<ShmControlLink> link, uint64_t serial);
+  ~ShmControlCall();
+  ShmControlCall(const ShmControlCall&) = delete;
+  ShmControlCall& operator=(const ShmControlCall&) = delete;
+
+  // The tenant that claimed the connection's region: the call's caller.
+  const std::string& tenant() const { return tenant_; }
+  const proto::ShmControlRequest& request() const { return request_; }
+  // The frame's timeout_ms from its arrival; InfiniteFuture when it named none.
+  absl::Time deadline() const { return deadline_; }
+  // True once the connection closed or End() was called: the asker is gone.
+  const std::atomic<bool>& ended() const { return ended_; }
+  // Runs `fn` once the call ends (at once, here, when it has).
+  void OnEnd(std::function<void()> fn);
+  // Ends the call (as a cancel): ended() turns true and the OnEnd callbacks run, here.
+  void End();
+  // Answers the request (AppendResponse for an append, else FetchResponse) or its error; only the
+  // first answer is sent. A connection that cannot take the reply at once is closed.
+  void Reply(const absl::StatusOr<proto::ShmControlAnswer>& answer);
+
+ private:
+  const std::string tenant_;
+  const proto::ShmControlRequest request_;
+  const absl::Time deadline_;
+  const std::shared_ptr<ShmControlLink> link_;
+  const uint64_t serial_;  // its key in the link's calls in flight
+  std::atomic<bool> ended_{false};
+  std::atomic<bool> replied_{false};
+  absl::Mutex mu_;
+  std::vector<std::function<void()>> on_end_ ABSL_GUARDED_BY(mu_);
+};
+
 // The registry and its socket listener (one thread, poll). Thread-safe. Lock: mu_ alone; the
 // listener holds it while it handles a connection (non-blocking socket calls, one mmap).
 class ShmRegions {
@@ -125,6 +182,14 @@ class ShmRegions {
   absl::StatusOr<RegionBytes> Resolve(const std::string& tenant, uint64_t id, uint64_t offset,
                                       uint64_t length, absl::string_view field) const;
 
+  // Control frames go to `handler`, called on the listener thread (it must not block: work that
+  // may goes to other threads). Null: frames are answered UNAVAILABLE. Setting it waits until no
+  // call of the previous handler is running.
+  using ControlHandler = std::function<void(std::shared_ptr<ShmControlCall>)>;
+  void SetControlHandler(ControlHandler handler);
+  // Ends every control call in flight (ShmControlCall::End), for a service that stops.
+  void EndControlCalls();
+
   // For tests and stats.
   size_t num_regions() const;
   size_t num_pending() const;      // answered, not claimed yet
@@ -134,8 +199,10 @@ class ShmRegions {
   struct Conn {
     enum class State { kHello, kPending, kClaimed } state = State::kHello;
     absl::Time opened;
-    std::string handle;      // kPending
-    uint64_t region_id = 0;  // kClaimed
+    std::string handle;                    // kPending
+    uint64_t region_id = 0;                // kClaimed
+    std::shared_ptr<ShmControlLink> link;  // kClaimed: where replies go
+    std::string in;                        // kClaimed: bytes of frames not yet whole
   };
   struct Pending {
     std::shared_ptr<ShmMapping> mapping;
@@ -150,11 +217,18 @@ class ShmRegions {
 
   ShmRegions(ShmOptions options, int listen_fd, int wake_fd);
   void Loop();
+  // The events of one poll: connections read, new ones accepted, late ones expired.
+  void HandleEvents(const std::vector<pollfd>& polled, int n) ABSL_LOCKS_EXCLUDED(mu_);
   void Accept() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The hello of connection `fd`: maps the region and answers, or closes the connection.
   void ReceiveHello(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Anything after the hello is the end of the connection (EOF) or a protocol error.
+  // After the hello: control frames on a claimed connection (read, decoded, queued in
+  // dispatch_), else the end of the connection (EOF) or a protocol error.
   void ReadAfterHello(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decodes the whole frames in connection fd's buffer while it has room for more calls.
+  void TakeFrames(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands dispatch_ to the control handler, and runs the ends of calls whose connection closed.
+  void Dispatch() ABSL_LOCKS_EXCLUDED(mu_);
   // Closes connection `fd` and drops what came on it.
   void Close(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Expire(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -169,6 +243,11 @@ class ShmRegions {
   absl::flat_hash_map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);  // by handle
   absl::flat_hash_map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);      // by id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_call_ ABSL_GUARDED_BY(mu_) = 1;
+  std::vector<std::shared_ptr<ShmControlCall>> dispatch_ ABSL_GUARDED_BY(mu_);  // to hand out
+  std::vector<std::shared_ptr<ShmControlCall>> ending_ ABSL_GUARDED_BY(mu_);    // to End()
+  absl::Mutex handler_mu_;  // held (shared) while the handler runs; never with mu_
+  ControlHandler handler_ ABSL_GUARDED_BY(handler_mu_);
   absl::Time accept_paused_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::thread listener_;  // last: it uses the members above
 };

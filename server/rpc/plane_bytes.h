@@ -37,10 +37,14 @@ class PlaneBytes {
   void AddSent(Plane p, uint64_t n) { sent_[int(p)].fetch_add(n, std::memory_order_relaxed); }
   uint64_t received(Plane p) const { return received_[int(p)].load(std::memory_order_relaxed); }
   uint64_t sent(Plane p) const { return sent_[int(p)].load(std::memory_order_relaxed); }
+  // Region transfers asked for with a control frame on the shm socket (any outcome).
+  void AddControlRequest() { control_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t control_requests() const { return control_.load(std::memory_order_relaxed); }
 
  private:
   std::array<std::atomic<uint64_t>, 4> received_{};
   std::array<std::atomic<uint64_t>, 4> sent_{};
+  std::atomic<uint64_t> control_{0};
 };
 
 }  // namespace kvbank::rpc

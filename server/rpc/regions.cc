@@ -61,96 +61,211 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
   return absl::OkStatus();
 }
 
-// Server stream of one message: the FetchResponse header, once the payload is in the region.
-// The reader opens and copies on a worker; its blocks go before the answer is sent.
-class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
-                                                public ReactorRefs<RegionFetchReactor> {
+// One fetch into a region (a shared-memory or a device region), from its wait to its answer,
+// whichever way it was asked for: a gRPC call (RegionFetchReactor) or a control frame on the
+// shared-memory plane's socket (control.cc). The reader opens and copies on a worker, or here
+// when the pool is host memory and the payload small (CopiesInline); its blocks go before the
+// answer. Reference counted: the asker holds one (the shared_ptr StartRegionFetch returns), and
+// each piece of work handed out holds its own.
+class KvBankService::RegionFetch final : public ReactorRefs<RegionFetch> {
  public:
-  // Moves the opened reader's whole payload into the caller's region (it holds the region open).
-  // `ended` turns true when the call ends (cancelled, past its deadline): a sink that copies in
-  // pieces stops between them.
-  using Sink = std::function<absl::Status(FetchReader& reader, const std::atomic<bool>& ended)>;
-  // wait: copy only once the tokens are committed (FetchRequest.wait_ms).
-  // plane: the one `dest` writes through (counted in plane_bytes_ once the copy is done).
-  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, std::string tenant,
-                     Plane plane, absl::StatusOr<Sink> dest, OpenFetch open,
-                     std::optional<FetchWaitSpec> wait)
+  RegionFetch(KvBankService* service, std::string tenant, Plane plane, RegionSink dest,
+              OpenFetch open, bool on_device, FetchDone done)
       : service_(service),
         tenant_(std::move(tenant)),
         plane_(plane),
-        stream_(service->watchdog_.Watch(ctx)) {
-    if (!dest.ok()) {
-      Answer(dest.status());
-      return;
-    }
-    if (!wait.has_value()) {
-      CopyOnWorker(*std::move(dest), std::move(open));
-      return;
-    }
-    stream_->SetWaiting(false);  // it waits for the sequence, not for its client
+        on_device_(on_device),
+        dest_(std::move(dest)),
+        open_(std::move(open)),
+        done_(std::move(done)) {}
+
+  void Start(std::optional<FetchWaitSpec> wait) {
+    if (!wait.has_value()) return Go();
     wait_ = std::make_unique<FetchWait>(
         &service_->timers_, [this] { Ref(); }, [this] { Unref(); });
     wait_->Begin(
         std::move(wait->store), wait->spec, wait->timeout,
-        [this, dest = *std::move(dest), open = std::move(open)](absl::Status s) {
+        [this](absl::Status s) {
           if (!s.ok()) return Answer(s);
-          CopyOnWorker(dest, open);
+          Go();
         },
         std::move(wait->claim));
   }
 
-  void OnWriteDone(bool) override { stream_->Progress(); }
-  void OnCancel() override {
+  // The asker is gone (cancelled, past its deadline, its connection closed): a wait ends, a copy
+  // that has not started never starts, one under way stops at its next piece.
+  void End() {
     ended_.store(true, std::memory_order_release);
     if (wait_ != nullptr) wait_->Cancel();
   }
-  void OnDone() override {
-    ended_.store(true, std::memory_order_release);
-    stream_->Done();
-    Unref();
-  }
+  void Release() { Unref(); }
 
  private:
-  void CopyOnWorker(Sink dest, OpenFetch open) {
-    if (absl::Status s = service_->device_work_->Submit(
-            tenant_, WorkClass::kForeground,
-            Held([this, dest = std::move(dest), open = std::move(open)]() mutable {
-              absl::StatusOr<v1::FetchResponse> resp = Copy(std::move(dest), open, ended_);
-              if (resp.ok()) {
-                service_->plane_bytes_.AddSent(plane_, resp->header().payload_bytes());
-              }
-              Answer(resp);
-            }));
+  void Go() {
+    if (ended_.load(std::memory_order_acquire)) return Answer(CallEnded());
+    if (!on_device_) {
+      // Host memory: opening costs a look-up; a small payload is copied here too.
+      auto reader = open_();
+      if (!reader.ok()) return Answer(reader.status());
+      if (CopiesInline((*reader)->payload_bytes())) return Answer(Copy(**reader));
+      auto shared = std::shared_ptr<FetchReader>(*std::move(reader));
+      return OnWorker([this, shared] { Answer(Copy(*shared)); });
+    }
+    OnWorker([this] {
+      if (ended_.load(std::memory_order_acquire)) return Answer(CallEnded());
+      auto reader = open_();
+      Answer(reader.ok() ? Copy(**reader) : absl::StatusOr<v1::FetchResponse>(reader.status()));
+    });
+  }
+
+  void OnWorker(std::function<void()> step) {
+    if (absl::Status s =
+            service_->device_work_->Submit(tenant_, WorkClass::kForeground, Held(std::move(step)));
         !s.ok()) {
       Answer(s);  // the tenant's backlog is full: nothing was copied
       Unref();    // the copy's reference: it will never run
     }
   }
 
-  // NOTE: nothing is written into the region once the call has ended: a copy that has not
+  // NOTE: nothing is written into the region once the asker is gone: a copy that has not
   // started by then never starts, and one under way stops at its next piece (the client treats
   // the region as spoilt after a failed call: the SDK never reuses such a staging region).
-  static absl::StatusOr<v1::FetchResponse> Copy(Sink dest, const OpenFetch& open,
-                                                const std::atomic<bool>& ended) {
-    if (ended.load(std::memory_order_acquire)) return CallEnded();
-    auto reader = open();
-    if (!reader.ok()) return reader.status();
-    if (ended.load(std::memory_order_acquire)) return CallEnded();
-    const uint64_t n = (*reader)->payload_bytes();
-    if (absl::Status s = dest(**reader, ended); !s.ok()) return s;
+  absl::StatusOr<v1::FetchResponse> Copy(FetchReader& reader) {
+    if (ended_.load(std::memory_order_acquire)) return CallEnded();
+    const uint64_t n = reader.payload_bytes();
+    if (absl::Status s = dest_(reader, ended_); !s.ok()) return s;
     v1::FetchResponse resp;
     v1::FetchHeader* h = resp.mutable_header();
-    h->set_token_begin((*reader)->token_begin());
-    h->set_num_tokens((*reader)->num_tokens());
-    h->set_layer_begin((*reader)->layer_begin());
-    h->set_layer_end((*reader)->layer_end());
-    h->set_dtype(ToProto((*reader)->dtype()));
+    h->set_token_begin(reader.token_begin());
+    h->set_num_tokens(reader.num_tokens());
+    h->set_layer_begin(reader.layer_begin());
+    h->set_layer_end(reader.layer_end());
+    h->set_dtype(ToProto(reader.dtype()));
     h->set_payload_bytes(n);
-    h->set_kv_head_begin((*reader)->kv_head_begin());
-    h->set_kv_head_end((*reader)->kv_head_end());
-    return resp;  // the reader goes here: a caller that saw the answer sees no block held by it
+    h->set_kv_head_begin(reader.kv_head_begin());
+    h->set_kv_head_end(reader.kv_head_end());
+    return resp;
   }
 
+  // Runs done_ once; the reader is gone by then (a caller that saw the answer sees no block held
+  // by it).
+  void Answer(const absl::StatusOr<v1::FetchResponse>& resp) {
+    if (answered_.exchange(true)) return;
+    if (resp.ok()) service_->plane_bytes_.AddSent(plane_, resp->header().payload_bytes());
+    FetchDone done = std::move(done_);
+    done(resp);
+  }
+
+  static absl::Status CallEnded() {
+    return absl::CancelledError("the fetch ended (cancelled or past its deadline) before its copy");
+  }
+
+  KvBankService* const service_;
+  const std::string tenant_;  // whose work the copy is
+  const Plane plane_;
+  const bool on_device_;
+  const RegionSink dest_;
+  const OpenFetch open_;
+  FetchDone done_;
+  std::atomic<bool> ended_{false};
+  std::atomic<bool> answered_{false};
+  std::unique_ptr<FetchWait> wait_;  // set by Start, or never
+};
+
+bool KvBankService::CopiesInline(uint64_t payload_bytes) {
+  return payload_bytes <= kInlineRegionCopyBytes;
+}
+
+std::shared_ptr<KvBankService::RegionFetch> KvBankService::StartRegionFetch(
+    const std::string& tenant, PreparedFetch fetch, FetchDone done) {
+  Plane plane = Plane::kShm;
+  absl::StatusOr<RegionSink> sink = absl::FailedPreconditionError("no region named");
+  if (fetch.dest.has_value()) {
+    sink = RegionSinkFor(tenant, *fetch.dest);
+  } else if (fetch.device_dest.has_value()) {
+    plane = Plane::kCudaIpc;
+    sink = DeviceSinkFor(*std::move(fetch.device_dest));
+  }
+  if (!sink.ok()) {
+    done(sink.status());
+    return nullptr;
+  }
+  auto* f = new RegionFetch(this, tenant, plane, *std::move(sink), std::move(fetch.open),
+                            fetch.on_device, std::move(done));
+  std::shared_ptr<RegionFetch> asker(f, [](RegionFetch* r) { r->Release(); });
+  f->Start(std::move(fetch.wait));
+  return asker;
+}
+
+void KvBankService::EndRegionFetch(RegionFetch& f) { f.End(); }
+
+absl::StatusOr<KvBankService::RegionSink> KvBankService::RegionSinkFor(
+    const std::string& tenant, const v1::RegionSlice& dest) const {
+  auto regions = ShmPlane();
+  if (!regions.ok()) return regions.status();
+  auto bytes = (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest");
+  if (!bytes.ok()) return bytes.status();
+  return RegionSink(
+      [region = *std::move(bytes)](FetchReader& reader, const std::atomic<bool>& ended) {
+        const uint64_t n = reader.payload_bytes();
+        if (n > region.bytes.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
+                                                         " is less than the payload's ", n,
+                                                         " bytes; nothing was written"));
+        }
+        // In pieces, in order (the cheapest order on staged memory), so that a call that ends
+        // stops the copy within a piece.
+        for (uint64_t at = 0; at < n; at += kRegionCopyPiece) {
+          if (ended.load(std::memory_order_acquire)) {
+            return absl::CancelledError("the fetch ended during its copy: stopped");
+          }
+          const uint64_t len = std::min(kRegionCopyPiece, n - at);
+          if (absl::Status s = reader.Read(at, region.bytes.subspan(at, len)); !s.ok()) return s;
+        }
+        return absl::OkStatus();
+      });
+}
+
+// The gRPC side of a fetch into a region: a server stream of one message, the FetchResponse
+// header, once the payload is in the region.
+class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                                public ReactorRefs<RegionFetchReactor> {
+ public:
+  RegionFetchReactor(KvBankService* service, grpc::CallbackServerContext* ctx, std::string tenant,
+                     PreparedFetch fetch)
+      : stream_(service->watchdog_.Watch(ctx)) {
+    // It waits for the sequence and the copy, not for its client.
+    if (fetch.wait.has_value()) stream_->SetWaiting(false);
+    Ref();  // the answer's
+    std::shared_ptr<RegionFetch> f =
+        service->StartRegionFetch(tenant, std::move(fetch), [this](const auto& resp) {
+          Answer(resp);
+          Unref();
+        });
+    absl::MutexLock lock(&mu_);
+    fetch_ = std::move(f);
+  }
+
+  void OnWriteDone(bool) override { stream_->Progress(); }
+  void OnCancel() override {
+    std::shared_ptr<RegionFetch> f;
+    {
+      absl::MutexLock lock(&mu_);
+      f = fetch_;
+    }
+    if (f != nullptr) EndRegionFetch(*f);
+  }
+  void OnDone() override {
+    stream_->Done();
+    {
+      absl::MutexLock lock(&mu_);
+      if (fetch_ != nullptr) EndRegionFetch(*fetch_);
+      fetch_.reset();
+    }
+    Unref();
+  }
+
+ private:
   void Answer(const absl::StatusOr<v1::FetchResponse>& resp) {
     stream_->SetWaiting(false);
     if (!resp.ok()) return Finish(ToGrpcStatus(resp.status()));
@@ -161,52 +276,15 @@ class KvBankService::RegionFetchReactor final : public grpc::ServerWriteReactor<
     StartWriteAndFinish(&message_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
-  static absl::Status CallEnded() {
-    return absl::CancelledError("the fetch ended (cancelled or past its deadline) before its copy");
-  }
-
-  KvBankService* const service_;
-  const std::string tenant_;  // whose work the copy is
-  const Plane plane_;
-  std::atomic<bool> ended_{false};  // OnCancel or OnDone ran: nothing more goes into the region
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
-  std::unique_ptr<FetchWait> wait_;  // set by the constructor, or never
+  absl::Mutex mu_;
+  std::shared_ptr<RegionFetch> fetch_ ABSL_GUARDED_BY(mu_);  // the asker's reference
   grpc::ByteBuffer message_;
 };
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetch(
-    Ctx* ctx, OpenFetch open, const std::string& tenant, const v1::RegionSlice& dest,
-    std::optional<FetchWaitSpec> wait) {
-  auto regions = ShmPlane();
-  absl::StatusOr<plane::RegionBytes> bytes =
-      regions.ok()
-          ? (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest")
-          : absl::StatusOr<plane::RegionBytes>(regions.status());
-  absl::StatusOr<RegionFetchReactor::Sink> sink =
-      bytes.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
-                 : absl::StatusOr<RegionFetchReactor::Sink>(bytes.status());
-  if (bytes.ok()) {
-    sink = [region = *std::move(bytes)](FetchReader& reader, const std::atomic<bool>& ended) {
-      const uint64_t n = reader.payload_bytes();
-      if (n > region.bytes.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
-                                                       " is less than the payload's ", n,
-                                                       " bytes; nothing was written"));
-      }
-      // In pieces, in order (the cheapest order on staged memory), so that a call that ends
-      // stops the copy within a piece.
-      for (uint64_t at = 0; at < n; at += kRegionCopyPiece) {
-        if (ended.load(std::memory_order_acquire)) {
-          return absl::CancelledError("the fetch ended during its copy: stopped");
-        }
-        const uint64_t len = std::min(kRegionCopyPiece, n - at);
-        if (absl::Status s = reader.Read(at, region.bytes.subspan(at, len)); !s.ok()) return s;
-      }
-      return absl::OkStatus();
-    };
-  }
-  return new RegionFetchReactor(this, ctx, tenant, Plane::kShm, std::move(sink), std::move(open),
-                                std::move(wait));
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartRegionFetchCall(
+    Ctx* ctx, const std::string& tenant, PreparedFetch fetch) {
+  return new RegionFetchReactor(this, ctx, tenant, std::move(fetch));
 }
 
 // ---- The CUDA IPC plane ----
@@ -255,25 +333,18 @@ absl::Status KvBankService::AppendFromDevice(const std::string& tenant, const Se
   return txn->WriteFromDevice(bytes->data);
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartDeviceFetch(
-    Ctx* ctx, OpenFetch open, const std::string& tenant, absl::StatusOr<plane::DeviceBytes> dest,
-    std::optional<FetchWaitSpec> wait) {
-  absl::StatusOr<RegionFetchReactor::Sink> sink =
-      dest.ok() ? absl::StatusOr<RegionFetchReactor::Sink>(RegionFetchReactor::Sink())
-                : absl::StatusOr<RegionFetchReactor::Sink>(dest.status());
-  if (dest.ok()) {
-    sink = [region = *std::move(dest)](FetchReader& reader, const std::atomic<bool>&) {
-      const uint64_t n = reader.payload_bytes();
-      if (n > region.size) {
-        return absl::InvalidArgumentError(absl::StrCat("device_dest.length ", region.size,
-                                                       " is less than the payload's ", n,
-                                                       " bytes; nothing was written"));
-      }
-      return reader.ReadToDevice(region.data);
-    };
-  }
-  return new RegionFetchReactor(this, ctx, tenant, Plane::kCudaIpc, std::move(sink),
-                                std::move(open), std::move(wait));
+absl::StatusOr<KvBankService::RegionSink> KvBankService::DeviceSinkFor(
+    absl::StatusOr<plane::DeviceBytes> dest) {
+  if (!dest.ok()) return dest.status();
+  return RegionSink([region = *std::move(dest)](FetchReader& reader, const std::atomic<bool>&) {
+    const uint64_t n = reader.payload_bytes();
+    if (n > region.size) {
+      return absl::InvalidArgumentError(absl::StrCat("device_dest.length ", region.size,
+                                                     " is less than the payload's ", n,
+                                                     " bytes; nothing was written"));
+    }
+    return reader.ReadToDevice(region.data);
+  });
 }
 
 }  // namespace kvbank::rpc

@@ -94,9 +94,24 @@ KvBankService::KvBankService(std::shared_ptr<ModelRegistry> registry, ServiceOpt
       watchdog_(options_.stream_idle_timeout),
       device_work_(std::make_unique<FairWork>(
           FairWorkOptions{std::max(1u, options_.device_workers)}, ledger_)),
-      attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {}
+      attend_work_(std::make_unique<WorkQueue>(std::max(1u, options_.attend_workers))) {
+  if (options_.shm_regions != nullptr) {
+    options_.shm_regions->SetControlHandler(
+        [this](std::shared_ptr<plane::ShmControlCall> call) { ServeControl(std::move(call)); });
+  }
+}
 
-KvBankService::~KvBankService() = default;
+KvBankService::~KvBankService() {
+  if (options_.shm_regions != nullptr) {
+    // No new control call from here on; the ones in flight end (as cancelled calls) and are
+    // waited for, before the workers and timers they use go.
+    options_.shm_regions->SetControlHandler(nullptr);
+    options_.shm_regions->EndControlCalls();
+    absl::MutexLock lock(&control_mu_);
+    control_mu_.Await(absl::Condition(
+        +[](uint64_t* n) { return *n == 0; }, &control_calls_));
+  }
+}
 
 std::shared_ptr<TenantLedger> DefaultLedger() {
   std::shared_ptr<TenantLedger> ledger = TenantLedger::Create();
@@ -653,6 +668,7 @@ grpc::ServerUnaryReactor* KvBankService::GetServerInfo(Ctx* ctx, const Raw* raw,
         resp->set_replica(options_.replica_name);
         if (options_.shm_regions != nullptr) {
           resp->set_shm_socket(options_.shm_regions->options().socket_path);
+          resp->set_shm_control_version(proto::kShmControlVersion);
         }
         if (options_.cuda_ipc != nullptr) {
           resp->set_cuda_ipc_device(options_.cuda_ipc->options().device);

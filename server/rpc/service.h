@@ -192,7 +192,6 @@ class KvBankService final : public internal::RawKvBankService {
 
   class AppendReactor;
   class FetchReactor;
-  class RegionFetchReactor;  // regions.cc
   using OpenFetch = std::function<absl::StatusOr<std::unique_ptr<FetchReader>>()>;
   // A fetch that first waits for its tokens to be committed (FetchRequest.wait_ms): fetch_wait.h.
   struct FetchWaitSpec {
@@ -203,17 +202,6 @@ class KvBankService final : public internal::RawKvBankService {
   };
   // The shared-memory plane, or FAILED_PRECONDITION naming --shm-socket when it is off.
   absl::StatusOr<plane::ShmRegions*> ShmPlane() const;
-  // A Fetch / FetchBlocks with a `dest` slice: `open` makes the reader, whose payload is copied
-  // into the caller's region on a worker; the stream answers with the header only (regions.cc).
-  grpc::ServerWriteReactor<Raw>* StartRegionFetch(Ctx* ctx, OpenFetch open,
-                                                  const std::string& tenant,
-                                                  const v1::RegionSlice& dest,
-                                                  std::optional<FetchWaitSpec> wait);
-  // Writes an append's whole payload from the caller's region (header.source) into `txn`.
-  // INVALID_ARGUMENT when the slice is not exactly txn's payload or lies outside the region;
-  // NOT_FOUND for a region that is not the tenant's (regions.cc).
-  absl::Status AppendFromRegion(const std::string& tenant, const SequenceStore& model,
-                                const v1::RegionSlice& source, AppendTxn* txn) const;
   // The CUDA IPC plane, or FAILED_PRECONDITION saying why it is off.
   absl::StatusOr<plane::CudaIpcRegions*> CudaIpcPlane() const;
   // The CUDA IPC plane's device region slice `slice` (named `field` in errors) for a transfer on
@@ -223,15 +211,90 @@ class KvBankService final : public internal::RawKvBankService {
                                                         const SequenceStore& model,
                                                         const v1::RegionSlice& slice,
                                                         absl::string_view field) const;
+
+  // ---- Region transfers: one implementation for both ways of asking, a gRPC call
+  // (transfers.cc, regions.cc) and a control frame on the shared-memory plane's socket
+  // (control.cc, proto/shm_control.h). Every check, error, tenancy rule and limit is here.
+
+  // A payload of at most this many bytes on host memory is copied on the thread that asked (a
+  // reaction, the socket's listener): a hand-off to a worker would cost more than the copy.
+  static constexpr uint64_t kInlineRegionCopyBytes = uint64_t{256} << 10;
+  static bool CopiesInline(uint64_t payload_bytes);
+
+  // A Fetch or FetchBlocks request, checked, ready to open; at most one of dest, device_dest,
+  // nccl is set (none: the payload streams over gRPC).
+  struct PreparedFetch {
+    OpenFetch open;
+    // Opening and reading wait on a device or read a disk tier: only on a worker.
+    bool on_device = false;
+    std::optional<v1::RegionSlice> dest;
+    std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
+    std::optional<v1::NcclTransfer> nccl;
+    std::optional<FetchWaitSpec> wait;
+  };
+  absl::StatusOr<PreparedFetch> PrepareFetch(const std::string& tenant,
+                                             const v1::FetchRequest& req) const;
+  absl::StatusOr<PreparedFetch> PrepareFetchBlocks(const std::string& tenant,
+                                                   const v1::FetchBlocksRequest& req) const;
+
+  // Moves an opened reader's whole payload into the caller's region (it holds the region open).
+  // `ended` turns true when the asker is gone: a sink that copies in pieces stops between them.
+  using RegionSink =
+      std::function<absl::Status(FetchReader& reader, const std::atomic<bool>& ended)>;
+  // The sink of a `dest` slice (NOT_FOUND / INVALID_ARGUMENT / FAILED_PRECONDITION as
+  // ShmRegions::Resolve), and of a resolved device slice.
+  absl::StatusOr<RegionSink> RegionSinkFor(const std::string& tenant,
+                                           const v1::RegionSlice& dest) const;
+  static absl::StatusOr<RegionSink> DeviceSinkFor(absl::StatusOr<plane::DeviceBytes> dest);
+
+  class RegionFetch;  // regions.cc
+  using FetchDone = std::function<void(const absl::StatusOr<v1::FetchResponse>&)>;
+  // Starts a prepared fetch that names dest or device_dest: waits (wait_ms), opens, copies;
+  // `done` gets the answer once, on any thread (possibly this one, before this returns). The
+  // result is the asker's hold on it (null when done has run already with an error): pass it to
+  // EndRegionFetch when the asker goes away before the answer.
+  std::shared_ptr<RegionFetch> StartRegionFetch(const std::string& tenant, PreparedFetch fetch,
+                                                FetchDone done);
+  static void EndRegionFetch(RegionFetch& f);
+  // A prepared fetch (or the error preparing it) as a gRPC call: into a region, over NCCL, or
+  // streamed (transfers.cc).
+  grpc::ServerWriteReactor<Raw>* StartFetchCall(Ctx* ctx, const std::string& tenant,
+                                                absl::StatusOr<PreparedFetch> fetch);
+  class RegionFetchReactor;  // regions.cc: the gRPC call of StartRegionFetch
+  grpc::ServerWriteReactor<Raw>* StartRegionFetchCall(Ctx* ctx, const std::string& tenant,
+                                                      PreparedFetch fetch);
+
+  // An append's transaction from its header: every check of the header, no payload written yet.
+  absl::StatusOr<std::unique_ptr<AppendTxn>> BeginAppendTxn(const std::string& tenant,
+                                                            const v1::AppendHeader& h) const;
+  // Writes an append's whole payload from the caller's region (header.source) into `txn`.
+  // INVALID_ARGUMENT when the slice is not exactly txn's payload or lies outside the region;
+  // NOT_FOUND for a region that is not the tenant's (regions.cc).
+  absl::Status AppendFromRegion(const std::string& tenant, const SequenceStore& model,
+                                const v1::RegionSlice& source, AppendTxn* txn) const;
   // Writes an append's whole payload device to device from the caller's device region
   // (header.device_source) into `txn` (regions.cc).
   absl::Status AppendFromDevice(const std::string& tenant, const SequenceStore& model,
                                 const v1::RegionSlice& source, AppendTxn* txn) const;
-  // A Fetch with a `device_dest` slice: as StartRegionFetch, device to device (regions.cc).
-  grpc::ServerWriteReactor<Raw>* StartDeviceFetch(Ctx* ctx, OpenFetch open,
-                                                  const std::string& tenant,
-                                                  absl::StatusOr<plane::DeviceBytes> dest,
-                                                  std::optional<FetchWaitSpec> wait);
+  // Writes the whole payload from the region the header names (source or device_source).
+  absl::Status AppendFromRegions(const std::string& tenant, const v1::AppendHeader& h,
+                                 AppendTxn* txn) const;
+  // Commits `txn` (an append of `model`) and answers it; its bytes count on `plane`.
+  absl::StatusOr<v1::AppendResponse> CommitAppend(std::unique_ptr<AppendTxn> txn,
+                                                  const std::string& model, Plane plane) const;
+
+  // The shared-memory plane's control frames (control.cc): each request runs the operation its
+  // gRPC call runs, as the tenant that claimed the connection's region.
+  void ServeControl(std::shared_ptr<plane::ShmControlCall> call);
+  // `timer`: the call's deadline timer (0: none), dropped once it is answered.
+  void ServeControlAppend(std::shared_ptr<plane::ShmControlCall> call, uint64_t timer);
+  void ServeControlFetch(std::shared_ptr<plane::ShmControlCall> call,
+                         absl::StatusOr<PreparedFetch> fetch, uint64_t timer);
+  void ControlCallDone(uint64_t timer);
+  // Control calls being served; the destructor waits until none is.
+  absl::Mutex control_mu_;
+  uint64_t control_calls_ ABSL_GUARDED_BY(control_mu_) = 0;
+
   // The NCCL plane, or FAILED_PRECONDITION saying why it is off (nccl.cc).
   absl::StatusOr<plane::NcclPlane*> Nccl() const;
   // NcclConnect's and NcclDisconnect's handlers (nccl.cc).

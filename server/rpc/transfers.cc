@@ -62,10 +62,11 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
         if (txn_ == nullptr && message_decoded_.header.has_value()) {
           auto model = FindModel(*service_->registry_, message_decoded_.header->model());
           on_device_ = model.ok() && (*model)->pool().memory().waits_on_device();
-          // A payload from a shared-memory region is copied whole, one over NCCL waits on the
-          // peer: never in a reaction.
-          on_device_ = on_device_ || message_decoded_.header->has_source() ||
-                       message_decoded_.header->has_nccl();
+          // A payload from a region is copied whole (a small one from host memory is copied
+          // here: CopiesInline), one over NCCL waits on the peer: never in a reaction.
+          const v1::AppendHeader& h = *message_decoded_.header;
+          on_device_ = on_device_ || h.has_device_source() || h.has_nccl() ||
+                       (h.has_source() && !CopiesInline(h.source().length()));
         }
       }
       if (!on_device_) return Step(ok);
@@ -100,15 +101,10 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
       // Half-close commits; a cancelled or broken call (client gone, deadline) never does.
       if (ctx_->IsCancelled()) return Fail(absl::CancelledError("append cancelled"));
       if (txn_ == nullptr) return Fail(absl::InvalidArgumentError("append stream had no header"));
-      const uint64_t payload_bytes = txn_->payload_bytes();
-      auto info = txn_->Commit();
-      txn_.reset();
-      if (!info.ok()) return Fail(info.status());
-      service_->plane_bytes_.AddReceived(plane_, payload_bytes);
-      v1::AppendResponse resp;
-      ToProto(*info, model_name_, resp.mutable_sequence());
+      auto resp = service_->CommitAppend(std::move(txn_), model_name_, plane_);
+      if (!resp.ok()) return Fail(resp.status());
       bool own = false;
-      grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(resp, resp_, &own);
+      grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(*resp, resp_, &own);
       return End(s);
     }
     if (absl::Status s = Handle(); !s.ok()) return Fail(s);
@@ -124,10 +120,6 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
     if (txn_ == nullptr) {
       if (!header.has_value()) {
         return absl::InvalidArgumentError("the first append message must carry header");
-      }
-      if (header->has_nccl() && (header->has_source() || header->has_device_source())) {
-        return absl::InvalidArgumentError(
-            "header.nccl excludes header.source and header.device_source: name one");
       }
       if (absl::Status s = Begin(*header); !s.ok()) return s;
       plane_ = header->has_source()          ? Plane::kShm
@@ -155,31 +147,8 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   }
 
   absl::Status Begin(const v1::AppendHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
-    if (h.has_source() && h.has_device_source()) {
-      return absl::InvalidArgumentError("header.source and header.device_source: name one");
-    }
-    auto model = FindModel(*service_->registry_, h.model());
-    if (!model.ok()) return model.status();
-    auto dtype = FromProto(h.dtype(), "header.dtype");
-    if (!dtype.ok()) return dtype.status();
-    AppendSpec spec;
-    spec.tenant = tenant_;
-    spec.sequence_id = h.sequence_id();
-    spec.layer_begin = h.layer_begin();
-    if (h.has_layer_end()) spec.layer_end = h.layer_end();
-    spec.num_tokens = h.num_tokens();
-    spec.dtype = *dtype;
-    spec.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
-    spec.kv_head_begin = h.kv_head_begin();
-    if (h.has_kv_head_end()) spec.kv_head_end = h.kv_head_end();
-    auto txn = (*model)->BeginAppend(spec);
+    auto txn = service_->BeginAppendTxn(tenant_, h);
     if (!txn.ok()) return txn.status();
-    if (h.payload_bytes() != 0 && h.payload_bytes() != (*txn)->payload_bytes()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.payload_bytes ", h.payload_bytes(), " does not match the ",
-          (*txn)->payload_bytes(), " bytes the layout takes for ", h.num_tokens(), " tokens"));
-    }
     txn_ = *std::move(txn);
     model_name_ = h.model();
     return absl::OkStatus();
@@ -193,9 +162,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
           "an append from a region (header.source) carries no data; the region holds the payload");
     }
     from_region_ = true;
-    auto model = FindModel(*service_->registry_, h.model());
-    if (!model.ok()) return model.status();
-    return service_->AppendFromRegion(tenant_, **model, h.source(), txn_.get());
+    return service_->AppendFromRegions(tenant_, h, txn_.get());
   }
 
   // The whole payload over NCCL (nccl.cc); the stream then only half-closes. The receive waits
@@ -224,9 +191,7 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
           "an append from a device region (header.device_source) carries no data");
     }
     from_region_ = true;
-    auto model = FindModel(*service_->registry_, h.model());
-    if (!model.ok()) return model.status();
-    return service_->AppendFromDevice(tenant_, **model, h.device_source(), txn_.get());
+    return service_->AppendFromRegions(tenant_, h, txn_.get());
   }
 
   void Fail(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -263,6 +228,61 @@ class KvBankService::AppendReactor final : public grpc::ServerReadReactor<grpc::
   // Last: its idle callback uses the members above.
   const std::shared_ptr<StreamWatchdog::Stream> stream_;
 };
+
+absl::StatusOr<std::unique_ptr<AppendTxn>> KvBankService::BeginAppendTxn(
+    const std::string& tenant, const v1::AppendHeader& h) const {
+  if (absl::Status s = CheckSequenceId(h.sequence_id()); !s.ok()) return s;
+  if (h.has_source() && h.has_device_source()) {
+    return absl::InvalidArgumentError("header.source and header.device_source: name one");
+  }
+  if (h.has_nccl() && (h.has_source() || h.has_device_source())) {
+    return absl::InvalidArgumentError(
+        "header.nccl excludes header.source and header.device_source: name one");
+  }
+  auto model = FindModel(*registry_, h.model());
+  if (!model.ok()) return model.status();
+  auto dtype = FromProto(h.dtype(), "header.dtype");
+  if (!dtype.ok()) return dtype.status();
+  AppendSpec spec;
+  spec.tenant = tenant;
+  spec.sequence_id = h.sequence_id();
+  spec.layer_begin = h.layer_begin();
+  if (h.has_layer_end()) spec.layer_end = h.layer_end();
+  spec.num_tokens = h.num_tokens();
+  spec.dtype = *dtype;
+  spec.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
+  spec.kv_head_begin = h.kv_head_begin();
+  if (h.has_kv_head_end()) spec.kv_head_end = h.kv_head_end();
+  auto txn = (*model)->BeginAppend(spec);
+  if (!txn.ok()) return txn.status();
+  if (h.payload_bytes() != 0 && h.payload_bytes() != (*txn)->payload_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.payload_bytes ", h.payload_bytes(), " does not match the ", (*txn)->payload_bytes(),
+        " bytes the layout takes for ", h.num_tokens(), " tokens"));
+  }
+  return txn;
+}
+
+absl::Status KvBankService::AppendFromRegions(const std::string& tenant, const v1::AppendHeader& h,
+                                              AppendTxn* txn) const {
+  auto model = FindModel(*registry_, h.model());
+  if (!model.ok()) return model.status();
+  if (h.has_device_source()) return AppendFromDevice(tenant, **model, h.device_source(), txn);
+  return AppendFromRegion(tenant, **model, h.source(), txn);
+}
+
+absl::StatusOr<v1::AppendResponse> KvBankService::CommitAppend(std::unique_ptr<AppendTxn> txn,
+                                                               const std::string& model,
+                                                               Plane plane) const {
+  const uint64_t payload_bytes = txn->payload_bytes();
+  auto info = txn->Commit();
+  txn.reset();
+  if (!info.ok()) return info.status();
+  plane_bytes_.AddReceived(plane, payload_bytes);
+  v1::AppendResponse resp;
+  ToProto(*info, model, resp.mutable_sequence());
+  return resp;
+}
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvBankService::Append(Ctx* ctx, Raw* resp) {
   return new AppendReactor(this, ctx, resp);
@@ -506,130 +526,134 @@ class KvBankService::FetchReactor final : public grpc::ServerWriteReactor<grpc::
   grpc::ByteBuffer next_;     // touched only by the builder, or under mu_ while none builds
 };
 
+absl::StatusOr<KvBankService::PreparedFetch> KvBankService::PrepareFetch(
+    const std::string& tenant, const v1::FetchRequest& req) const {
+  PreparedFetch out;
+  if (req.has_dest() && req.has_device_dest()) {
+    return absl::InvalidArgumentError("dest and device_dest: name one");
+  }
+  if (req.has_dest()) out.dest = req.dest();
+  if (req.has_nccl()) out.nccl = req.nccl();
+  if (out.nccl.has_value() && (req.has_dest() || req.has_device_dest())) {
+    return absl::InvalidArgumentError("nccl excludes dest and device_dest: name one");
+  }
+  if (out.nccl.has_value() && req.wait_ms() > 0) {
+    return absl::InvalidArgumentError("wait_ms is not supported with nccl");
+  }
+  if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
+  auto model = FindModel(*registry_, req.model());
+  if (!model.ok()) return model.status();
+  auto d = FromProto(req.dtype(), "dtype");
+  if (!d.ok()) return d.status();
+  FetchSpec spec;
+  spec.tenant = tenant;
+  spec.sequence_id = req.sequence_id();
+  spec.token_begin = req.token_begin();
+  if (req.has_token_end()) spec.token_end = req.token_end();
+  spec.layer_begin = req.layer_begin();
+  if (req.has_layer_end()) spec.layer_end = req.layer_end();
+  spec.dtype = *d;
+  spec.kv_head_begin = req.kv_head_begin();
+  if (req.has_kv_head_end()) spec.kv_head_end = req.kv_head_end();
+  out.on_device = (*model)->pool().memory().waits_on_device();
+  // NCCL sends the payload from the device: the reader stages nothing on the host.
+  spec.device_dest = out.nccl.has_value();
+  if (req.has_device_dest()) {
+    spec.device_dest = true;
+    out.device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
+  }
+  if (req.wait_ms() > kMaxFetchWaitMs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("wait_ms ", req.wait_ms(), " exceeds ", kMaxFetchWaitMs));
+  }
+  if (req.wait_ms() > 0) {
+    if (!spec.token_end.has_value()) {
+      return absl::InvalidArgumentError("wait_ms needs token_end: the tokens to wait for");
+    }
+    auto claim = ledger_->Acquire(tenant, Resource::kWaits);
+    if (!claim.ok()) return claim.status();
+    out.wait = FetchWaitSpec{*model, spec, absl::Milliseconds(req.wait_ms()), *std::move(claim)};
+  }
+  out.open = [store = *std::move(model), spec = std::move(spec)] {
+    return store->BeginFetch(spec);
+  };
+  return out;
+}
+
+absl::StatusOr<KvBankService::PreparedFetch> KvBankService::PrepareFetchBlocks(
+    const std::string& tenant, const v1::FetchBlocksRequest& req) const {
+  PreparedFetch out;
+  if (req.has_dest() && req.has_device_dest()) {
+    return absl::InvalidArgumentError("dest and device_dest: name one");
+  }
+  if (req.has_dest()) out.dest = req.dest();
+  auto model = FindModel(*registry_, req.model());
+  if (!model.ok()) return model.status();
+  if (req.has_device_dest()) {
+    out.device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
+  }
+  auto hashes = HashesFromProto(req.block_hashes(), "block_hashes");
+  if (!hashes.ok()) return hashes.status();
+  std::optional<uint32_t> layer_end, head_end;
+  if (req.has_layer_end()) layer_end = req.layer_end();
+  if (req.has_kv_head_end()) head_end = req.kv_head_end();
+  auto d = FromProto(req.dtype(), "dtype");
+  if (!d.ok()) return d.status();
+  // Blocks may come back from a disk tier first: then the open runs on a worker too.
+  const TierCache* tiers = (*model)->prefix().tiers();
+  out.on_device =
+      (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
+  out.open = [store = *std::move(model), tenant, hashes = *std::move(hashes),
+              l0 = req.layer_begin(), layer_end, dtype = *d, h0 = req.kv_head_begin(), head_end,
+              to_device = req.has_device_dest()] {
+    return store->prefix().FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end,
+                                       to_device);
+  };
+  return out;
+}
+
+// A prepared fetch as a gRPC call: into a region, over NCCL, or streamed.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::StartFetchCall(
+    Ctx* ctx, const std::string& tenant, absl::StatusOr<PreparedFetch> fetch) {
+  if (fetch.ok() && (fetch->dest.has_value() || fetch->device_dest.has_value())) {
+    return StartRegionFetchCall(ctx, tenant, *std::move(fetch));
+  }
+  if (fetch.ok() && fetch->nccl.has_value()) {
+    return StartNcclFetch(ctx, std::move(fetch->open), tenant, *fetch->nccl);
+  }
+  if (!fetch.ok()) {
+    return FetchReactor::Start(this, ctx, tenant, fetch.status(), false, std::nullopt);
+  }
+  return FetchReactor::Start(this, ctx, tenant, std::move(fetch->open), fetch->on_device,
+                             std::move(fetch->wait));
+}
+
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::Fetch(Ctx* ctx, const Raw* raw) {
   // Everything but opening the reader runs here; the reader opens in the reactor (on a device
   // worker when the model's memory waits on a device).
-  bool on_device = false;
-  std::optional<v1::RegionSlice> dest;
-  std::optional<v1::NcclTransfer> nccl;
-  std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
-  std::optional<FetchWaitSpec> wait;
   std::string tenant;
-  auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
+  auto prepare = [&]() -> absl::StatusOr<PreparedFetch> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     v1::FetchRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
-    if (req.has_dest() && req.has_device_dest()) {
-      return absl::InvalidArgumentError("dest and device_dest: name one");
-    }
-    if (req.has_dest()) dest = req.dest();
-    if (req.has_nccl()) nccl = req.nccl();
-    if (nccl.has_value() && (req.has_dest() || req.has_device_dest())) {
-      return absl::InvalidArgumentError("nccl excludes dest and device_dest: name one");
-    }
-    if (nccl.has_value() && req.wait_ms() > 0) {
-      return absl::InvalidArgumentError("wait_ms is not supported with nccl");
-    }
     tenant = caller->tenant;
-    if (absl::Status s = CheckSequenceId(req.sequence_id()); !s.ok()) return s;
-    auto model = FindModel(*registry_, req.model());
-    if (!model.ok()) return model.status();
-    auto d = FromProto(req.dtype(), "dtype");
-    if (!d.ok()) return d.status();
-    FetchSpec spec;
-    spec.tenant = caller->tenant;
-    spec.sequence_id = req.sequence_id();
-    spec.token_begin = req.token_begin();
-    if (req.has_token_end()) spec.token_end = req.token_end();
-    spec.layer_begin = req.layer_begin();
-    if (req.has_layer_end()) spec.layer_end = req.layer_end();
-    spec.dtype = *d;
-    spec.kv_head_begin = req.kv_head_begin();
-    if (req.has_kv_head_end()) spec.kv_head_end = req.kv_head_end();
-    on_device = (*model)->pool().memory().waits_on_device();
-    // NCCL sends the payload from the device: the reader stages nothing on the host.
-    spec.device_dest = nccl.has_value();
-    if (req.has_device_dest()) {
-      spec.device_dest = true;
-      device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
-    }
-    if (req.wait_ms() > kMaxFetchWaitMs) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("wait_ms ", req.wait_ms(), " exceeds ", kMaxFetchWaitMs));
-    }
-    if (req.wait_ms() > 0) {
-      if (!spec.token_end.has_value()) {
-        return absl::InvalidArgumentError("wait_ms needs token_end: the tokens to wait for");
-      }
-      auto claim = ledger_->Acquire(tenant, Resource::kWaits);
-      if (!claim.ok()) return claim.status();
-      wait = FetchWaitSpec{*model, spec, absl::Milliseconds(req.wait_ms()), *std::move(claim)};
-    }
-    return FetchReactor::Open(
-        [store = *std::move(model), spec = std::move(spec)] { return store->BeginFetch(spec); });
+    return PrepareFetch(tenant, req);
   };
-  auto open = prepare();
-  if (open.ok() && dest.has_value()) {
-    return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::move(wait));
-  }
-  if (open.ok() && device_dest.has_value()) {
-    return StartDeviceFetch(ctx, *std::move(open), tenant, *std::move(device_dest),
-                            std::move(wait));
-  }
-  if (open.ok() && nccl.has_value()) return StartNcclFetch(ctx, *std::move(open), tenant, *nccl);
-  return FetchReactor::Start(this, ctx, std::move(tenant), std::move(open), on_device,
-                             std::move(wait));
+  return StartFetchCall(ctx, tenant, prepare());
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvBankService::FetchBlocks(Ctx* ctx, const Raw* raw) {
-  bool on_device = false;
-  std::optional<v1::RegionSlice> dest;
-  std::optional<absl::StatusOr<plane::DeviceBytes>> device_dest;
   std::string tenant;
-  auto prepare = [&]() -> absl::StatusOr<FetchReactor::Open> {
+  auto prepare = [&]() -> absl::StatusOr<PreparedFetch> {
     auto caller = Admit(*ctx);
     if (!caller.ok()) return caller.status();
     v1::FetchBlocksRequest req;
     if (absl::Status s = ParseRequest(raw, &req); !s.ok()) return s;
-    if (req.has_dest() && req.has_device_dest()) {
-      return absl::InvalidArgumentError("dest and device_dest: name one");
-    }
-    if (req.has_dest()) dest = req.dest();
     tenant = caller->tenant;
-    auto model = FindModel(*registry_, req.model());
-    if (!model.ok()) return model.status();
-    if (req.has_device_dest()) {
-      device_dest = ResolveDeviceSlice(tenant, **model, req.device_dest(), "device_dest");
-    }
-    auto hashes = HashesFromProto(req.block_hashes(), "block_hashes");
-    if (!hashes.ok()) return hashes.status();
-    std::optional<uint32_t> layer_end, head_end;
-    if (req.has_layer_end()) layer_end = req.layer_end();
-    if (req.has_kv_head_end()) head_end = req.kv_head_end();
-    auto d = FromProto(req.dtype(), "dtype");
-    if (!d.ok()) return d.status();
-    // Blocks may come back from a disk tier first: then the open runs on a worker too.
-    const TierCache* tiers = (*model)->prefix().tiers();
-    on_device =
-        (*model)->pool().memory().waits_on_device() || (tiers != nullptr && tiers->has_disk());
-    return FetchReactor::Open([store = *std::move(model), tenant = caller->tenant,
-                               hashes = *std::move(hashes), l0 = req.layer_begin(), layer_end,
-                               dtype = *d, h0 = req.kv_head_begin(), head_end,
-                               to_device = req.has_device_dest()] {
-      return store->prefix().FetchBlocks(tenant, hashes, l0, layer_end, dtype, h0, head_end,
-                                         to_device);
-    });
+    return PrepareFetchBlocks(tenant, req);
   };
-  auto open = prepare();
-  if (open.ok() && dest.has_value()) {
-    return StartRegionFetch(ctx, *std::move(open), tenant, *dest, std::nullopt);
-  }
-  if (open.ok() && device_dest.has_value()) {
-    return StartDeviceFetch(ctx, *std::move(open), tenant, *std::move(device_dest), std::nullopt);
-  }
-  return FetchReactor::Start(this, ctx, std::move(tenant), std::move(open), on_device,
-                             std::nullopt);
+  return StartFetchCall(ctx, tenant, prepare());
 }
 
 }  // namespace kvbank::rpc

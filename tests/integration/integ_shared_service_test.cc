@@ -383,7 +383,8 @@ TEST_F(SharedServiceTest, RegionsHaveAPerTenantShare) {
 
 // A fetch into a region that is still queued when its call ends (the workers are busy with the
 // same tenant's earlier copies) never writes the region: the bytes there stay as they were once
-// the workers are idle again.
+// the workers are idle again. Asked both ways: by gRPC (the call's deadline) and with control
+// frames on the shm socket (the frame's timeout_ms).
 TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   // One device worker: the copies queue behind it.
   ASSERT_NO_FATAL_FAILURE(Start({"--shm-socket=" + dir_ + "/shm", "--device-workers=1"}));
@@ -395,65 +396,77 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
   m.head_dim = m.head_dim_v = 128;
   m.layer_dtypes.assign(m.num_layers, DType::kFp16);
   ASSERT_TRUE(As("ops")->EnsureModel(m, 64 * kMiB).ok());
-  ClientOptions o;
-  o.shm_socket = dir_ + "/shm";
-  std::unique_ptr<Client> a = As("a", o);
-  auto seq = a->CreateSequence("m");
-  ASSERT_TRUE(seq.ok()) << seq.status();
-  constexpr uint64_t kTokens = 1024;
-  const uint64_t payload = kTokens * 2 * 8 * 8 * 128 * 2;
-  Client::AppendArgs args;
-  args.num_tokens = kTokens;
-  std::vector<uint8_t> bytes(payload, 0x3c);
-  ASSERT_TRUE(a->Append("m", seq->id, args, bytes).ok());
-  // The victim's client, connected before the burst (it must reach the server at once).
-  ClientOptions impatient = o;
-  impatient.stream_deadline = absl::Milliseconds(200);
-  std::unique_ptr<Client> quick = As("a", impatient);
-  ASSERT_TRUE(quick->ListModels().ok());
-  // 192 fetches of the whole payload (into one region: what lands there does not matter) keep
-  // the worker busy for a while.
-  constexpr int kBlockers = 192;
-  auto sink = a->RegisterRegion(payload);
-  ASSERT_TRUE(sink.ok()) << sink.status();
-  auto victim = a->RegisterRegion(1 << 20);
-  ASSERT_TRUE(victim.ok()) << victim.status();
-  std::memset((*victim)->data(), 0xa5, (*victim)->size());
-  const double ran_before = Sample(Scrape(), "kvbank_device_work_ran_total{class=\"foreground\"}");
-  std::vector<std::thread> blockers;
-  absl::Cleanup join = [&] {
-    for (std::thread& t : blockers) {
-      if (t.joinable()) t.join();
+  for (const bool frames : {false, true}) {
+    SCOPED_TRACE(frames ? "control frames" : "gRPC calls");
+    ClientOptions o;
+    o.shm_socket = dir_ + "/shm";
+    o.shm_control = frames;
+    std::unique_ptr<Client> a = As("a", o);
+    auto seq = a->CreateSequence("m");
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    constexpr uint64_t kTokens = 1024;
+    const uint64_t payload = kTokens * 2 * 8 * 8 * 128 * 2;
+    Client::AppendArgs args;
+    args.num_tokens = kTokens;
+    std::vector<uint8_t> bytes(payload, 0x3c);
+    ASSERT_TRUE(a->Append("m", seq->id, args, bytes).ok());
+    // The victim's client, connected before the burst (it must reach the server at once).
+    ClientOptions impatient = o;
+    impatient.stream_deadline = absl::Milliseconds(200);
+    std::unique_ptr<Client> quick = As("a", impatient);
+    ASSERT_TRUE(quick->ListModels().ok());
+    // 192 fetches of the whole payload (into one region: what lands there does not matter)
+    // keep the worker busy for a while; from 6 clients (a control connection carries at most
+    // 32 requests at once).
+    constexpr int kBlockers = 192, kBlockerClients = 6;
+    std::vector<std::unique_ptr<Client>> blocker_clients;
+    for (int i = 0; i < kBlockerClients; ++i) blocker_clients.push_back(As("a", o));
+    auto sink = a->RegisterRegion(payload);
+    ASSERT_TRUE(sink.ok()) << sink.status();
+    auto victim = a->RegisterRegion(1 << 20);
+    ASSERT_TRUE(victim.ok()) << victim.status();
+    std::memset((*victim)->data(), 0xa5, (*victim)->size());
+    const double ran_before =
+        Sample(Scrape(), "kvbank_device_work_ran_total{class=\"foreground\"}");
+    std::vector<std::thread> blockers;
+    absl::Cleanup join = [&] {
+      for (std::thread& t : blockers) {
+        if (t.joinable()) t.join();
+      }
+    };
+    for (int i = 0; i < kBlockers; ++i) {
+      blockers.emplace_back([&, i] {
+        auto r = blocker_clients[i % kBlockerClients]->FetchToRegion("m", seq->id, {},
+                                                                     (*sink)->Slice(0, payload));
+        EXPECT_TRUE(r.ok()) << r.status();
+      });
     }
-  };
-  for (int i = 0; i < kBlockers; ++i) {
-    blockers.emplace_back([&] {
-      auto r = a->FetchToRegion("m", seq->id, {}, (*sink)->Slice(0, payload));
-      EXPECT_TRUE(r.ok()) << r.status();
-    });
+    // Wait until copies are queued behind the busy workers.
+    ASSERT_TRUE(WaitUntil(
+        [&] { return Sample(Scrape(), "kvbank_device_work_queued{class=\"foreground\"}") >= 96; },
+        absl::Seconds(20)))
+        << "the blockers never queued";
+    // 1 MiB (32 tokens): more than a copy made at once, so it queues too. The victim's region
+    // is registered on `a`'s connection: the same tenant may name it.
+    Client::FetchArgs f;
+    f.token_end = 32;
+    auto late = quick->FetchToRegion("m", seq->id, f, (*victim)->Slice(0, (*victim)->size()));
+    ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+    std::move(join).Invoke();
+    // Every task has run (the victim's too: it was queued behind the blockers) and none waits.
+    ASSERT_TRUE(WaitUntil([&] {
+      const std::string s = Scrape();
+      return Sample(s, "kvbank_device_work_ran_total{class=\"foreground\"}") >=
+                 ran_before + kBlockers + 1 &&
+             Sample(s, "kvbank_device_work_queued{class=\"foreground\"}") == 0;
+    })) << "the victim's task never ran";
+    const uint8_t* p = (*victim)->data();
+    const size_t changed =
+        std::count_if(p, p + (*victim)->size(), [](uint8_t x) { return x != 0xa5; });
+    EXPECT_EQ(changed, 0u) << "a fetch wrote its region after its call had ended";
+    EXPECT_EQ(quick->ShmControlRequests() + a->ShmControlRequests() > 0, frames);
+    ASSERT_TRUE(a->Free("m", seq->id).ok());
   }
-  // Wait until copies are queued behind the busy workers.
-  ASSERT_TRUE(WaitUntil(
-      [&] { return Sample(Scrape(), "kvbank_device_work_queued{class=\"foreground\"}") >= 96; },
-      absl::Seconds(20)))
-      << "the blockers never queued";
-  Client::FetchArgs f;
-  f.token_end = 4;
-  // The victim's region is registered on `a`'s connection: the same tenant may name it.
-  auto late = quick->FetchToRegion("m", seq->id, f, (*victim)->Slice(0, (*victim)->size()));
-  ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
-  std::move(join).Invoke();
-  // Every task has run (the victim's too: it was queued behind the blockers) and none waits.
-  ASSERT_TRUE(WaitUntil([&] {
-    const std::string s = Scrape();
-    return Sample(s, "kvbank_device_work_ran_total{class=\"foreground\"}") >=
-               ran_before + kBlockers + 1 &&
-           Sample(s, "kvbank_device_work_queued{class=\"foreground\"}") == 0;
-  })) << "the victim's task never ran";
-  const uint8_t* p = (*victim)->data();
-  const size_t changed =
-      std::count_if(p, p + (*victim)->size(), [](uint8_t x) { return x != 0xa5; });
-  EXPECT_EQ(changed, 0u) << "a fetch wrote its region after its call had ended";
 }
 
 }  // namespace

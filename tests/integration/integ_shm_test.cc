@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -64,10 +65,17 @@ class ShmTest : public KvbankdTest {
     flags.push_back("--shm-socket=" + socket_);
     StartServer(flags);
   }
+  // Region transfers go as control frames on the shm socket, or (KVBANK_TEST_SHM_CONTROL=0:
+  // ctest's integ_shm_test_grpc_control) as gRPC calls: every case runs both ways.
+  static bool Frames() {
+    const char* v = std::getenv("KVBANK_TEST_SHM_CONTROL");
+    return v == nullptr || std::string(v) != "0";
+  }
   std::unique_ptr<Client> Shm(const std::string& token = "") {
     ClientOptions o;
     o.shm_socket = socket_;
     o.bearer_token = token;
+    o.shm_control = Frames();
     return NewClient(o);
   }
 
@@ -572,7 +580,7 @@ TEST_F(ShmTest, ServerInfoNamesTheSocket) {
 }
 
 TEST_F(ShmTest, PlaneOffAnswersFailedPrecondition) {
-  ASSERT_NO_FATAL_FAILURE(StartServer({"--models="}));
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--shm-socket="}));
   ClientOptions o;
   o.shm_socket = socket_;  // nothing listens there
   std::unique_ptr<Client> c = NewClient(o);
@@ -709,6 +717,43 @@ TEST_F(ShmTest, ClientKilledMidTransferLeavesNoTraceAndNoLeak) {
         << StatsOf(*c, "big").blocks_used;
     ExpectAccounting(StatsOf(*c, "big"));
   }
+}
+
+// The way of asking is the one chosen (frames, or gRPC calls with KVBANK_TEST_SHM_CONTROL=0),
+// and a device region's transfer on a server with a host pool is refused alike either way,
+// naming the CUDA IPC plane, with nothing changed.
+TEST_F(ShmTest, RegionTransfersTakeTheControlPathAskedForAndDeviceOnesAreRefusedAlike) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  auto model = c->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const uint64_t per_token = model->payload_bytes_per_token;
+  auto region = c->RegisterRegion(4 * per_token);
+  ASSERT_TRUE(region.ok()) << region.status();
+  Client::AppendArgs args;
+  args.num_tokens = 4;
+  for (uint64_t i = 0; i < 4 * per_token; ++i) (*region)->data()[i] = uint8_t(i * 7);
+  ASSERT_TRUE(c->AppendFromRegion("m", seq->id, args, (*region)->Slice(0, 4 * per_token)).ok());
+  auto back = c->FetchToRegion("m", seq->id, {}, (*region)->Slice(0, 4 * per_token));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(c->ShmControlRequests(), Frames() ? 2u : 0u);
+
+  const RegionSlice device{7, 0, 4 * per_token};
+  auto appended = c->AppendFromDevice("m", seq->id, args, device);
+  EXPECT_EQ(appended.status().code(), absl::StatusCode::kFailedPrecondition) << appended.status();
+  EXPECT_NE(appended.status().message().find("CUDA IPC plane"), std::string::npos)
+      << appended.status();
+  auto fetched = c->FetchToDevice("m", seq->id, {}, device);
+  EXPECT_EQ(fetched.status().code(), absl::StatusCode::kFailedPrecondition) << fetched.status();
+  EXPECT_NE(fetched.status().message().find("CUDA IPC plane"), std::string::npos)
+      << fetched.status();
+  EXPECT_EQ(c->ShmControlRequests(), Frames() ? 4u : 0u);
+  auto info = c->GetSequence("m", seq->id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->length, 4u) << "a refused append changed the sequence";
 }
 
 }  // namespace

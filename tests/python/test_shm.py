@@ -83,10 +83,38 @@ def test_small_payloads_and_a_plane_off_use_grpc(shm_server, server):
         seq = c.create_sequence("shm-py-small")
         c.append("shm-py-small", seq.id, small, num_tokens=2)  # 8 KiB < shm_min_bytes
         assert c.plane_stats()["grpc"]["calls"] == 1
-    with kvbank.Client(server.target) as c:  # a server with no --shm-socket
-        assert c.data_plane == "grpc"
-        with pytest.raises(kvbank.FailedPreconditionError, match="shared-memory"):
-            c.register_region(4096)
+    off = Server(["--pool-bytes=16MiB", "--shm-socket="])  # the plane turned off
+    try:
+        with kvbank.Client(off.target) as c:
+            assert c.data_plane == "grpc"
+            with pytest.raises(kvbank.FailedPreconditionError, match="shared-memory"):
+                c.register_region(4096)
+    finally:
+        off.stop()
+
+
+def test_the_plane_is_on_by_default_and_asked_over_its_socket(server):
+    """A kvbankd started with no --shm-socket serves the plane on a socket of its own (in this
+    user's runtime folder); a client on this host takes it with no setting, and its region
+    transfers are asked for with control frames on that socket, not gRPC calls."""
+    with kvbank.Client(server.target) as c:
+        info = c.server_info()
+        assert info["shm_socket"], "the default kvbankd serves no shm socket"
+        folder = os.path.dirname(info["shm_socket"])
+        assert os.stat(folder).st_mode & 0o777 == 0o700
+        assert os.stat(info["shm_socket"]).st_mode & 0o777 == 0o600
+        assert c.data_plane == "shm"
+        c.ensure_model(layout("shm-default"))
+        seq = c.create_sequence("shm-default")
+        # 256 tokens of 4 KiB: 1 MiB, shm_min_bytes, so through a staging region.
+        payload = (np.arange(2048 * 256) % 1000).astype(np.float16)
+        c.append("shm-default", seq.id, payload, num_tokens=256)
+        back = np.zeros_like(payload)
+        got = c.fetch_into("shm-default", seq.id, back)
+        assert got.payload_bytes == payload.nbytes and np.array_equal(back, payload)
+        st = c.plane_stats()
+        assert st["shm_staged"]["calls"] == 2 and st["grpc"]["calls"] == 0
+        assert st["shm_control"]["calls"] == 2, st
 
 
 def test_cuda_ipc_calls_reach_the_server_without_a_gpu(server):

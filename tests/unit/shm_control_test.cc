@@ -29,7 +29,7 @@ ShmControlRequest Append() {
   h.add_token_ids(8);
   h.add_token_ids(9);
   *h.mutable_source() = Slice(5, 4096, 3 * 256);
-  return ShmControlRequest{17, h};
+  return ShmControlRequest{17, 0, h};
 }
 
 ShmControlRequest Fetch() {
@@ -39,7 +39,7 @@ ShmControlRequest Fetch() {
   f.set_token_end(64);
   f.set_wait_ms(250);
   *f.mutable_dest() = Slice(5, 0, 1 << 20);
-  return ShmControlRequest{18, f};
+  return ShmControlRequest{18, 0, f};
 }
 
 ShmControlRequest FetchBlocks() {
@@ -48,7 +48,7 @@ ShmControlRequest FetchBlocks() {
   f.add_block_hashes(std::string(32, 'a'));
   f.add_block_hashes(std::string(32, 'b'));
   *f.mutable_dest() = Slice(6, 0, 1 << 20);
-  return ShmControlRequest{19, f};
+  return ShmControlRequest{19, 0, f};
 }
 
 ShmControlHeader HeaderOf(const std::vector<uint8_t>& frame) {
@@ -123,6 +123,7 @@ TEST(ShmControl, MalformedHeadersAreRefused) {
   ExpectRefused(mutate([](ShmControlHeader& h) { h.magic[0] = 'X'; }), "bad magic");
   ExpectRefused(mutate([](ShmControlHeader& h) { h.version = 2; }), "version 2");
   ExpectRefused(mutate([](ShmControlHeader& h) { h.reserved = 1; }), "reserved");
+  EXPECT_TRUE(mutate([](ShmControlHeader& h) { h.timeout_ms = 250; }).ok());  // a deadline
   ExpectRefused(mutate([](ShmControlHeader& h) { h.op = 9; }), "op 9");
   ExpectRefused(mutate([](ShmControlHeader& h) { h.op |= kShmControlReply; }), "is not a request");
   ExpectRefused(mutate([](ShmControlHeader& h) { h.status = 5; }), "status must be 0");
@@ -142,16 +143,36 @@ TEST(ShmControl, MalformedHeadersAreRefused) {
 TEST(ShmControl, BodiesWithoutTheirRegionAreRefused) {
   ShmControlRequest a = Append();
   std::get<v1::AppendHeader>(a.body).clear_source();
-  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(a)).status(), "(source)");
+  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(a)).status(),
+                "(source or device_source)");
+  ShmControlRequest a2 = Append();
+  *std::get<v1::AppendHeader>(a2.body).mutable_device_source() = Slice(1, 0, 1);
+  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(a2)).status(),
+                "(source or device_source)");
   ShmControlRequest f = Fetch();
   std::get<v1::FetchRequest>(f.body).clear_dest();
-  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(f)).status(), "(dest)");
+  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(f)).status(),
+                "(dest or device_dest)");
   ShmControlRequest d = Fetch();
   *std::get<v1::FetchRequest>(d.body).mutable_device_dest() = Slice(1, 0, 1);
-  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(d)).status(), "no device");
+  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(d)).status(),
+                "(dest or device_dest)");
   ShmControlRequest b = FetchBlocks();
   std::get<v1::FetchBlocksRequest>(b.body).clear_dest();
-  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(b)).status(), "(dest)");
+  ExpectRefused(DecodeShmControlRequest(EncodeShmControlRequest(b)).status(),
+                "(dest or device_dest)");
+  // A device region alone is a request of the CUDA IPC plane on the same path.
+  ShmControlRequest dev = Fetch();
+  std::get<v1::FetchRequest>(dev.body).clear_dest();
+  *std::get<v1::FetchRequest>(dev.body).mutable_device_dest() = Slice(1, 0, 1);
+  dev.timeout_ms = 1500;
+  auto dev_back = DecodeShmControlRequest(EncodeShmControlRequest(dev));
+  ASSERT_TRUE(dev_back.ok()) << dev_back.status();
+  EXPECT_EQ(dev_back->timeout_ms, 1500u);
+  ShmControlRequest adev = Append();
+  std::get<v1::AppendHeader>(adev.body).clear_source();
+  *std::get<v1::AppendHeader>(adev.body).mutable_device_source() = Slice(1, 0, 1);
+  EXPECT_TRUE(DecodeShmControlRequest(EncodeShmControlRequest(adev)).ok());
 
   // A body that is not the message.
   std::vector<uint8_t> frame = EncodeShmControlRequest(Fetch());

@@ -52,6 +52,42 @@ bool PeerCloses(int fd, absl::Duration deadline = absl::Seconds(10)) {
   }
 }
 
+// One reply frame read from `fd` (blocking, up to 10 s).
+absl::StatusOr<proto::ShmControlReplyFrame> ReadReply(int fd) {
+  std::string in;
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  for (;;) {
+    if (in.size() >= sizeof(proto::ShmControlHeader)) {
+      const auto* p = reinterpret_cast<const uint8_t*>(in.data());
+      auto h = proto::DecodeShmControlHeader({p, in.size()}, /*reply=*/true);
+      if (!h.ok()) return h.status();
+      const size_t n = sizeof(proto::ShmControlHeader) + h->body_bytes;
+      if (in.size() >= n) return proto::DecodeShmControlReply({p, n});
+    }
+    const int64_t left = absl::ToInt64Milliseconds(end - absl::Now());
+    pollfd p{fd, POLLIN, 0};
+    if (left <= 0 || poll(&p, 1, int(left)) <= 0) return absl::DeadlineExceededError("no reply");
+    char buf[4096];
+    const ssize_t got = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (got <= 0) return absl::UnavailableError("closed before a whole reply");
+    in.append(buf, size_t(got));
+  }
+}
+
+// A fetch frame naming region `id`, with `request_id`.
+std::vector<uint8_t> FetchFrame(uint64_t request_id, uint64_t id, uint32_t timeout_ms = 0) {
+  proto::ShmControlRequest r;
+  r.request_id = request_id;
+  r.timeout_ms = timeout_ms;
+  v1::FetchRequest f;
+  f.set_model("m");
+  f.set_sequence_id(1);
+  f.mutable_dest()->set_region_id(id);
+  f.mutable_dest()->set_length(64);
+  r.body = f;
+  return proto::EncodeShmControlRequest(r);
+}
+
 class ShmRegionsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -271,16 +307,122 @@ TEST_F(ShmRegionsTest, GarbageOrNoDescriptorClosesThePeerAndNothingElse) {
     ASSERT_EQ(send(fd, g.data(), g.size(), MSG_NOSIGNAL), static_cast<ssize_t>(g.size()));
     EXPECT_TRUE(PeerCloses(fd)) << "garbage of " << g.size() << " bytes left the peer connected";
   }
-  // A registered client that sends bytes after its hello breaks the protocol: its region goes.
+  // A registered client that sends a frame that is not one breaks the protocol: it is told why
+  // (by the request id it gave), and its region goes.
   auto second = HandOver(4096);
   ASSERT_TRUE(second.ok());
   auto claimed2 = regions_->Claim("a", second->handle);
   ASSERT_TRUE(claimed2.ok());
-  ASSERT_EQ(send(second->conn, "x", 1, MSG_NOSIGNAL), 1);
+  proto::ShmControlHeader bad{};
+  std::memcpy(bad.magic, "XXXX", 4);
+  bad.request_id = 77;
+  ASSERT_EQ(send(second->conn, &bad, sizeof(bad), MSG_NOSIGNAL), ssize_t(sizeof(bad)));
+  auto reply = ReadReply(second->conn);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->request_id, 77u);
+  EXPECT_EQ(reply->status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(reply->status.message(), "bad magic")) << reply->status;
   EXPECT_TRUE(PeerCloses(second->conn));
   EXPECT_TRUE(WaitFor([&] { return regions_->num_regions() == 1; }));
   EXPECT_TRUE(regions_->Resolve("a", claimed->region_id, 0, 4096, "src").ok())
       << "other peers' garbage dropped a good region";
+}
+
+// Frames on a claimed connection reach the handler as the claiming tenant's calls; replies go back
+// by request id, in the order the calls finish; at most kShmControlMaxInFlight are in flight (the
+// rest wait in the socket); a connection that closes ends its calls.
+TEST_F(ShmRegionsTest, ControlFramesReachTheHandlerAsTheTenantsCalls) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  absl::Mutex mu;
+  std::vector<std::shared_ptr<ShmControlCall>> calls;
+  regions_->SetControlHandler([&](std::shared_ptr<ShmControlCall> c) {
+    absl::MutexLock lock(&mu);
+    calls.push_back(std::move(c));
+  });
+  auto h = HandOver(4096);
+  ASSERT_TRUE(h.ok());
+  auto claimed = regions_->Claim("tenant-a", h->handle);
+  ASSERT_TRUE(claimed.ok());
+  // More frames than may be in flight, in one send, the last one cut in two.
+  const uint32_t n = proto::kShmControlMaxInFlight + 3;
+  std::vector<uint8_t> bytes;
+  for (uint32_t i = 1; i <= n; ++i) {
+    const std::vector<uint8_t> f = FetchFrame(i, claimed->region_id, i == 1 ? 5000 : 0);
+    bytes.insert(bytes.end(), f.begin(), f.end());
+  }
+  ASSERT_EQ(send(h->conn, bytes.data(), bytes.size() - 7, MSG_NOSIGNAL), ssize_t(bytes.size() - 7));
+  auto count = [&] {
+    absl::MutexLock lock(&mu);
+    return calls.size();
+  };
+  ASSERT_TRUE(WaitFor([&] { return count() == proto::kShmControlMaxInFlight; }));
+  absl::SleepFor(absl::Milliseconds(50));  // (a check that no more come: none may)
+  EXPECT_EQ(count(), proto::kShmControlMaxInFlight) << "past the in-flight limit";
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(calls[0]->tenant(), "tenant-a");
+    EXPECT_EQ(calls[0]->request().request_id, 1u);
+    EXPECT_NE(calls[0]->deadline(), absl::InfiniteFuture()) << "timeout_ms 5000 gives a deadline";
+    EXPECT_EQ(calls[1]->deadline(), absl::InfiniteFuture());
+    // Answered out of order: the second first.
+    v1::FetchResponse resp;
+    resp.mutable_header()->set_payload_bytes(64);
+    calls[1]->Reply(proto::ShmControlAnswer(resp));
+    calls[0]->Reply(absl::NotFoundError("no such sequence"));
+  }
+  auto r1 = ReadReply(h->conn);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_EQ(r1->request_id, 2u);
+  EXPECT_EQ(std::get<v1::FetchResponse>(r1->answer).header().payload_bytes(), 64u);
+  // Two answered: two more of the waiting frames come in; the cut one waits for its rest.
+  ASSERT_TRUE(WaitFor([&] { return count() == proto::kShmControlMaxInFlight + 2; }));
+  ASSERT_EQ(send(h->conn, bytes.data() + bytes.size() - 7, 7, MSG_NOSIGNAL), 7);
+  {
+    absl::MutexLock lock(&mu);
+    calls[2]->Reply(absl::NotFoundError("x"));  // room for the last one, now whole
+  }
+  ASSERT_TRUE(WaitFor([&] { return count() == n; }));
+  // The client goes: every call in flight ends.
+  std::shared_ptr<ShmControlCall> last;
+  {
+    absl::MutexLock lock(&mu);
+    last = calls.back();
+  }
+  bool ended_hook = false;
+  last->OnEnd([&] { ended_hook = true; });
+  EXPECT_FALSE(last->ended().load());
+  shutdown(h->conn, SHUT_RDWR);
+  EXPECT_TRUE(WaitFor([&] { return last->ended().load(); }));
+  EXPECT_TRUE(WaitFor([&] { return regions_->num_regions() == 0; }));
+  EXPECT_TRUE(ended_hook);
+  last->Reply(absl::CancelledError("gone"));  // into a closed connection: dropped
+  regions_->SetControlHandler(nullptr);
+  absl::MutexLock lock(&mu);
+  calls.clear();
+}
+
+// A frame before the region is claimed is a protocol error; without a handler (a service that
+// stops) a frame is answered UNAVAILABLE.
+TEST_F(ShmRegionsTest, FramesBeforeTheClaimOrWithoutHandler) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  auto early = HandOver(4096);
+  ASSERT_TRUE(early.ok());
+  const std::vector<uint8_t> f = FetchFrame(1, 1);
+  ASSERT_EQ(send(early->conn, f.data(), f.size(), MSG_NOSIGNAL), ssize_t(f.size()));
+  EXPECT_TRUE(PeerCloses(early->conn));
+  EXPECT_EQ(regions_->num_pending(), 0u);
+
+  auto h = HandOver(4096);
+  ASSERT_TRUE(h.ok());
+  auto claimed = regions_->Claim("a", h->handle);
+  ASSERT_TRUE(claimed.ok());
+  const std::vector<uint8_t> g = FetchFrame(9, claimed->region_id);
+  ASSERT_EQ(send(h->conn, g.data(), g.size(), MSG_NOSIGNAL), ssize_t(g.size()));
+  auto reply = ReadReply(h->conn);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->request_id, 9u);
+  EXPECT_EQ(reply->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(regions_->num_regions(), 1u) << "the connection stays";
 }
 
 TEST_F(ShmRegionsTest, UnclaimedHandlesAndSilentPeersExpire) {

@@ -65,6 +65,11 @@ struct ClientOptions {
   // kvbankd's --shm-socket (a Unix socket path on this host): where RegisterRegion hands a
   // shared-memory region over. Empty: RegisterRegion answers FAILED_PRECONDITION.
   std::string shm_socket;
+  // Region transfers (AppendFromRegion, FetchToRegion, FetchBlocksToRegion and their device
+  // forms) are asked for with a control frame on shm_socket (proto/shm_control.h) instead of a
+  // gRPC call, when the server takes them: one Unix-socket round trip. The first such transfer
+  // registers a one-page region whose connection carries the frames. false: gRPC always.
+  bool shm_control = true;
 };
 
 // Bytes [offset, offset + length) of a shared-memory region registered with kvbankd.
@@ -293,7 +298,9 @@ class Client {
   struct ServerInfo {
     std::string version;
     std::string shm_socket;  // kvbankd's --shm-socket; empty when the plane is off
-    std::string replica;     // kvbankd's --replica-name (default its host name); may be empty
+    // The control frames its socket takes (region transfers without a gRPC call); 0: none.
+    uint32_t shm_control_version = 0;
+    std::string replica;  // kvbankd's --replica-name (default its host name); may be empty
     // The CUDA IPC plane's device N (the pools are in cuda:N memory); unset when it is off.
     std::optional<int> cuda_ipc_device;
     bool nccl = false;     // NcclConnect can form a communicator
@@ -331,6 +338,9 @@ class Client {
   // this client's tenant. FAILED_PRECONDITION when shm_socket is not set; UNAVAILABLE when
   // nothing answers on it; the server's refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) as is.
   absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterRegion(uint64_t size);
+  // Region transfers so far asked for with a control frame on the shm socket (ClientOptions::
+  // shm_control); the others went by gRPC.
+  uint64_t ShmControlRequests() const;
   // Drops a region at once (destroying the ShmRegion does too). NOT_FOUND when the tenant has no
   // such region.
   absl::Status UnregisterRegion(uint64_t region_id);

@@ -56,6 +56,9 @@ class PlaneRouter {
   struct Stats {
     PlaneCount planes[kNumPlanes];  // indexed by Plane
     uint64_t staging_dropped = 0;   // staging regions let go after a failed call
+    // Region transfers (of shm and shm_staged) asked for with a control frame on the shm socket
+    // rather than a gRPC call (ClientOptions::shm_control).
+    uint64_t shm_control_requests = 0;
   };
 
   // Connects a Client with `options` (its shm_socket is set here from planes.shm). Errors are

@@ -1,0 +1,104 @@
+// KvBankService's side of the shared-memory plane's control frames (proto/shm_control.h): a
+// region transfer asked for on a claimed region's Unix connection instead of a gRPC call. Each
+// frame runs the implementation its gRPC call runs (PrepareFetch / PrepareFetchBlocks and
+// StartRegionFetch; BeginAppendTxn, AppendFromRegions and CommitAppend), as the tenant that
+// claimed the connection's region, so both ways of asking check, fail and count alike. The
+// listener thread that hands a frame over must not block: waits hold no thread, and copies run
+// on the device workers but for small ones on host memory (CopiesInline).
+#include <memory>
+#include <utility>
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "server/rpc/handler_util.h"
+#include "server/rpc/service.h"
+
+namespace kvbank::rpc {
+
+void KvBankService::ControlCallDone(uint64_t timer) {
+  if (timer != 0) timers_.Cancel(timer);
+  absl::MutexLock lock(&control_mu_);
+  --control_calls_;
+}
+
+void KvBankService::ServeControl(std::shared_ptr<plane::ShmControlCall> call) {
+  plane_bytes_.AddControlRequest();
+  if (draining_.load(std::memory_order_acquire)) {
+    call->Reply(
+        absl::UnavailableError("kvbankd is draining (shutting down): retry on another "
+                               "replica"));
+    return;
+  }
+  {
+    absl::MutexLock lock(&control_mu_);
+    ++control_calls_;
+  }
+  // The asker's deadline ends the call (as gRPC ends a call past its deadline): the work stops.
+  // The timer goes with the answer; it holds the call only weakly.
+  uint64_t timer = 0;
+  if (call->deadline() != absl::InfiniteFuture()) {
+    timer = timers_.At(call->deadline(), [weak = std::weak_ptr<plane::ShmControlCall>(call)] {
+      if (auto c = weak.lock()) c->End();
+    });
+  }
+  const proto::ShmControlRequestBody& body = call->request().body;
+  if (std::holds_alternative<v1::AppendHeader>(body)) {
+    return ServeControlAppend(std::move(call), timer);
+  }
+  if (const auto* f = std::get_if<v1::FetchRequest>(&body)) {
+    return ServeControlFetch(call, PrepareFetch(call->tenant(), *f), timer);
+  }
+  return ServeControlFetch(
+      call, PrepareFetchBlocks(call->tenant(), std::get<v1::FetchBlocksRequest>(body)), timer);
+}
+
+void KvBankService::ServeControlAppend(std::shared_ptr<plane::ShmControlCall> call,
+                                       uint64_t timer) {
+  const auto& h = std::get<v1::AppendHeader>(call->request().body);
+  const Plane plane = h.has_device_source() ? Plane::kCudaIpc : Plane::kShm;
+  auto run = [this, call, plane, timer] {
+    const auto& h = std::get<v1::AppendHeader>(call->request().body);
+    absl::StatusOr<v1::AppendResponse> resp = [&]() -> absl::StatusOr<v1::AppendResponse> {
+      auto txn = BeginAppendTxn(call->tenant(), h);
+      if (!txn.ok()) return txn.status();
+      if (absl::Status s = AppendFromRegions(call->tenant(), h, txn->get()); !s.ok()) return s;
+      // An asker gone before the commit gets nothing appended, as a cancelled Append stream.
+      if (call->ended().load()) {
+        return absl::CancelledError(
+            "the append ended (cancelled or past its deadline) before "
+            "its commit: nothing appended");
+      }
+      return CommitAppend(*std::move(txn), h.model(), plane);
+    }();
+    call->Reply(resp.ok() ? absl::StatusOr<proto::ShmControlAnswer>(*std::move(resp))
+                          : absl::StatusOr<proto::ShmControlAnswer>(resp.status()));
+    ControlCallDone(timer);
+  };
+  auto model = FindModel(*registry_, h.model());
+  const bool inline_copy = model.ok() && !(*model)->pool().memory().waits_on_device() &&
+                           h.has_source() && CopiesInline(h.source().length());
+  if (inline_copy || !model.ok()) return run();  // (an unknown model is refused at once)
+  if (absl::Status s = device_work_->Submit(call->tenant(), WorkClass::kForeground, run); !s.ok()) {
+    call->Reply(s);  // the tenant's backlog is full: nothing was appended
+    ControlCallDone(timer);
+  }
+}
+
+void KvBankService::ServeControlFetch(std::shared_ptr<plane::ShmControlCall> call,
+                                      absl::StatusOr<PreparedFetch> fetch, uint64_t timer) {
+  if (!fetch.ok()) {
+    call->Reply(fetch.status());
+    ControlCallDone(timer);
+    return;
+  }
+  std::shared_ptr<RegionFetch> f = StartRegionFetch(
+      call->tenant(), *std::move(fetch),
+      [this, call, timer](const absl::StatusOr<v1::FetchResponse>& resp) {
+        call->Reply(resp.ok() ? absl::StatusOr<proto::ShmControlAnswer>(*resp) : resp.status());
+        ControlCallDone(timer);
+      });
+  // A connection that closes (or the deadline) ends the fetch; the call holds it until then.
+  if (f != nullptr) call->OnEnd([f] { EndRegionFetch(*f); });
+}
+
+}  // namespace kvbank::rpc
