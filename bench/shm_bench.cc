@@ -244,6 +244,85 @@ void SmallTransfers(Client* frames, const std::string& target, const std::string
   }
 }
 
+// Transfers over memory larger than the caches, as a server's pool and an engine's buffers
+// are: per size, K = 128 MiB / size transfers a repetition (at least 1), each between a
+// different pool sequence and a different slice of a 128 MiB region; the baseline is K
+// memcpys of the same size, each between different slices of two 256 MiB buffers (the caches
+// hold neither). `lanes` threads at once (each its own slices and sequences; the baseline as
+// many threads copying at once). ratio = the baseline's seconds / the transfers', per
+// repetition; medians.
+void Rotating(Client* client, uint64_t per_token, const std::vector<uint64_t>& sizes, int lanes,
+              int reps) {
+  const uint64_t span = 128 * kMiB;
+  std::unique_ptr<ShmRegion> region = Check(client->RegisterRegion(span), "RegisterRegion (rot)");
+  std::vector<uint8_t> src(2 * span), dst(2 * span);
+  for (uint64_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>((i * 131) >> 3);
+  Touch(dst.data(), dst.size());
+  std::memcpy(region->data(), src.data(), span);
+  std::printf(
+      "rotating over memory larger than the caches, %d in flight (ratio = memcpy's "
+      "seconds / the transfer's, median of %d):\n",
+      lanes, reps);
+  for (uint64_t size : sizes) {
+    const uint64_t k = std::max<uint64_t>(1, span / size / uint64_t(lanes));
+    if (size * uint64_t(lanes) > span) continue;
+    const uint64_t tokens = size / per_token;
+    std::vector<double> ra, rf, ga, gf;
+    for (int rep = 0; rep <= reps; ++rep) {
+      std::vector<std::vector<uint64_t>> seqs(lanes);
+      for (int t = 0; t < lanes; ++t) {
+        for (uint64_t i = 0; i < k; ++i) {
+          seqs[t].push_back(
+              Check(client->CreateSequence(kModel, absl::ZeroDuration()), "Create").id);
+        }
+      }
+      auto slice = [&](int t, uint64_t i) { return (uint64_t(t) * k + i) * size; };
+      auto copies = [&](int t) {
+        for (uint64_t i = 0; i < k; ++i) {
+          const uint64_t at = (slice(t, i) * 7 + uint64_t(rep) * size) % (src.size() - size + 1);
+          std::memcpy(dst.data() + (slice(t, i) * 3) % (dst.size() - size + 1), src.data() + at,
+                      size);
+        }
+      };
+      Client::AppendArgs args;
+      args.num_tokens = tokens;
+      const double m0 = TimedThreads(lanes, copies);
+      const double ta = TimedThreads(lanes, [&](int t) {
+        for (uint64_t i = 0; i < k; ++i) {
+          Check(
+              client->AppendFromRegion(kModel, seqs[t][i], args, region->Slice(slice(t, i), size)),
+              "AppendFromRegion (rot)");
+        }
+      });
+      const double m1 = TimedThreads(lanes, copies);
+      const double tf = TimedThreads(lanes, [&](int t) {
+        // Another lane's sequences into this lane's slices: nothing read is where it was written.
+        const int from = (t + 1) % lanes;
+        for (uint64_t i = 0; i < k; ++i) {
+          const auto f = Check(client->FetchToRegion(kModel, seqs[from][(i + 1) % k], {},
+                                                     region->Slice(slice(t, i), size)),
+                               "FetchToRegion (rot)");
+          if (f.payload_bytes != size) Die("FetchToRegion (rot): short payload");
+        }
+      });
+      for (auto& v : seqs) {
+        for (uint64_t id : v) Check(client->Free(kModel, id), "Free");
+      }
+      if (rep == 0) continue;  // warm-up
+      const double bytes = double(size) * double(k) * lanes;
+      ra.push_back(m0 / ta);
+      rf.push_back(m1 / tf);
+      ga.push_back(bytes / ta / 1e9);
+      gf.push_back(bytes / tf / 1e9);
+    }
+    std::printf(
+        "  %4llu MiB x%llu a lane: shm append %6.2f GB/s ratio %5.2f | shm fetch %6.2f "
+        "GB/s ratio %5.2f\n",
+        static_cast<unsigned long long>(size / kMiB), static_cast<unsigned long long>(k),
+        Median(ga), Median(ra), Median(gf), Median(rf));
+  }
+}
+
 struct Row {
   std::vector<double> memcpy_gbs;
   std::vector<double> us[4];             // microseconds a call
@@ -465,6 +544,10 @@ int Main(int argc, char** argv) {
               in_flight, Median(agg[0]), Median(agg[1]), Median(ratio[0]), Median(agg[2]),
               Median(ratio[1]));
   lanes.reset();
+
+  // ---- Over memory larger than the caches: 1 and 4 in flight ----
+  Rotating(client.get(), model.payload_bytes_per_token, sizes, 1, quick ? 1 : reps);
+  Rotating(client.get(), model.payload_bytes_per_token, {2 * kMiB}, in_flight, quick ? 1 : reps);
 
   // ---- 4 KiB transfers: the control path's cost ----
   SmallTransfers(client.get(), "127.0.0.1:" + std::to_string(port), socket, region.get(),

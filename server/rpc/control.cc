@@ -15,48 +15,65 @@
 
 namespace kvbank::rpc {
 
-void KvBankService::ControlCallDone(uint64_t timer) {
-  if (timer != 0) timers_.Cancel(timer);
-  absl::MutexLock lock(&control_mu_);
-  --control_calls_;
-}
-
 void KvBankService::ServeControl(std::shared_ptr<plane::ShmControlCall> call) {
   plane_bytes_.AddControlRequest();
   if (draining_.load(std::memory_order_acquire)) {
     call->Reply(
-        absl::UnavailableError("kvbankd is draining (shutting down): retry on another "
-                               "replica"));
+        absl::UnavailableError("kvbankd is draining (shutting down): retry on another replica"));
     return;
   }
   {
     absl::MutexLock lock(&control_mu_);
     ++control_calls_;
   }
-  // The asker's deadline ends the call (as gRPC ends a call past its deadline): the work stops.
-  // The timer goes with the answer; it holds the call only weakly.
-  uint64_t timer = 0;
-  if (call->deadline() != absl::InfiniteFuture()) {
-    timer = timers_.At(call->deadline(), [weak = std::weak_ptr<plane::ShmControlCall>(call)] {
-      if (auto c = weak.lock()) c->End();
-    });
-  }
   const proto::ShmControlRequestBody& body = call->request().body;
-  if (std::holds_alternative<v1::AppendHeader>(body)) {
-    return ServeControlAppend(std::move(call), timer);
-  }
+  if (std::holds_alternative<v1::AppendHeader>(body)) return ServeControlAppend(std::move(call));
   if (const auto* f = std::get_if<v1::FetchRequest>(&body)) {
-    return ServeControlFetch(call, PrepareFetch(call->tenant(), *f), timer);
+    return ServeControlFetch(call, PrepareFetch(call->tenant(), *f));
   }
   return ServeControlFetch(
-      call, PrepareFetchBlocks(call->tenant(), std::get<v1::FetchBlocksRequest>(body)), timer);
+      call, PrepareFetchBlocks(call->tenant(), std::get<v1::FetchBlocksRequest>(body)));
 }
 
-void KvBankService::ServeControlAppend(std::shared_ptr<plane::ShmControlCall> call,
-                                       uint64_t timer) {
+// The asker's deadline ends a call still pending (as gRPC ends a call past its deadline): its
+// work stops. Only work that did not finish on the thread that took it needs the timer (a
+// timer costs the timer thread a wake-up), which holds the call weakly and goes with the answer.
+void KvBankService::ArmDeadline(const std::shared_ptr<plane::ShmControlCall>& call,
+                                const std::shared_ptr<ControlDeadline>& d) {
+  if (call->deadline() == absl::InfiniteFuture()) return;
+  {
+    absl::MutexLock lock(&d->mu);
+    if (d->done) return;
+  }
+  const uint64_t timer =
+      timers_.At(call->deadline(), [weak = std::weak_ptr<plane::ShmControlCall>(call)] {
+        if (auto c = weak.lock()) c->End();
+      });
+  absl::MutexLock lock(&d->mu);
+  if (d->done) {
+    timers_.Cancel(timer);  // answered meanwhile
+  } else {
+    d->timer = timer;
+  }
+}
+
+void KvBankService::ControlCallDone(const std::shared_ptr<ControlDeadline>& d) {
+  uint64_t timer = 0;
+  if (d != nullptr) {
+    absl::MutexLock lock(&d->mu);
+    d->done = true;
+    timer = d->timer;
+  }
+  if (timer != 0) timers_.Cancel(timer);
+  absl::MutexLock lock(&control_mu_);
+  --control_calls_;
+}
+
+void KvBankService::ServeControlAppend(std::shared_ptr<plane::ShmControlCall> call) {
   const auto& h = std::get<v1::AppendHeader>(call->request().body);
   const Plane plane = h.has_device_source() ? Plane::kCudaIpc : Plane::kShm;
-  auto run = [this, call, plane, timer] {
+  auto deadline = std::make_shared<ControlDeadline>();
+  auto run = [this, call, plane, deadline] {
     const auto& h = std::get<v1::AppendHeader>(call->request().body);
     absl::StatusOr<v1::AppendResponse> resp = [&]() -> absl::StatusOr<v1::AppendResponse> {
       auto txn = BeginAppendTxn(call->tenant(), h);
@@ -65,40 +82,44 @@ void KvBankService::ServeControlAppend(std::shared_ptr<plane::ShmControlCall> ca
       // An asker gone before the commit gets nothing appended, as a cancelled Append stream.
       if (call->ended().load()) {
         return absl::CancelledError(
-            "the append ended (cancelled or past its deadline) before "
-            "its commit: nothing appended");
+            "the append ended (cancelled or past its deadline) before its commit: nothing "
+            "appended");
       }
       return CommitAppend(*std::move(txn), h.model(), plane);
     }();
     call->Reply(resp.ok() ? absl::StatusOr<proto::ShmControlAnswer>(*std::move(resp))
                           : absl::StatusOr<proto::ShmControlAnswer>(resp.status()));
-    ControlCallDone(timer);
+    ControlCallDone(deadline);
   };
   auto model = FindModel(*registry_, h.model());
   const bool inline_copy = model.ok() && !(*model)->pool().memory().waits_on_device() &&
                            h.has_source() && CopiesInline(h.source().length());
   if (inline_copy || !model.ok()) return run();  // (an unknown model is refused at once)
+  ArmDeadline(call, deadline);                   // queued: the deadline may pass before it runs
   if (absl::Status s = device_work_->Submit(call->tenant(), WorkClass::kForeground, run); !s.ok()) {
     call->Reply(s);  // the tenant's backlog is full: nothing was appended
-    ControlCallDone(timer);
+    ControlCallDone(deadline);
   }
 }
 
 void KvBankService::ServeControlFetch(std::shared_ptr<plane::ShmControlCall> call,
-                                      absl::StatusOr<PreparedFetch> fetch, uint64_t timer) {
+                                      absl::StatusOr<PreparedFetch> fetch) {
   if (!fetch.ok()) {
     call->Reply(fetch.status());
-    ControlCallDone(timer);
+    ControlCallDone(nullptr);
     return;
   }
+  auto deadline = std::make_shared<ControlDeadline>();
   std::shared_ptr<RegionFetch> f = StartRegionFetch(
       call->tenant(), *std::move(fetch),
-      [this, call, timer](const absl::StatusOr<v1::FetchResponse>& resp) {
+      [this, call, deadline](const absl::StatusOr<v1::FetchResponse>& resp) {
         call->Reply(resp.ok() ? absl::StatusOr<proto::ShmControlAnswer>(*resp) : resp.status());
-        ControlCallDone(timer);
+        ControlCallDone(deadline);
       });
+  if (f == nullptr) return;  // answered already
   // A connection that closes (or the deadline) ends the fetch; the call holds it until then.
-  if (f != nullptr) call->OnEnd([f] { EndRegionFetch(*f); });
+  call->OnEnd([f] { EndRegionFetch(*f); });
+  ArmDeadline(call, deadline);  // nothing when it was answered here already
 }
 
 }  // namespace kvbank::rpc

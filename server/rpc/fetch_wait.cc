@@ -17,9 +17,11 @@ Timers::~Timers() {
 uint64_t Timers::At(absl::Time when, std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   const uint64_t id = ++last_id_;
+  // The thread sleeps until the earliest deadline: only a new earliest one needs to wake it.
+  const bool earliest = queue_.empty() || when < queue_.begin()->first.first;
   queue_.emplace(std::make_pair(when, id), std::move(fn));
   when_[id] = when;
-  ++changes_;
+  if (earliest) ++changes_;
   return id;
 }
 

@@ -286,11 +286,20 @@ class KvBankService final : public internal::RawKvBankService {
   // The shared-memory plane's control frames (control.cc): each request runs the operation its
   // gRPC call runs, as the tenant that claimed the connection's region.
   void ServeControl(std::shared_ptr<plane::ShmControlCall> call);
-  // `timer`: the call's deadline timer (0: none), dropped once it is answered.
-  void ServeControlAppend(std::shared_ptr<plane::ShmControlCall> call, uint64_t timer);
+  void ServeControlAppend(std::shared_ptr<plane::ShmControlCall> call);
   void ServeControlFetch(std::shared_ptr<plane::ShmControlCall> call,
-                         absl::StatusOr<PreparedFetch> fetch, uint64_t timer);
-  void ControlCallDone(uint64_t timer);
+                         absl::StatusOr<PreparedFetch> fetch);
+  // A control call's deadline timer: armed only for work that is still pending where it was
+  // asked for (queued, waiting), dropped with the answer.
+  struct ControlDeadline {
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;  // answered
+    uint64_t timer ABSL_GUARDED_BY(mu) = 0;
+  };
+  void ArmDeadline(const std::shared_ptr<plane::ShmControlCall>& call,
+                   const std::shared_ptr<ControlDeadline>& d);
+  // The call is answered: its timer goes; one call fewer in flight. (d may be null.)
+  void ControlCallDone(const std::shared_ptr<ControlDeadline>& d);
   // Control calls being served; the destructor waits until none is.
   absl::Mutex control_mu_;
   uint64_t control_calls_ ABSL_GUARDED_BY(control_mu_) = 0;
