@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -20,7 +21,9 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "openssl/rand.h"
 #include "proto/shm_wire.h"
 
@@ -238,19 +241,21 @@ absl::StatusOr<std::string> DefaultShmSocketPath() {
                      " is not a directory of this user that only it can write (mode 0700); "
                      "remove it or name a socket with --shm-socket"));
   }
-  // Sockets of servers that are gone (killed before they could remove theirs).
+  // Sockets of servers that are gone (killed before they could remove theirs): named by a pid
+  // that no process has. (Never by connecting: a server that has bound its socket but not yet
+  // listened refuses connections, and its socket would be taken for a stale one.)
   if (DIR* d = opendir(dir.c_str())) {
     while (dirent* e = readdir(d)) {
-      const absl::string_view name = e->d_name;
-      if (!absl::StartsWith(name, "kvbankd-") || !absl::EndsWith(name, ".sock")) continue;
-      const std::string path = absl::StrCat(dir, "/", name);
-      sockaddr_un addr{};
-      addr.sun_family = AF_UNIX;
-      if (path.size() >= sizeof(addr.sun_path)) continue;
-      std::memcpy(addr.sun_path, path.data(), path.size());
-      struct stat sst;
-      if (lstat(path.c_str(), &sst) == 0 && S_ISSOCK(sst.st_mode) && !Answers(addr)) {
-        unlink(path.c_str());
+      absl::string_view name = e->d_name;
+      int pid = 0;
+      if (!absl::ConsumePrefix(&name, "kvbankd-") || !absl::ConsumeSuffix(&name, ".sock") ||
+          !absl::SimpleAtoi(name, &pid) || pid <= 0 || pid == getpid()) {
+        continue;
+      }
+      if (kill(pid, 0) != 0 && errno == ESRCH) {
+        const std::string path = absl::StrCat(dir, "/", e->d_name);
+        struct stat sst;
+        if (lstat(path.c_str(), &sst) == 0 && S_ISSOCK(sst.st_mode)) unlink(path.c_str());
       }
     }
     closedir(d);

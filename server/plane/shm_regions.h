@@ -107,7 +107,7 @@ struct RegionBytes {
 // $XDG_RUNTIME_DIR, else /tmp/kvbank-<uid>; made with mode 0700 when missing, and refused when it
 // is not a directory of this user that only this user can write (FAILED_PRECONDITION naming
 // why). The socket is kvbankd-<pid>.sock in it (many servers may share the folder); sockets
-// there whose server is gone (nothing answers) are removed.
+// there named by a pid no process has are removed.
 absl::StatusOr<std::string> DefaultShmSocketPath();
 
 struct ShmControlLink;  // a claimed connection's reply side (shm_regions.cc)

@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -423,6 +424,58 @@ TEST_F(ShmRegionsTest, FramesBeforeTheClaimOrWithoutHandler) {
   EXPECT_EQ(reply->request_id, 9u);
   EXPECT_EQ(reply->status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(regions_->num_regions(), 1u) << "the connection stays";
+}
+
+// A socket file at `path` that nobody listens on (bound, then closed).
+void LeaveSocketFile(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, path.c_str());
+  ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0) << path;
+  close(fd);
+}
+
+// --shm-socket=auto: the runtime folder is made owner-only, a dead server's socket is removed,
+// a live one's kept, and a folder others may write is refused.
+TEST(DefaultShmSocketPath, AFolderOfThisUserOnlyWithoutStaleSockets) {
+  char dir[] = "/tmp/kvbank-xdg-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const char* old = std::getenv("XDG_RUNTIME_DIR");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("XDG_RUNTIME_DIR", dir, 1);
+  const std::string folder = std::string(dir) + "/kvbank";
+  auto path = DefaultShmSocketPath();
+  ASSERT_TRUE(path.ok()) << path.status();
+  EXPECT_EQ(*path, folder + "/kvbankd-" + std::to_string(getpid()) + ".sock");
+  struct stat st;
+  ASSERT_EQ(stat(folder.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  // A pid that no process has (a child that exited), and this process's parent (alive).
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  waitpid(child, nullptr, 0);
+  const std::string dead = folder + "/kvbankd-" + std::to_string(child) + ".sock";
+  const std::string live = folder + "/kvbankd-" + std::to_string(getppid()) + ".sock";
+  ASSERT_NO_FATAL_FAILURE(LeaveSocketFile(dead));
+  ASSERT_NO_FATAL_FAILURE(LeaveSocketFile(live));
+  ASSERT_TRUE(DefaultShmSocketPath().ok());
+  EXPECT_NE(access(dead.c_str(), F_OK), 0) << "a dead server's socket stayed";
+  EXPECT_EQ(access(live.c_str(), F_OK), 0) << "a live server's socket was removed";
+  unlink(live.c_str());
+  // Others may write the folder: refused, naming it.
+  ASSERT_EQ(chmod(folder.c_str(), 0770), 0);
+  auto refused = DefaultShmSocketPath();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), folder)) << refused.status();
+  rmdir(folder.c_str());
+  rmdir(dir);
+  if (old != nullptr) {
+    setenv("XDG_RUNTIME_DIR", saved.c_str(), 1);
+  } else {
+    unsetenv("XDG_RUNTIME_DIR");
+  }
 }
 
 TEST_F(ShmRegionsTest, UnclaimedHandlesAndSilentPeersExpire) {
