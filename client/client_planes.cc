@@ -25,16 +25,11 @@ using internal::MakeHeader;
 using internal::SetSlice;
 
 namespace {
-// The one message of a fetch into a region: its header (the payload is in the region).
-// `limit`: the slice's length. The server's payload_bytes is its word: past the slice, the
-// answer is an error, never a length the caller would read beyond its slice with.
-template <typename Reader>
-absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader, uint64_t limit) {
-  v1::FetchResponse resp;
-  bool got = false;
-  while (reader.Read(&resp)) got = true;
-  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
-  if (!got || !resp.has_header() || !resp.data().empty()) {
+// The answer of a fetch into a region: its header (the payload is in the region). `limit`: the
+// slice's length. The server's payload_bytes is its word: past the slice, the answer is an
+// error, never a length the caller would read beyond its slice with.
+absl::StatusOr<Client::FetchResult> FetchResultOf(const v1::FetchResponse& resp, uint64_t limit) {
+  if (!resp.has_header() || !resp.data().empty()) {
     return absl::InternalError("a fetch into a region answered with no header, or with data");
   }
   bool dtype_ok = false;
@@ -45,6 +40,17 @@ absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader, uint64_t li
                                             r.payload_bytes, " payload bytes"));
   }
   return r;
+}
+
+// The one message of a fetch into a region (gRPC), as FetchResultOf.
+template <typename Reader>
+absl::StatusOr<Client::FetchResult> ReadRegionHeader(Reader& reader, uint64_t limit) {
+  v1::FetchResponse resp;
+  bool got = false;
+  while (reader.Read(&resp)) got = true;
+  if (auto s = FromGrpc(reader.Finish()); !s.ok()) return s;
+  if (!got) return absl::InternalError("a fetch into a region answered no message");
+  return FetchResultOf(resp, limit);
 }
 
 // The streams of the two fetches a slice can receive.
@@ -104,18 +110,6 @@ std::optional<absl::StatusOr<Answer>> AskOverSocket(internal::ShmControlChannel&
   const Answer* answer = std::get_if<Answer>(&out.reply->answer);
   if (answer == nullptr) return absl::InternalError("a control frame answered the wrong reply");
   return *answer;
-}
-
-absl::StatusOr<Client::FetchResult> FetchResultOf(const v1::FetchResponse& resp, uint64_t limit) {
-  if (!resp.has_header()) return absl::InternalError("a fetch into a region answered no header");
-  bool dtype_ok = false;
-  Client::FetchResult r = internal::ResultFromHeader(resp.header(), &dtype_ok);
-  if (!dtype_ok) return absl::InternalError("a fetch into a region answered with no payload dtype");
-  if (r.payload_bytes > limit) {
-    return absl::InternalError(absl::StrCat("a fetch into a region of ", limit, " bytes answered ",
-                                            r.payload_bytes, " payload bytes"));
-  }
-  return r;
 }
 
 }  // namespace
