@@ -144,12 +144,13 @@ class Client:
         server_name_override (unset: plaintext). max_workers: threads of the *_async calls
         and of kvbank.aio.AsyncClient's.
 
-        shm: the same-host shared-memory plane. True: used when the server names a --shm-socket
-        that exists on this host (GetServerInfo); False: gRPC only; a path: that socket. Payloads
-        in a region from register_region move without a copy on this side; others of at least
-        shm_min_bytes go through staging regions (one memcpy here; shm_staging_bytes in all).
-        append, fetch_into and fetch_blocks_into use it; data_plane and plane_stats() say how
-        the bytes moved.
+        shm: the same-host shared-memory plane (kvbankd serves it by default). True: used when
+        the server names a --shm-socket that exists on this host (GetServerInfo); False: gRPC
+        only; a path: that socket. Payloads in a region from register_region move without a copy
+        on this side; others of at least shm_min_bytes go through staging regions (one memcpy
+        here; shm_staging_bytes in all); either is asked for with a control frame on the socket,
+        not a gRPC call, when the server takes them. append, fetch_into and fetch_blocks_into use
+        it; data_plane and plane_stats() say how the bytes moved.
 
         device_plane: how payloads in CUDA tensors move. "auto": CUDA IPC when the server runs
         on this host with its pools on a GPU, else NCCL when the server can form communicators
@@ -177,9 +178,10 @@ class Client:
     def plane_stats(self) -> dict[str, dict[str, int]]:
         """Calls and payload bytes per plane so far: "shm" (in a registered region, no copy
         here), "shm_staged" (through a staging region; its "dropped" counts staging regions let
-        go after a failed call, never reused), "grpc", and for payloads in CUDA
-        tensors "cuda_ipc", "nccl" and "cuda_staged" (copied through host memory: their bytes
-        also count on the host plane that took them)."""
+        go after a failed call, never reused), "grpc", "shm_control" (of the shm and shm_staged
+        calls, those asked for with a control frame on the socket: calls only), and for payloads
+        in CUDA tensors "cuda_ipc", "nccl" and "cuda_staged" (copied through host memory: their
+        bytes also count on the host plane that took them)."""
         stats = dict(self._c.plane_stats())
         stats.update(self._device.stats())
         return stats
