@@ -148,7 +148,10 @@ absl::Status ShmMapping::CheckAllocated(uint64_t offset, uint64_t length) const 
   // reports missing is asked of SEEK_HOLE (a page swapped out is no hole: SEEK_HOLE tells).
   static const uint64_t kPage = uint64_t(sysconf(_SC_PAGESIZE));
   const uint64_t first = offset / kPage * kPage;
-  const uint64_t end = std::min<uint64_t>((offset + length + kPage - 1) / kPage * kPage, size_);
+  // Whole pages: the mapping's last page is whole too, however long the region (mincore writes
+  // one entry a page of the length, rounded up).
+  auto round_up = [](uint64_t n) { return (n + kPage - 1) / kPage * kPage; };
+  const uint64_t end = std::min(round_up(offset + length), round_up(size_));
   std::vector<unsigned char> resident((end - first) / kPage);
   if (mincore(data_ + first, end - first, resident.data()) == 0) {
     const auto missing = std::find_if(resident.begin(), resident.end(),
