@@ -31,7 +31,7 @@ namespace {
 
 TEST_F(FleetTest, RootsAgreeAndMatchIsRouted) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(3));
-  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  auto fleet = Fleet::Connect(StaticTarget(), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   ASSERT_EQ((*fleet)->Replicas().size(), 3u);
   for (const auto& r : (*fleet)->Replicas()) EXPECT_TRUE(r.healthy) << r.name << ": " << r.reason;
@@ -99,7 +99,7 @@ TEST_F(FleetTest, ReplicaNameDefaultsToHostName) {
 TEST_F(FleetTest, ReplicaWithAnotherHashIsRefused) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(1));
   ASSERT_NO_FATAL_FAILURE(StartReplicas(1, {"--hash-algorithm=xxh3_128"}));
-  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  auto fleet = Fleet::Connect(StaticTarget(), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   ASSERT_TRUE((*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB).ok());
   auto root = (*fleet)->PrefixRoot(kModel);
@@ -113,7 +113,7 @@ TEST_F(FleetTest, DnsTargetKeysReplicasByName) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(1));
   // localhost resolves to 127.0.0.1 (and maybe ::1, where nothing listens): one replica.
   auto fleet =
-      Fleet::Connect(absl::StrCat("dns:///localhost:", servers_[0]->port()), FastOptions());
+      Fleet::Connect(absl::StrCat("dns:///localhost:", servers_[0]->port()), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   auto replicas = (*fleet)->Replicas();
   ASSERT_EQ(replicas.size(), 1u);
@@ -150,7 +150,7 @@ TEST_F(FleetTest, ShardedHitRateMatchesOneBigReplica) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(4));
   auto run = [&](const std::string& target, uint64_t pool_bytes,
                  std::map<std::string, int>* per_replica) -> double {
-    auto fleet = Fleet::Connect(target, FastOptions());
+    auto fleet = Fleet::Connect(target, ByKeyOptions());
     EXPECT_TRUE(fleet.ok()) << fleet.status();
     if (!fleet.ok()) return 0;
     auto m = (*fleet)->EnsureModel(SmallLayout(kModel), pool_bytes);
@@ -184,7 +184,7 @@ TEST_F(FleetTest, ShardedHitRateMatchesOneBigReplica) {
 
 TEST_F(FleetTest, KilledReplicaFailsOnlyItsOwnSequences) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(3));
-  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  auto fleet = Fleet::Connect(StaticTarget(), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   auto m = (*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB);
   ASSERT_TRUE(m.ok()) << m.status();
@@ -294,7 +294,7 @@ TEST_F(FleetTest, KilledReplicaFailsOnlyItsOwnSequences) {
 // back once healthy, with the fleet's model ensured on it first.
 TEST_F(FleetTest, RestartedReplicaComesBackUnderItsName) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(2));
-  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  auto fleet = Fleet::Connect(StaticTarget(), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   auto m = (*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB);
   ASSERT_TRUE(m.ok()) << m.status();
@@ -339,7 +339,7 @@ TEST_F(FleetTest, DrainingReplicaIsSkippedForNewSequences) {
   // answers UNAVAILABLE naming the drain and health NOT_SERVING, and the fleet places its keys
   // on kvbank-0 instead.
   ASSERT_NO_FATAL_FAILURE(StartReplicas(2, {"--drain-timeout-ms=5000"}));
-  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  auto fleet = Fleet::Connect(StaticTarget(), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   auto m = (*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB);
   ASSERT_TRUE(m.ok()) << m.status();
@@ -401,7 +401,7 @@ TEST_F(FleetTest, AddedReplicaTakesAQuarterAndRemovedOneLeaves) {
   absl::Mutex mu;
   std::vector<std::string> members;
   for (const auto& s : servers_) members.push_back(s->target());
-  FleetOptions options = FastOptions();
+  FleetOptions options = ByKeyOptions();
   options.resolver = [&]() -> absl::StatusOr<std::vector<std::string>> {
     absl::MutexLock lock(&mu);
     return members;
@@ -486,7 +486,7 @@ TEST_F(FleetTest, AddedReplicaTakesAQuarterAndRemovedOneLeaves) {
 
 TEST_F(FleetTest, WatchMergesEventsTaggedByReplica) {
   ASSERT_NO_FATAL_FAILURE(StartReplicas(3));
-  auto fleet = Fleet::Connect(StaticTarget(), FastOptions());
+  auto fleet = Fleet::Connect(StaticTarget(), ByKeyOptions());
   ASSERT_TRUE(fleet.ok()) << fleet.status();
   auto m = (*fleet)->EnsureModel(SmallLayout(kModel), 4 * kMiB);
   ASSERT_TRUE(m.ok()) << m.status();
