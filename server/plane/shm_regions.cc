@@ -401,25 +401,23 @@ void ShmRegions::HandleEvents(const std::vector<pollfd>& polled, int n) {
     }
     for (int fd : buffered) TakeFrames(fd);
   }
-  {
-    if (n > 0) {
-      // Connections before new ones: an Unregister may have closed one meanwhile, and its
-      // descriptor number must not be taken for a new connection's while these events are read.
-      for (size_t i = 2; i < polled.size(); ++i) {
-        const pollfd& p = polled[i];
-        if (p.revents == 0) continue;
-        auto it = conns_.find(p.fd);
-        if (it == conns_.end()) continue;  // closed meanwhile
-        if (it->second.state == Conn::State::kHello && (p.revents & POLLIN)) {
-          ReceiveHello(p.fd);
-        } else {
-          ReadAfterHello(p.fd);
-        }
+  if (n > 0) {
+    // Connections before new ones: an Unregister may have closed one meanwhile, and its
+    // descriptor number must not be taken for a new connection's while these events are read.
+    for (size_t i = 2; i < polled.size(); ++i) {
+      const pollfd& p = polled[i];
+      if (p.revents == 0) continue;
+      auto it = conns_.find(p.fd);
+      if (it == conns_.end()) continue;  // closed meanwhile
+      if (it->second.state == Conn::State::kHello && (p.revents & POLLIN)) {
+        ReceiveHello(p.fd);
+      } else {
+        ReadAfterHello(p.fd);
       }
-      if (polled[1].revents != 0) Accept();
     }
-    Expire(absl::Now());
+    if (polled[1].revents != 0) Accept();
   }
+  Expire(absl::Now());
 }
 
 void ShmRegions::Dispatch() {
