@@ -12,6 +12,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -33,7 +36,8 @@ ShmRegions& Regions() {
     kvbank::plane::ShmOptions o;
     o.socket_path = std::string(dir) + "/shm.sock";
     o.max_region_bytes = 1 << 20;
-    o.claim_timeout = absl::Seconds(5);
+    // Every connection is closed by its round; the timeout only must not cut a slow hello.
+    o.claim_timeout = absl::Seconds(60);
     auto r = ShmRegions::Start(o);
     if (!r.ok()) std::abort();
     return r->release();
@@ -47,7 +51,10 @@ int Connect(const std::string& path) {
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.data(), path.size());
   if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) std::abort();
-  timeval t{2, 0};
+  // The server answers or closes every connection promptly once the client has shut down its
+  // end; the limit is only there so that a server that hangs fails the run instead of stalling
+  // it, and is long because eight fuzzers on two cores can stall the listener for seconds.
+  timeval t{30, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof(t));
   return fd;
 }
@@ -71,12 +78,18 @@ void Send(int conn, const std::string& bytes, int fd) {
   (void)sendmsg(conn, &msg, MSG_NOSIGNAL);
 }
 
-// Reads what the server answers until it closes or goes quiet.
+// Reads what the server answers until it closes its end (or breaks the connection). A server
+// that neither answers nor closes within the receive timeout is a failure of its own.
 std::string Drain(int conn) {
   std::string got;
   char buf[1024];
   for (;;) {
     const ssize_t n = recv(conn, buf, sizeof(buf), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      std::fprintf(stderr, "kvbankd's shm listener neither answered nor closed in 30 s\n");
+      std::abort();
+    }
     if (n <= 0) break;
     got.append(buf, size_t(n));
   }
@@ -84,7 +97,8 @@ std::string Drain(int conn) {
 }
 
 bool WaitUntilEmpty(ShmRegions& r) {
-  const absl::Time until = absl::Now() + absl::Seconds(5);
+  // Long for the same reason as the receive timeout; the usual wait is a millisecond or two.
+  const absl::Time until = absl::Now() + absl::Seconds(30);
   while (absl::Now() < until) {
     if (r.num_regions() == 0 && r.num_pending() == 0 && r.num_connections() == 0) return true;
     absl::SleepFor(absl::Milliseconds(1));
