@@ -2,6 +2,7 @@
 // process, against memcpy of the same bytes in the same run, with the gRPC path beside it.
 //
 //   shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] [--in-flight-iters N]
+//             [--server-arg FLAG]...   (each FLAG is passed on to kvbankd)
 //
 // kvbankd (this build's, or --kvbankd) runs with --device=host, a 1 GiB llama-3.1-8b pool (bf16,
 // 128 KiB of payload per token) and --shm-socket in a temp dir; this process is the client
@@ -335,6 +336,7 @@ int Main(int argc, char** argv) {
   int in_flight = 4, in_flight_iters = 16;
   std::vector<uint64_t> sizes = {2 * kMiB, 16 * kMiB, 128 * kMiB};
   std::string kvbankd = KVBANK_KVBANKD_PATH;
+  std::vector<std::string> server_args;  // --server-arg: passed on to kvbankd
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -349,9 +351,11 @@ int Main(int argc, char** argv) {
       in_flight = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--in-flight-iters" && i + 1 < argc) {
       in_flight_iters = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--server-arg" && i + 1 < argc) {
+      server_args.push_back(argv[++i]);
     } else {
       Die("usage: shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] "
-          "[--in-flight-iters N]");
+          "[--in-flight-iters N] [--server-arg FLAG]...");
     }
   }
   if (quick) {
@@ -366,10 +370,16 @@ int Main(int argc, char** argv) {
   const std::string dir = templ;
   const std::string log = dir + "/kvbankd.log", port_file = dir + "/port";
   const std::string socket = dir + "/kvbankd.sock";
-  const pid_t server = SpawnServer(
-      {kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file, "--no-auth", "--device=host",
-       "--models=llama-3.1-8b", "--pool-bytes=1GiB", "--shm-socket=" + socket},
-      log);
+  std::vector<std::string> command = {kvbankd,
+                                      "--listen=127.0.0.1:0",
+                                      "--port-file=" + port_file,
+                                      "--no-auth",
+                                      "--device=host",
+                                      "--models=llama-3.1-8b",
+                                      "--pool-bytes=1GiB",
+                                      "--shm-socket=" + socket};
+  command.insert(command.end(), server_args.begin(), server_args.end());
+  const pid_t server = SpawnServer(command, log);
   const int port = WaitForPortFile(server, port_file, log);
   ClientOptions options;
   options.shm_socket = socket;

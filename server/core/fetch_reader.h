@@ -19,7 +19,7 @@ namespace kvbank {
 // rows it reads stay as they were until the reader is destroyed: appends write only rows past
 // the lengths (other layers of the same blocks, as a prefill streams layer by layer, go in
 // place), and copy first a block whose rows a reader may hold past them (after a truncate, or an
-// fp8 rescale). Not thread-safe.
+// fp8 rescale). Not thread-safe, except Read where ConcurrentReads() says so.
 class FetchReader {
  public:
   // `refs` hold the blocks `reader` reads; the payload holds kv heads [head_begin, head_end)
@@ -48,6 +48,8 @@ class FetchReader {
   // once). INTERNAL when the device fails; never fails on host memory.
   // REQUIRES: offset + out.size() <= payload_bytes().
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) { return reader_->Read(offset, out); }
+  // Whether Read may be called from several threads at once on disjoint ranges (host memory).
+  bool ConcurrentReads() const { return reader_->ConcurrentReads(); }
   // The whole payload into device memory on the pool's device with room for payload_bytes()
   // (PayloadReader::ReadToDevice: the kernels write it in place). FAILED_PRECONDITION unless the
   // pool is cuda:N; INTERNAL when the device fails.

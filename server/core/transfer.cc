@@ -223,6 +223,8 @@ class StreamingReader final : public PayloadReader {
     }
     return absl::OkStatus();
   }
+  // The copy and the decode (RowCodec::Read is const) only read the pool and the map.
+  bool ConcurrentReads() const override { return true; }
 
  private:
   kernels::PayloadMap map_;

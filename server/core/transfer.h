@@ -133,6 +133,9 @@ class PayloadReader {
   // this returns. FAILED_PRECONDITION when the memory is not on a device (the default); INTERNAL
   // when the device fails.
   virtual absl::Status ReadToDevice(uint8_t* device_out);
+  // Whether Read may run on several threads at once over disjoint ranges (host memory: the reads
+  // are pure; a staged reader shares one staging buffer and does not allow it).
+  virtual bool ConcurrentReads() const { return false; }
 
  protected:
   // `blocks`: the pool's layout (spec.heads, when set, stands in for it).

@@ -267,6 +267,7 @@ absl::Status ConfigureService(const DeviceSpec& device, const rpc::Authenticator
   // and streams; the planes' regions and communicators): each tenant of the tokens file gets
   // its share of each.
   options->device_workers = std::max<uint32_t>(1, absl::GetFlag(FLAGS_device_workers));
+  options->region_copy_helpers = absl::GetFlag(FLAGS_region_copy_helpers);
   options->ledger = rpc::DefaultLedger();
   options->ledger->SetTenants(auth.Tenants());
   options->ledger->SetCap(Resource::kQueuedWork, absl::GetFlag(FLAGS_max_queued_work));

@@ -111,6 +111,9 @@ ABSL_FLAG(std::string, shm_max_total_bytes, "1TiB",
           "most bytes of shared-memory regions registered at once, all tenants together");
 ABSL_FLAG(uint32_t, device_workers, 4,
           "threads that run device copies, disk reads and region copies (fair across tenants)");
+ABSL_FLAG(uint32_t, region_copy_helpers, 1,
+          "device workers that help copy one fetch of 1 MiB or more into a shared-memory region "
+          "(taken only when idle; 0: one thread a copy)");
 ABSL_FLAG(uint64_t, max_queued_work, kvbank::rpc::kDefaultMaxQueuedWork,
           "device-worker tasks queued at once, all tenants together (each tenant gets its share)");
 ABSL_FLAG(uint64_t, max_queued_prefetch, kvbank::rpc::kDefaultMaxQueuedBackground,

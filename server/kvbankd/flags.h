@@ -57,6 +57,7 @@ ABSL_DECLARE_FLAG(uint32_t, cuda_ipc_lease_ms);
 ABSL_DECLARE_FLAG(uint32_t, cuda_ipc_max_regions);
 ABSL_DECLARE_FLAG(std::string, shm_max_total_bytes);
 ABSL_DECLARE_FLAG(uint32_t, device_workers);
+ABSL_DECLARE_FLAG(uint32_t, region_copy_helpers);
 ABSL_DECLARE_FLAG(uint64_t, max_queued_work);
 ABSL_DECLARE_FLAG(uint64_t, max_queued_prefetch);
 ABSL_DECLARE_FLAG(uint64_t, max_watch_streams);

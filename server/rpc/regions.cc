@@ -17,12 +17,17 @@
 #include "server/rpc/handler_util.h"
 #include "server/rpc/reactor_refs.h"
 #include "server/rpc/service.h"
+#include "server/rpc/split_copy.h"
 
 namespace kvbank::rpc {
 namespace {
 // A fetch into a region is copied in pieces of this many bytes (the call's end is checked
 // between them).
 constexpr uint64_t kRegionCopyPiece = uint64_t{4} << 20;
+// On host memory, a payload of at least this many bytes is copied by several threads (the
+// service's region_copy_helpers), each taking pieces of kRegionCopySplitPiece.
+constexpr uint64_t kSplitRegionCopyBytes = uint64_t{1} << 20;
+constexpr uint64_t kRegionCopySplitPiece = uint64_t{256} << 10;
 }  // namespace
 
 absl::StatusOr<plane::ShmRegions*> KvBankService::ShmPlane() const {
@@ -205,25 +210,30 @@ absl::StatusOr<KvBankService::RegionSink> KvBankService::RegionSinkFor(
   if (!regions.ok()) return regions.status();
   auto bytes = (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest");
   if (!bytes.ok()) return bytes.status();
-  return RegionSink(
-      [region = *std::move(bytes)](FetchReader& reader, const std::atomic<bool>& ended) {
-        const uint64_t n = reader.payload_bytes();
-        if (n > region.bytes.size()) {
-          return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
-                                                         " is less than the payload's ", n,
-                                                         " bytes; nothing was written"));
-        }
-        // In pieces, in order (the cheapest order on staged memory), so that a call that ends
-        // stops the copy within a piece.
-        for (uint64_t at = 0; at < n; at += kRegionCopyPiece) {
-          if (ended.load(std::memory_order_acquire)) {
-            return absl::CancelledError("the fetch ended during its copy: stopped");
-          }
-          const uint64_t len = std::min(kRegionCopyPiece, n - at);
-          if (absl::Status s = reader.Read(at, region.bytes.subspan(at, len)); !s.ok()) return s;
-        }
-        return absl::OkStatus();
-      });
+  return RegionSink([this, tenant, region = *std::move(bytes)](FetchReader& reader,
+                                                               const std::atomic<bool>& ended) {
+    const uint64_t n = reader.payload_bytes();
+    if (n > region.bytes.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
+                                                     " is less than the payload's ", n,
+                                                     " bytes; nothing was written"));
+    }
+    auto copy = [&](uint64_t at, uint64_t len) {
+      return reader.Read(at, region.bytes.subspan(at, len));
+    };
+    SplitCopyOptions split;
+    if (n >= kSplitRegionCopyBytes && reader.ConcurrentReads()) {
+      split.piece_bytes = kRegionCopySplitPiece;
+      split.max_helpers = options_.region_copy_helpers;
+    } else {
+      // In pieces, in order (the cheapest order on staged memory), so that a call that ends
+      // stops the copy within a piece.
+      split.piece_bytes = kRegionCopyPiece;
+    }
+    return SplitCopy(n, split, copy, ended, [this, &tenant](std::function<void()> task) {
+      device_work_->Continue(tenant, std::move(task));
+    });
+  });
 }
 
 // The gRPC side of a fetch into a region: a server stream of one message, the FetchResponse

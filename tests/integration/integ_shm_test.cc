@@ -277,6 +277,64 @@ TEST_F(ShmTest, AppendAndFetchThroughARegionEqualTheGrpcPath) {
   ExpectAccounting(StatsOf(*c, "m"));
 }
 
+TEST_F(ShmTest, LargeFetchesCopiedBySeveralWorkersEqualTheGrpcPath) {
+  // Fetches of 1 MiB and more on host memory are copied by the worker that runs them and helper
+  // workers, each taking pieces (server/rpc/split_copy.h): three helpers here, so that pieces of
+  // one payload land on four threads. An fp16 model copied as is and an int8 one decoded to fp16
+  // on the way out (RowCodec reads from several threads).
+  ASSERT_NO_FATAL_FAILURE(Start({"--device-workers=4", "--region-copy-helpers=3"}));
+  std::unique_ptr<Client> c = Shm();
+  for (DType stored : {DType::kFp16, DType::kInt8}) {
+    ModelLayout layout = SmallLayout(stored == DType::kFp16 ? "big" : "big8");
+    SCOPED_TRACE(layout.name);
+    layout.num_layers = 4;
+    layout.num_q_heads = layout.num_kv_heads = 8;
+    layout.head_dim = layout.head_dim_v = 128;
+    layout.layer_dtypes.assign(layout.num_layers, stored);
+    auto model = c->EnsureModel(layout, 64 * kMiB);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const uint64_t n = 301;  // 16 KiB a token in fp16: 4.7 MiB, not a multiple of a piece
+    const uint64_t bytes = n * model->payload_bytes_per_token;
+    std::cerr << "[shm] seed 5151\n";
+    Random rng(5151);
+    std::vector<uint8_t> payload(bytes);
+    for (size_t i = 0; i < bytes; i += 2) {  // fp16 of magnitude < 1: no NaN/Inf
+      payload[i] = static_cast<uint8_t>(rng.Next());
+      payload[i + 1] = static_cast<uint8_t>(rng.Next() % 0x3b);
+    }
+    auto seq = c->CreateSequence(layout.name);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    Client::AppendArgs append;
+    append.num_tokens = n;
+    append.dtype = DType::kFp16;
+    ASSERT_TRUE(c->Append(layout.name, seq->id, append, payload).ok());
+    auto region = c->RegisterRegion(bytes + 8192);
+    ASSERT_TRUE(region.ok()) << region.status();
+    // The whole payload; an odd token range; two of four layers; a head range.
+    for (const Client::FetchArgs& args :
+         {Client::FetchArgs{},
+          Client::FetchArgs{7, 290, 0, std::nullopt, DType::kFp16, 0, std::nullopt},
+          Client::FetchArgs{0, std::nullopt, 1, 3, DType::kFp16, 0, std::nullopt},
+          Client::FetchArgs{3, std::nullopt, 0, std::nullopt, DType::kFp16, 2, 7}}) {
+      auto want = c->Fetch(layout.name, seq->id, args);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_GE(want->payload.size(), uint64_t{1} << 20) << "small enough to go on one thread";
+      std::memset((*region)->data(), 0xab, (*region)->size());
+      auto into = c->FetchToRegion(layout.name, seq->id, args,
+                                   (*region)->Slice(4096, (*region)->size() - 4096));
+      ASSERT_TRUE(into.ok()) << into.status();
+      ASSERT_EQ(into->payload_bytes, want->payload.size());
+      const uint8_t* d = (*region)->data();
+      EXPECT_TRUE(BytesEqual(std::vector<uint8_t>(d + 4096, d + 4096 + into->payload_bytes),
+                             want->payload));
+      EXPECT_EQ(d[4095], 0xab);
+      EXPECT_EQ(d[4096 + into->payload_bytes], 0xab);
+    }
+    ASSERT_TRUE(c->Free(layout.name, seq->id).ok());
+    ExpectAccounting(StatsOf(*c, layout.name));
+  }
+}
+
 TEST_F(ShmTest, FetchBlocksIntoARegionEqualsTheGrpcPath) {
   // Prefix caching on: full blocks get hashes that FetchBlocks names.
   ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--shm-socket=" + socket_}));
