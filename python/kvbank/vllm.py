@@ -29,6 +29,10 @@ kvbank shares full blocks only, and generated tokens are not stored.
 kv_connector_extra_config:
   kvbank_target      "host:port" of kvbankd (required)
   kvbank_token       bearer token (default: none)
+  kvbank_token_file  a file holding the bearer token instead (a Secret mounted as a file)
+  kvbank_tls_ca      PEM file of the CAs of kvbankd's certificate: TLS (default: plaintext);
+                     kvbank_tls_server_name, kvbank_tls_cert / kvbank_tls_key beside it
+                     (kvbank/_connector_config.py says each)
   kvbank_model       the kvbank model name (default: "vllm/" + the served model name)
   kvbank_pool_bytes  pool bytes when the model is first registered (default 0: the server's)
   kvbank_lease_s     lease of the sequences a producer keeps (default: the server's)
@@ -75,6 +79,7 @@ import kvbank
 
 # The layout, the paged copies and the messages live in private modules; their public names are
 # kvbank.vllm's too.
+from ._connector_config import client_settings
 from ._vllm_layout import _DTYPE_BYTES, _KV_DTYPES, model_layout, rank_heads
 from ._vllm_metadata import (
     KvbankConnectorMetadata,
@@ -123,10 +128,8 @@ class KvbankConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         extra = dict(tc.kv_connector_extra_config or {})
-        target = extra.get("kvbank_target")
-        if not target:
-            raise ValueError("KvbankConnector: kv_connector_extra_config.kvbank_target "
-                             "(\"host:port\" of kvbankd) is required")
+        settings = client_settings(extra, "KvbankConnector: kv_connector_extra_config")
+        target = settings["target"]
         self._layout = model_layout(vllm_config, extra.get("kvbank_model"))
         self._model = self._layout["name"]
         self._bs = int(self._layout["block_tokens"])
@@ -135,13 +138,9 @@ class KvbankConnector(KVConnectorBase_V1):
         self._keep_finished = self._store and not self._load  # kv_producer
         lease = extra.get("kvbank_lease_s")
         self._lease_s = float(lease) if lease is not None else None
-        shm = extra.get("kvbank_shm", True)
-        if isinstance(shm, str):
-            shm = shm.lower() not in ("0", "false", "no", "off")
-        self._client = kvbank.Client(target, extra.get("kvbank_token") or None,
-                                     deadline_s=float(extra.get("kvbank_deadline_s", 30.0)),
-                                     shm=bool(shm),
-                                     device_plane=str(extra.get("kvbank_device_plane", "auto")))
+        self._client = kvbank.Client(target, settings["token"], tls=settings["tls"],
+                                     deadline_s=settings["deadline_s"], shm=settings["shm"],
+                                     device_plane=settings["device_plane"])
         info = self._client.ensure_model(self._layout,
                                          pool_bytes=int(extra.get("kvbank_pool_bytes", 0)))
         logger.info("KvbankConnector (%s, %s): kvbank model %r at %s, %d-token blocks, "

@@ -28,12 +28,16 @@ def kvbankd_path():
 
 
 class Server:
-    def __init__(self, flags=()):
+    def __init__(self, flags=(), *, no_auth=True, client_args=None):
+        """flags: kvbankd's beyond the defaults above; no_auth=False leaves --no-auth out (pass
+        --auth-tokens-file). client_args: kvbank.Client's keyword arguments for the serving
+        check (a token, tls)."""
         self.dir = tempfile.mkdtemp(prefix="kvbank-py-")
         port_file = os.path.join(self.dir, "port")
         self.log_path = os.path.join(self.dir, "server.log")
-        args = [kvbankd_path(), "--listen=127.0.0.1:0", "--port-file=" + port_file, "--models=",
-                "--no-auth"]
+        args = [kvbankd_path(), "--listen=127.0.0.1:0", "--port-file=" + port_file, "--models="]
+        if no_auth:
+            args.append("--no-auth")
         device = os.environ.get("KVBANK_TEST_DEVICE")
         if device:
             args.append("--device=" + device)
@@ -60,7 +64,7 @@ class Server:
             self.proc.wait()
             raise RuntimeError("kvbankd wrote no port file within 20 s:\n" + self.log())
         self.target = f"127.0.0.1:{self.port}"
-        kvbank.Client(self.target).check_serving(20.0)
+        kvbank.Client(self.target, **(client_args or {})).check_serving(20.0)
 
     def log(self):
         with open(self.log_path, errors="replace") as f:
