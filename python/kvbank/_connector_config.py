@@ -28,7 +28,7 @@ from typing import Any
 
 def _flag(value: Any) -> bool:
     if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
+        return value.strip().lower() not in ("0", "false", "no", "off")
     return bool(value)
 
 
