@@ -318,17 +318,24 @@ class KvbankConnector(RemoteConnector):
         """Fetches the chunk into buf (a full chunk's bytes); its LMCache tokens, or None when
         no whole chain came back."""
         chain = self._chain(conn, digest, self.chunk_tokens)
-        info = conn.client.fetch_blocks_into(self.model, chain, buf)
-        if info.payload_bytes == len(chain) * self.block_bytes:
+        got = self._fetch_chain(conn, chain, buf)
+        if got == len(chain) * self.block_bytes:
             return self.chunk_tokens
-        if info.payload_bytes or not self.unfull:
+        if got or not self.unfull:
             return None  # cut short by eviction: not a chunk
         n = self._unfull_length(conn, digest)
         if n is None:
             return None
         chain = self._chain(conn, digest, n)
-        info = conn.client.fetch_blocks_into(self.model, chain, buf)
-        return n if info.payload_bytes == len(chain) * self.block_bytes else None
+        return n if self._fetch_chain(conn, chain, buf) == len(chain) * self.block_bytes else None
+
+    def _fetch_chain(self, conn: _Connection, chain: list[bytes], buf: memoryview) -> int:
+        """FetchBlocks of the chain into buf: the bytes written (0 when its first block is not
+        cached: kvbank answers NOT_FOUND then)."""
+        try:
+            return conn.client.fetch_blocks_into(self.model, chain, buf).payload_bytes
+        except kvbank.NotFoundError:
+            return 0
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         return await self._run(self._get, key)

@@ -5,7 +5,7 @@ a JSON spec; writes a JSON result.
     engine_worker.py SPEC.json OUT.json
 
 spec: target (kvbankd), mode ("store" or "retrieve"), prompts: [[seed, num_tokens], ...].
-store: stores each prompt's KV (lmc_engine.kv_for) and waits until every remote put has landed.
+store: stores each prompt's KV (lmc_engine.kv_for) and waits until kvbank holds every chunk.
 retrieve: a fresh engine (its CPU backend empty, so hits come from kvbank) looks each prompt up,
 retrieves it into a zeroed tensor and reports per prompt the tokens looked up and retrieved and
 whether the retrieved tokens are bit for bit the stored ones.
@@ -37,6 +37,7 @@ def main() -> int:
             kv = le.kv_for(seed, n)
             if spec["mode"] == "store":
                 engine.store(tokens, kv_source=kv)
+                le.wait_stored(engine, tokens)
                 out["prompts"].append({"seed": seed, "tokens": n})
                 continue
             looked_up = engine.lookup(tokens)
@@ -49,8 +50,6 @@ def main() -> int:
                 "exact": le.same_bits(dest[:, :, :got], kv[:, :, :got]),
                 "rest_untouched": bool((dest[:, :, got:].view(torch.int16) == 0).all()),
             })
-        if spec["mode"] == "store":
-            le.wait_puts(engine)
         c = conn._connection()
         out["data_plane"] = c.client.data_plane if c else None
         out["plane_stats"] = c.client.plane_stats() if c else None

@@ -26,7 +26,7 @@ KV_HEADS = 2
 HEAD_SIZE = 16
 HIDDEN = KV_HEADS * HEAD_SIZE
 DTYPE = torch.bfloat16
-CHUNK = 16
+CHUNK = 32  # two kvbank blocks of 16 LMCache tokens per chunk
 
 
 class CpuKvConnector(GPUConnectorInterface):
@@ -132,17 +132,17 @@ def kv_for(seed: int, num_tokens: int, layers: int = LAYERS,
     return bits.view(DTYPE)
 
 
-def wait_puts(engine: LMCacheEngine, deadline_s: float = 60.0) -> None:
-    """Waits until the remote backend has no put in flight (puts are asynchronous)."""
-    backend = remote(engine)
+def wait_stored(engine: LMCacheEngine, tokens: torch.Tensor, deadline_s: float = 60.0) -> None:
+    """Waits until kvbank holds every chunk of `tokens` whole. Remote puts are asynchronous
+    (LMCache does not track batched puts in flight), and LMCache 0.5.6 frees its CPU buffers
+    before it closes its remote backends: an engine is destroyed only once its puts landed."""
+    conn = connector(engine)
+    keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
     end = time.monotonic() + deadline_s
-    while True:
-        with backend.lock:
-            left = len(backend.put_tasks)
-        if left == 0:
-            return
+    while conn.batched_contains(keys) < len(keys):
         if time.monotonic() > end:
-            raise TimeoutError(f"{left} remote puts still in flight after {deadline_s} s")
+            raise TimeoutError(f"kvbank holds {conn.batched_contains(keys)} of {len(keys)} "
+                               f"chunks after {deadline_s} s")
         time.sleep(0.01)
 
 
