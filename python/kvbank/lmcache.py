@@ -40,8 +40,9 @@ processes that share chunks run with one PYTHONHASHSEED). Because the token coun
 every block, a run of blocks cut short by eviction names no chunk of another length: get fetches
 the chain of a full chunk (FetchBlocks straight into the MemoryObj's buffer, over shared memory
 on the same host) and takes it only when every block came back; with save_unfull_chunk on, a
-chunk that is not found whole is looked for at every shorter length with one Match of their
-first blocks. exists and batched_contains are one Match call for all the keys.
+chunk that is not found whole (the last key of a lookup) is looked for at every shorter length
+with one Match of their first blocks. exists and batched_contains are one Match call for all the
+keys.
 
 Failures (server down, deadline, a chain that is not whole, a chunk of a size this engine does
 not use) are misses and False, logged, never an exception into LMCache and never other bytes:
@@ -227,9 +228,12 @@ class KvbankConnector(RemoteConnector):
         # Hex, not the raw digest: extra keys travel as UTF-8 strings.
         return hashlib.sha256(key.to_string().encode()).hexdigest()
 
-    def _chain(self, conn: _Connection, digest: str, n: int) -> list[bytes]:
-        """The prefix hashes of the blocks of a chunk of n LMCache tokens."""
-        blocks = -(-n // self.g)
+    def _chain(self, conn: _Connection, digest: str, n: int,
+               blocks: int | None = None) -> list[bytes]:
+        """The prefix hashes of the blocks of a chunk of n LMCache tokens (of its first
+        `blocks` blocks when given)."""
+        if blocks is None:
+            blocks = -(-n // self.g)
         return kvbank.prefix_hashes(conn.root, [n] * (blocks * self.block_tokens),
                                     self.block_tokens, [("custom", digest)],
                                     algorithm=conn.algorithm)
@@ -244,7 +248,7 @@ class KvbankConnector(RemoteConnector):
     def _unfull_length(self, conn: _Connection, digest: str) -> int | None:
         """The length of the chunk under `digest` stored shorter than chunk_size, if one is
         whole in kvbank: one Match of every length's first block, one of the chain found."""
-        firsts = [self._chain(conn, digest, n)[:1] for n in range(1, self.chunk_tokens)]
+        firsts = [self._chain(conn, digest, n, 1) for n in range(1, self.chunk_tokens)]
         tokens = conn.client.match(self.model, firsts)
         for n in (i + 1 for i, t in enumerate(tokens) if t > 0):
             if self._whole(conn, [self._chain(conn, digest, n)])[0]:
@@ -254,7 +258,9 @@ class KvbankConnector(RemoteConnector):
     # ---- lookups --------------------------------------------------------------------------
 
     def _contains(self, keys: list[CacheEngineKey]) -> int:
-        """How many leading keys name a whole chunk in kvbank (0 on any failure)."""
+        """How many leading keys name a whole chunk in kvbank (0 on any failure). Only the
+        last key of a run can name an unfull chunk (LMCache's keys of one prompt are full
+        chunks but the last), so only a miss there is looked for at shorter lengths."""
         conn = self._connection()
         if conn is None or not keys:
             return 0
@@ -263,10 +269,10 @@ class KvbankConnector(RemoteConnector):
             whole = self._whole(conn, [self._chain(conn, d, self.chunk_tokens)
                                        for d in digests])
             count = 0
-            for digest, hit in zip(digests, whole):
-                if not hit and not (self.unfull and
-                                    self._unfull_length(conn, digest) is not None):
-                    break
+            while count < len(keys) and whole[count]:
+                count += 1
+            if (count == len(keys) - 1 and self.unfull and
+                    self._unfull_length(conn, digests[count]) is not None):
                 count += 1
             return count
         except Exception as e:
