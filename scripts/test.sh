@@ -46,6 +46,8 @@ py=/usr/bin/python3  # the interpreter ctest makes both venvs of (tests/python/C
 [ -x "$py" ] || py=$(command -v python3)
 "$py" tests/python/run_python_tests.py --prepare --python "$py" >build/prepare-python-venv.log 2>&1 &
 scripts/setup-vllm-venv.sh --no-kvbank --python "$py" >build/prepare-vllm-venv.log 2>&1 &
+# LMCache's venv is a copy of vLLM's: its script waits for that one (the vLLM script's lock).
+scripts/setup-lmcache-venv.sh --no-kvbank --python "$py" >build/prepare-lmcache-venv.log 2>&1 &
 cmake --preset release >/dev/null
 stage release-build cmake --build --preset release -j "$jobs"
 stage release-tests ctest --preset release -j "$jobs" --output-on-failure

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""lmcache_bench: LMCache chunks through kvbank's LMCache plugin (kvbank.lmcache) against the
+same bytes through the Python SDK directly, same server, same run.
+
+    lmcache_bench.py --kvbankd build/release/bin/kvbankd [--reps 7] [--chunks 16]
+                     [--layers 8] [--hidden 1024]
+
+Starts kvbankd (--no-auth, loopback, port 0, its shared-memory socket), builds a real
+LMCacheEngine with the plugin (tests/lmcache/lmc_engine.py: local CPU backend, bf16 chunks of
+256 tokens, 2 x layers x hidden x 2 bytes per token) and, per rep, with fresh keys:
+
+  store:    plugin: KvbankConnector.batched_put of `chunks` MemoryObjs (LMCache's buffers)
+            SDK:    per chunk create_sequence (the plugin's token ids and extra key, so the server
+                    does the same work) + append of the same bytes from a numpy array + free
+  retrieve: plugin: KvbankConnector.batched_get (LMCache allocates, FetchBlocks by hash into it)
+            SDK:    fetch_blocks_into a reused numpy array per chunk, by the same hashes
+
+Both sides run their chunks on the same number of threads (the plugin's `threads`, 4), and the
+order of the two alternates per rep. Reported: median seconds per op and side, and the median of
+the per-rep ratios (SDK time / plugin time: 1.0 = the plugin costs nothing over the SDK). Run it
+with the LMCache venv's Python (scripts/setup-lmcache-venv.sh prints it).
+"""
+
+import argparse
+import asyncio
+import concurrent.futures
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from lmcache.utils import CacheEngineKey
+
+import kvbank
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(REPO, "tests", "lmcache"))
+sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+
+import lmc_engine as le  # noqa: E402
+from kvbankd_process import Server  # noqa: E402
+
+CHUNK = 256
+THREADS = 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvbankd", required=True)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    args = ap.parse_args()
+    os.environ["KVBANK_KVBANKD"] = os.path.abspath(args.kvbankd)
+
+    token_bytes = 2 * args.layers * args.hidden * 2
+    chunk_bytes = CHUNK * token_bytes
+    batch = args.chunks * chunk_bytes
+    # Two reps' chunks of both sides fit the pool: a rep's fetches never meet eviction.
+    pool = 4 * batch + (256 << 20)
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvbank-lmcbench-"), "kvbankd.sock")
+    server = Server([f"--pool-bytes={pool}", f"--max-pool-bytes={pool}",
+                     "--shm-socket=" + sock])
+    cpu_gb = 3 * batch / (1 << 30) + 0.1
+    engine = le.make_engine("bench", le.plugin_config(server.target, threads=str(THREADS)),
+                            chunk=CHUNK, layers=args.layers, hidden=args.hidden, cpu_gb=cpu_gb)
+    conn = le.connector(engine)
+    cpu = conn.local_cpu_backend
+    client = kvbank.Client(server.target)
+    model, g, bt = conn.model, conn.g, conn.block_tokens
+    root = client.get_prefix_root(model)
+    print(f"chunk {chunk_bytes / (1 << 20):.1f} MiB x {args.chunks}, kvbank model {model} "
+          f"({g} LMCache tokens, {conn.block_bytes >> 10} KiB per block), plugin plane "
+          f"{conn._connection().client.data_plane}, SDK plane {client.data_plane}", flush=True)
+
+    # The payloads: LMCache MemoryObjs for the plugin, numpy copies of the same bytes for the SDK.
+    objs = []
+    for i in range(args.chunks):
+        obj = cpu.allocate(conn.meta_shapes, conn.meta_dtypes, conn.meta_fmt)
+        obj.tensor.view(torch.int16).copy_(
+            le.kv_for(i, CHUNK, args.layers, args.hidden).view(torch.int16))
+        objs.append(obj)
+    arrays = [np.frombuffer(bytes(memoryview(o.byte_array).cast("B")), np.uint8) for o in objs]
+    outs = [np.empty(chunk_bytes, np.uint8) for _ in objs]
+    pool_ = concurrent.futures.ThreadPoolExecutor(THREADS)
+    rng = random.Random(20261203)
+
+    def fresh_keys():
+        return [CacheEngineKey("bench", 1, 0, rng.getrandbits(63), torch.bfloat16)
+                for _ in objs]
+
+    def sdk_store(keys):
+        def one(i):
+            digest = conn._digest(keys[i])
+            seq = client.create_sequence(model, prompt=[CHUNK] * (CHUNK // g * bt),
+                                         extra_keys=[("custom", digest)])
+            client.append(model, seq.id, arrays[i], num_tokens=CHUNK // g * bt)
+            client.free(model, seq.id)
+        list(pool_.map(one, range(len(keys))))
+
+    def sdk_retrieve(keys):
+        def one(i):
+            hashes = kvbank.prefix_hashes(root.root, [CHUNK] * (CHUNK // g * bt), bt,
+                                          [("custom", conn._digest(keys[i]))])
+            info = client.fetch_blocks_into(model, hashes, outs[i])
+            assert info.payload_bytes == chunk_bytes
+        list(pool_.map(one, range(len(keys))))
+
+    def plugin_store(keys):
+        asyncio.run(conn.batched_put(keys, objs))
+
+    def plugin_retrieve(keys):
+        got = asyncio.run(conn.batched_get(keys))
+        assert all(o is not None for o in got), "a plugin get missed"
+        for o in got:
+            o.ref_count_down()
+
+    def timed(fn, keys):
+        t = time.perf_counter()
+        fn(keys)
+        return time.perf_counter() - t
+
+    # Bytes through the plugin are the stored bytes.
+    keys = fresh_keys()
+    plugin_store(keys)
+    got = asyncio.run(conn.batched_get(keys))
+    for o, a in zip(got, arrays):
+        assert o is not None and bytes(memoryview(o.byte_array).cast("B")) == a.tobytes()
+        o.ref_count_down()
+    sdk_store(keys := fresh_keys())
+    sdk_retrieve(keys)  # warm-up of the SDK side too
+
+    res = {k: [] for k in ("plugin_store", "sdk_store", "plugin_retrieve", "sdk_retrieve")}
+    for rep in range(args.reps):
+        pk, sk = fresh_keys(), fresh_keys()
+        order = [("plugin", pk), ("sdk", sk)] if rep % 2 == 0 else [("sdk", sk), ("plugin", pk)]
+        for side, k in order:
+            res[side + "_store"].append(timed(plugin_store if side == "plugin" else sdk_store, k))
+        for side, k in order:
+            res[side + "_retrieve"].append(
+                timed(plugin_retrieve if side == "plugin" else sdk_retrieve, k))
+
+    print(f"{args.reps} reps, medians; ratio = SDK time / plugin time (median of per-rep "
+          "ratios)")
+    print("| op | plugin s | SDK s | plugin GB/s | SDK GB/s | ratio | per-rep ratios |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for op in ("store", "retrieve"):
+        p, s = res["plugin_" + op], res["sdk_" + op]
+        ratios = [b / a for a, b in zip(p, s)]
+        mp, ms = statistics.median(p), statistics.median(s)
+        print(f"| {op} | {mp:.3f} | {ms:.3f} | {batch / mp / 1e9:.2f} | {batch / ms / 1e9:.2f} "
+              f"| **{statistics.median(ratios):.2f}** | "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} |")
+    stats = conn._connection().client.plane_stats()
+    print("plugin planes:", {k: v for k, v in stats.items() if v.get("calls")})
+    for o in objs:
+        o.ref_count_down()
+    le.destroy("bench")
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
