@@ -1,6 +1,8 @@
-"""How an engine connector reaches kvbankd, from the engine's own configuration mapping (vLLM's
-kv_connector_extra_config): the kvbank_* keys below, turned into kvbank.Client arguments. Kept
-apart from the connectors so that it is checked without an engine installed.
+"""How an engine connector reaches kvbankd, from the engine's own configuration mapping: the keys
+below, turned into kvbank.Client arguments. vLLM's kv_connector_extra_config spells them with a
+kvbank_ prefix (kvbank_target, ...); LMCache's extra_config under the plugin's
+remote_storage_plugin.<name>. (target, ...). Kept apart from the connectors so that it is checked
+without an engine installed.
 
   kvbank_target          "host:port" of kvbankd (required)
   kvbank_token           bearer token
@@ -40,44 +42,54 @@ def _readable(path: str, key: str, who: str) -> str:
     return path
 
 
-def client_settings(extra: Mapping[str, Any], who: str) -> dict[str, Any]:
-    """kvbank.Client's arguments from `extra`'s kvbank_* keys: {"target", "token", "tls",
-    "deadline_s", "shm", "device_plane"}. ValueError naming `who` and the key when a setting is
-    missing, contradictory or names a file that is not there."""
-    target = str(extra.get("kvbank_target") or "")
+def client_settings(extra: Mapping[str, Any], who: str, prefix: str = "kvbank_",
+                    deadline_s: float = 30.0) -> dict[str, Any]:
+    """kvbank.Client's arguments from `extra`'s keys (each spelled `prefix` + the name above):
+    {"target", "token", "tls", "deadline_s", "shm", "device_plane"}; `deadline_s` is the default
+    of <prefix>deadline_s. ValueError naming `who` and the key when a setting is missing,
+    contradictory, out of range or names a file that is not there."""
+    def name(key: str) -> str:
+        return prefix + key
+
+    def get(key: str) -> Any:
+        return extra.get(name(key)) or None
+
+    target = str(get("target") or "").strip()
     if not target:
-        raise ValueError(f"{who}: kvbank_target (\"host:port\" of kvbankd) is required")
-    token = extra.get("kvbank_token") or None
-    token_file = extra.get("kvbank_token_file") or None
+        raise ValueError(f"{who}: {name('target')} (\"host:port\" of kvbankd) is required")
+    token, token_file = get("token"), get("token_file")
     if token is not None and token_file is not None:
-        raise ValueError(f"{who}: kvbank_token and kvbank_token_file are both set; name one")
+        raise ValueError(f"{who}: {name('token')} and {name('token_file')} are both set; "
+                         "name one")
     if token_file is not None:
-        with open(_readable(str(token_file), "kvbank_token_file", who)) as f:
+        with open(_readable(str(token_file), name("token_file"), who)) as f:
             token = f.read().strip()
         if not token:
-            raise ValueError(f"{who}: kvbank_token_file {token_file!r} is empty")
+            raise ValueError(f"{who}: {name('token_file')} {token_file!r} is empty")
     tls = None
-    ca = extra.get("kvbank_tls_ca") or None
-    server_name = extra.get("kvbank_tls_server_name") or None
-    cert = extra.get("kvbank_tls_cert") or None
-    key = extra.get("kvbank_tls_key") or None
+    ca, server_name = get("tls_ca"), get("tls_server_name")
+    cert, key = get("tls_cert"), get("tls_key")
     if ca is None and (server_name is not None or cert is not None or key is not None):
-        raise ValueError(f"{who}: kvbank_tls_server_name, kvbank_tls_cert and kvbank_tls_key "
-                         "need kvbank_tls_ca (the CAs that sign kvbankd's certificate)")
+        raise ValueError(f"{who}: {name('tls_server_name')}, {name('tls_cert')} and "
+                         f"{name('tls_key')} need {name('tls_ca')} (the CAs that sign kvbankd's "
+                         "certificate)")
     if (cert is None) != (key is None):
-        raise ValueError(f"{who}: kvbank_tls_cert and kvbank_tls_key go together")
+        raise ValueError(f"{who}: {name('tls_cert')} and {name('tls_key')} go together")
     if ca is not None:
-        tls = {"root_ca_path": _readable(str(ca), "kvbank_tls_ca", who)}
+        tls = {"root_ca_path": _readable(str(ca), name("tls_ca"), who)}
         if server_name is not None:
             tls["server_name_override"] = str(server_name)
         if cert is not None:
-            tls["cert_chain_path"] = _readable(str(cert), "kvbank_tls_cert", who)
-            tls["private_key_path"] = _readable(str(key), "kvbank_tls_key", who)
+            tls["cert_chain_path"] = _readable(str(cert), name("tls_cert"), who)
+            tls["private_key_path"] = _readable(str(key), name("tls_key"), who)
+    deadline = float(extra.get(name("deadline_s"), deadline_s))
+    if not deadline > 0:
+        raise ValueError(f"{who}: {name('deadline_s')} must be positive, not {deadline}")
     return {
         "target": target,
-        "token": token,
+        "token": str(token) if token is not None else None,
         "tls": tls,
-        "deadline_s": float(extra.get("kvbank_deadline_s", 30.0)),
-        "shm": _flag(extra.get("kvbank_shm", True)),
-        "device_plane": str(extra.get("kvbank_device_plane", "auto")),
+        "deadline_s": deadline,
+        "shm": _flag(extra.get(name("shm"), True)),
+        "device_plane": str(extra.get(name("device_plane"), "auto")),
     }

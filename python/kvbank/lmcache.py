@@ -14,9 +14,9 @@ LMCache loads it as a remote storage plugin (LMCache's YAML, or LMCACHE_* variab
 extra_config keys (remote_storage_plugin.<name>.<key>; <name> is the plugin's name in
 remote_storage_plugins, one kvbank plugin per engine):
   target       "host:port", "dns:///name:port" or "unix:/path" of kvbankd (required)
-  token        bearer token (default: none)
-  tls_root_ca  path of the CA bundle that signs kvbankd's certificate (default: plaintext)
-  tls_server_name  the name to check the certificate against (default: the target's host)
+  token        bearer token (default: none); or token_file, a file holding it
+  tls_ca       path of the CA bundle that signs kvbankd's certificate (default: plaintext);
+               tls_server_name, tls_cert / tls_key beside it (kvbank/_connector_config.py)
   model        the kvbank model the chunks are stored in (default: "lmcache-t<T>-d<D>", from the
                layout below, so every LMCache instance of the same KV shape finds the others')
   pool_bytes   pool bytes when the model is first registered (default 0: the server's)
@@ -71,6 +71,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 import kvbank
 
+from ._connector_config import client_settings
+
 logger = init_logger(__name__)
 
 _T = TypeVar("_T")
@@ -113,12 +115,6 @@ class _Connection:
     algorithm: str
 
 
-def _flag(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
-
-
 class KvbankConnector(RemoteConnector):
     """LMCache's RemoteConnector over kvbank (see the module's docstring).
 
@@ -135,9 +131,9 @@ class KvbankConnector(RemoteConnector):
         prefix = f"remote_storage_plugin.{self.plugin_name}."
         opts = {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)}
 
-        self.target = str(opts.get("target") or "").strip()
-        if not self.target:
-            raise ValueError(f"extra_config {prefix}target (kvbankd's host:port) is not set")
+        settings = client_settings(opts, f"KvbankConnector: extra_config {prefix}", prefix="",
+                                   deadline_s=5.0)
+        self.target = settings["target"]
         if getattr(config, "use_layerwise", False):
             raise ValueError("kvbank's LMCache connector does not store layer-wise chunks")
         self.chunk_tokens = int(local_cpu_backend.metadata.chunk_size)
@@ -147,19 +143,15 @@ class KvbankConnector(RemoteConnector):
         self.model = str(opts.get("model") or
                          f"lmcache-t{self.block_tokens}-d{self.layout['head_dim']}")
         self.unfull = bool(getattr(config, "save_unfull_chunk", False))
-        self._token = str(opts["token"]) if opts.get("token") else None
-        self._tls: dict[str, str] | None = None
-        if opts.get("tls_root_ca"):
-            self._tls = {"root_ca_path": str(opts["tls_root_ca"])}
-            if opts.get("tls_server_name"):
-                self._tls["server_name_override"] = str(opts["tls_server_name"])
-        self._deadline_s = float(opts.get("deadline_s", 5.0))
+        self._token = settings["token"]
+        self._tls: dict[str, str] | None = settings["tls"]
+        self._deadline_s = float(settings["deadline_s"])
         self._pool_bytes = int(opts.get("pool_bytes", 0))
-        self._shm = _flag(opts.get("shm", True))
+        self._shm = bool(settings["shm"])
         self._retry_s = float(opts.get("retry_s", 1.0))
         threads = int(opts.get("threads", 4))
-        if threads < 1 or self._deadline_s <= 0:
-            raise ValueError("threads and deadline_s must be positive")
+        if threads < 1:
+            raise ValueError(f"extra_config {prefix}threads must be positive, not {threads}")
 
         self._lock = threading.Lock()
         self._conn: _Connection | None = None

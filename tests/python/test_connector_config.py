@@ -130,3 +130,16 @@ def test_without_the_ca_or_the_token_kvbankd_is_not_reached(tls_server):
                                   "kvbank_deadline_s": 5}, WHO)
     with connect(wrong_name) as c, pytest.raises(kvbank.Error):
         c.server_info()
+
+
+def test_another_prefix_and_default_deadline(tmp_path):
+    # LMCache's plugin reads the same settings under its own prefix, with its own deadline.
+    path = write(tmp_path / "token", "tok\n")
+    s = client_settings({"p.target": "h:3", "p.token_file": str(path), "p.shm": "0"}, WHO,
+                        prefix="p.", deadline_s=5.0)
+    assert (s["target"], s["token"], s["deadline_s"], s["shm"]) == ("h:3", "tok", 5.0, False)
+    with pytest.raises(ValueError, match="p.tls_cert and p.tls_key go together"):
+        client_settings({"p.target": "h:3", "p.tls_ca": str(path), "p.tls_key": str(path)}, WHO,
+                        prefix="p.")
+    with pytest.raises(ValueError, match="p.deadline_s must be positive"):
+        client_settings({"p.target": "h:3", "p.deadline_s": "0"}, WHO, prefix="p.")
