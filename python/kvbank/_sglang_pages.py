@@ -10,7 +10,10 @@ orders (MHATokenToKVPoolHost.init_kv_buffer):
     page_head          [2][pages][heads][page_size][layers][dim]
 
 Every copy goes through one strided view per page, [2][layers][tokens][heads][dim], of either
-side, and one torch copy_ between the two views: no Python loop over layers or heads. The flat
+side, and one torch copy_ between the two views: no Python loop over layers or heads. A store
+appends one block at a time (its payload is the block); a fetch of n blocks answers the dense
+payload of their n * page_size tokens, per layer K [heads][n * page_size][dim] then V, so a
+fetched page is a strided slice of it. The flat
 pages of SGLang's non-zero-copy interface (get_data_page / set_from_flat_data_page) are a page
 of the pool in the pool's own order, so the same view reads and writes them.
 """
@@ -107,8 +110,17 @@ class PageLayout:
         return flat.view(2, h, t, L, d).permute(0, 3, 2, 1, 4)
 
     def block(self, buf: torch.Tensor, j: int) -> torch.Tensor:
-        """Block j of a staging buffer (flat, the pool's dtype: blocks one after the other) as a
-        [2][layers][tokens][heads][dim] view of kvbank's [layers][2][heads][tokens][dim]."""
+        """Block j of a staging buffer of single-block payloads (flat, the pool's dtype, one
+        append's payload after the other) as a [2][layers][tokens][heads][dim] view of
+        kvbank's [layers][2][heads][tokens][dim]."""
         e = self.page_elems
         return buf[j * e:(j + 1) * e].view(self.layers, 2, self.heads, self.tokens,
                                             self.dim).permute(1, 0, 3, 2, 4)
+
+    def fetched(self, buf: torch.Tensor, n: int, j: int) -> torch.Tensor:
+        """Block j of a fetch of n blocks (FetchBlocks' payload: per layer K [heads][n * tokens]
+        [dim] then V, the blocks' tokens one after the other) as a [2][layers][tokens][heads]
+        [dim] view."""
+        t = self.tokens
+        payload = buf[:n * self.page_elems].view(self.layers, 2, self.heads, n * t, self.dim)
+        return payload[:, :, :, j * t:(j + 1) * t].permute(1, 0, 3, 2, 4)

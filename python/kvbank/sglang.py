@@ -316,7 +316,7 @@ class KvbankHiCacheStorage(HiCacheStorage):
                     raise kvbank.DataLossError(
                         f"kvbank.sglang: {info.payload_bytes} bytes for {n} pages")
                 for j in range(n):
-                    put(done + j, pages.block(st.buf, j))
+                    put(done + j, pages.fetched(st.buf, n, j))
             done += n
             if n < len(chunk):
                 break

@@ -125,8 +125,7 @@ class Rig:
         hit = self.cc.prefetch_hit_queue.get(timeout=WAIT_S)
         assert hit is op
         if op.storage_hit_count == 0:
-            self._wait_done(op)
-            return None, 0
+            return None, 0  # the scheduler revokes it: nothing reaches the I/O thread
         host_slots = self.host.alloc(op.storage_hit_count)
         assert host_slots is not None, "host pool full"
         op.host_indices = host_slots
