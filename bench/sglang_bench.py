@@ -21,8 +21,11 @@ Per rep, both sides move --pages pages of new keys (alternating which goes first
             region's worth of pages, then the strided copy into the host pool); SDK:
             fetch_blocks_into the same hashes into a registered region, nothing after.
 Medians over --reps of each side's seconds; ratio = SDK seconds / backend seconds (1: the
-backend costs nothing over the SDK; the goal is >= 0.9). The first retrieve is checked bit for
-bit against the pages stored.
+backend costs nothing over the SDK; the goal is >= 0.9). "layout copy" times, on their own, the
+copies the backend adds to the SDK's calls (every page between the host pool's token-major
+slots and kvbank's head-major block layout, one torch copy_ a page); (SDK + copy) / backend
+near 1 says the backend adds nothing beyond that conversion. The first retrieve is checked bit
+for bit against the pages stored.
 """
 
 import argparse
@@ -64,13 +67,14 @@ def main():
     args = ap.parse_args()
     os.environ["KVBANK_KVBANKD"] = os.path.abspath(args.kvbankd)
 
-    import kvbank
-    from hicache_rig import init_single_rank
-    from kvbankd_process import Server
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+    import kvbank
     from kvbank.sglang import KvbankHiCacheStorage, page_key_value
+
+    from hicache_rig import init_single_rank
+    from kvbankd_process import Server
 
     ps, n = args.page_size, args.pages
     page_bytes = 2 * args.layers * ps * args.heads * args.head_dim * 2
@@ -124,7 +128,18 @@ def main():
             info = client.fetch_blocks_into(model, hashes(keys), region)
             assert info.num_tokens == n * ps
 
-        times = {k: [] for k in ("store_backend", "store_sdk", "get_backend", "get_sdk")}
+        def layout_copy(to_host):
+            """The copies the backend makes on top of the SDK's calls: every page between the
+            host pool's token-major slots and kvbank's head-major block layout."""
+            for i in range(n):
+                host_page = pages.host_page(int((dst if to_host else src)[i * ps]))
+                if to_host:
+                    host_page.copy_(pages.fetched(blocks, n, i))
+                else:
+                    pages.block(blocks, i).copy_(host_page)
+
+        times = {k: [] for k in ("store_backend", "store_sdk", "get_backend", "get_sdk",
+                                 "store_copy", "get_copy")}
         for rep in range(args.reps + 1):  # rep 0: warm-up
             kb = [f"b{rep}-{i}" for i in range(n)]
             ks = [f"s{rep}-{i}" for i in range(n)]
@@ -137,6 +152,11 @@ def main():
                     sdk_store(ks)
                 if rep:
                     times["store_" + side].append(time.perf_counter() - t)
+                if side == "sdk":  # the copy-in alone (the blocks get the same bytes again)
+                    t = time.perf_counter()
+                    layout_copy(False)
+                    if rep:
+                        times["store_copy"].append(time.perf_counter() - t)
             for side in order:
                 if side == "backend":
                     host.kv_buffer[:, :, dst] = 0
@@ -147,6 +167,11 @@ def main():
                     sdk_get(ks)
                 if rep:
                     times["get_" + side].append(time.perf_counter() - t)
+                if side == "sdk":  # the copy-out alone, after the SDK's fetch
+                    t = time.perf_counter()
+                    layout_copy(True)
+                    if rep:
+                        times["get_copy"].append(time.perf_counter() - t)
                 if side == "backend" and rep == 0:
                     assert torch.equal(host.kv_buffer[:, :, dst].view(torch.int16),
                                        host.kv_buffer[:, :, src].view(torch.int16))
@@ -157,14 +182,17 @@ def main():
                     if line.startswith("model name")), platform.processor())
         print(f"# sglang_bench: commit {commit}, {cpu}, nproc {os.cpu_count()}, "
               f"load {os.getloadavg()[0]:.1f}")
+        plane = backend._conn.client.data_plane if backend._conn else "-"
         print(f"# {n} pages of {page_bytes >> 10} KiB ({total / (1 << 20):.0f} MiB) a rep, "
-              f"{args.reps} reps; data plane {backend._conn.client.data_plane if backend._conn else '-'}")
-        print("| op | backend ms (GB/s) | SDK ms (GB/s) | ratio SDK/backend |")
-        print("|---|---|---|---|")
+              f"{args.reps} reps; data plane {plane}")
+        print("| op | backend ms (GB/s) | SDK ms (GB/s) | ratio SDK/backend | layout copy ms |"
+              " ratio (SDK + copy)/backend |")
+        print("|---|---|---|---|---|---|")
         for op in ("store", "get"):
-            b, s = med[op + "_backend"], med[op + "_sdk"]
+            b, s, c = med[op + "_backend"], med[op + "_sdk"], med[op + "_copy"]
             print(f"| {'retrieve' if op == 'get' else op} | {b * 1e3:.1f} ({total / b / 1e9:.2f})"
-                  f" | {s * 1e3:.1f} ({total / s / 1e9:.2f}) | {s / b:.2f} |")
+                  f" | {s * 1e3:.1f} ({total / s / 1e9:.2f}) | {s / b:.2f} | {c * 1e3:.1f} |"
+                  f" {(s + c) / b:.2f} |")
         backend.close()
         client.close()
     finally:

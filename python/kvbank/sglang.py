@@ -181,6 +181,7 @@ class KvbankHiCacheStorage(HiCacheStorage):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self._io_threads, thread_name_prefix="kvbank-sglang")
 
+
     # ---- setup ------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -298,8 +299,10 @@ class KvbankHiCacheStorage(HiCacheStorage):
     # ---- loads ------------------------------------------------------------------------------
 
     def _fetch(self, conn: _Conn, hashes: list[bytes], put: Any) -> int:
-        """Fetches the leading run of `hashes` (whole staging buffers at a time) and hands each
-        block to put(i, block view); returns how many pages it handed."""
+        """Fetches the leading run of `hashes` (a staging buffer of pages at a time) and hands
+        each block to put(i, block view); returns how many pages it handed. (Overlapping the
+        next fetch with this copy-out, on two halves of the buffer, did not pay on 2 cores: the
+        copy-out and kvbankd's copy-in compete for the same cores and memory bandwidth.)"""
         pages = self.pages
         assert pages is not None
         done = 0
@@ -414,18 +417,21 @@ class KvbankHiCacheStorage(HiCacheStorage):
         for c0 in range(0, len(values), conn.pages):
             idx = [i for i in range(c0, min(len(values), c0 + conn.pages))
                    if values[i] is not None]
+            e = pages.page_elems
             with st.lock:
-                for j, i in enumerate(idx):
-                    fill(i, pages.block(st.buf, j))
-                e = pages.page_elems
-                futures = {i: self._pool.submit(self._store_one, conn, str(values[i]),
-                                                st.buf[j * e:(j + 1) * e])
-                           for j, i in enumerate(idx)}
-                for i, f in futures.items():
-                    try:
-                        results[i] = f.result()
-                    except Exception as err:  # noqa: BLE001 - False, never an exception
-                        self._failed(conn, "store", err)
+                # Each page goes out as soon as it is copied: the copies overlap the appends.
+                futures = {}
+                try:
+                    for j, i in enumerate(idx):
+                        fill(i, pages.block(st.buf, j))
+                        futures[i] = self._pool.submit(self._store_one, conn, str(values[i]),
+                                                       st.buf[j * e:(j + 1) * e])
+                finally:
+                    for i, f in futures.items():  # the buffer is reused once the lock is free
+                        try:
+                            results[i] = f.result()
+                        except Exception as err:  # noqa: BLE001 - False, never an exception
+                            self._failed(conn, "store", err)
         return results
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
