@@ -3,6 +3,7 @@
 //
 //   shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] [--in-flight-iters N]
 //             [--server-arg FLAG]...   (each FLAG is passed on to kvbankd)
+//             [--small-only N]         (only the 4 KiB rows, N calls each)
 //
 // kvbankd (this build's, or --kvbankd) runs with --device=host, a 1 GiB llama-3.1-8b pool (bf16,
 // 128 KiB of payload per token) and --shm-socket in a temp dir; this process is the client
@@ -330,6 +331,19 @@ struct Row {
   std::vector<double> gbs[4], ratio[4];  // shm append, shm fetch, grpc append, grpc fetch
 };
 
+// Ends the run: the client's region and connection, then kvbankd, then its folder.
+int Stop(std::unique_ptr<ShmRegion> region, std::unique_ptr<Client> client, pid_t server,
+         const std::string& dir) {
+  region.reset();
+  client.reset();
+  kill(server, SIGTERM);
+  int status = 0;
+  waitpid(server, &status, 0);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   bool quick = false;
   int reps = 7;
@@ -337,6 +351,7 @@ int Main(int argc, char** argv) {
   std::vector<uint64_t> sizes = {2 * kMiB, 16 * kMiB, 128 * kMiB};
   std::string kvbankd = KVBANK_KVBANKD_PATH;
   std::vector<std::string> server_args;  // --server-arg: passed on to kvbankd
+  int small_only = 0;                     // --small-only N: the 4 KiB rows alone, N calls each
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -351,11 +366,13 @@ int Main(int argc, char** argv) {
       in_flight = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--in-flight-iters" && i + 1 < argc) {
       in_flight_iters = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--small-only" && i + 1 < argc) {
+      small_only = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--server-arg" && i + 1 < argc) {
       server_args.push_back(argv[++i]);
     } else {
       Die("usage: shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] "
-          "[--in-flight-iters N] [--server-arg FLAG]...");
+          "[--in-flight-iters N] [--server-arg FLAG]... [--small-only N]");
     }
   }
   if (quick) {
@@ -387,6 +404,11 @@ int Main(int argc, char** argv) {
   if (absl::Status s = client->CheckServing(absl::Seconds(10)); !s.ok()) Die(s.ToString());
   const Client::ModelInfo model = Check(client->GetModel(kModel), "GetModel");
   std::unique_ptr<ShmRegion> region = Check(client->RegisterRegion(max_bytes), "RegisterRegion");
+  if (small_only > 0) {
+    SmallTransfers(client.get(), "127.0.0.1:" + std::to_string(port), socket, region.get(),
+                   small_only);
+    return Stop(std::move(region), std::move(client), server, dir);
+  }
 
   std::vector<uint8_t> payload(max_bytes), into(max_bytes), a(max_bytes), b(max_bytes);
   for (uint64_t i = 0; i < max_bytes; ++i) payload[i] = static_cast<uint8_t>((i * 131) >> 3);
@@ -562,14 +584,7 @@ int Main(int argc, char** argv) {
   // ---- 4 KiB transfers: the control path's cost ----
   SmallTransfers(client.get(), "127.0.0.1:" + std::to_string(port), socket, region.get(),
                  quick ? 300 : 3000);
-  region.reset();
-  client.reset();
-  kill(server, SIGTERM);
-  int status = 0;
-  waitpid(server, &status, 0);
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  return 0;
+  return Stop(std::move(region), std::move(client), server, dir);
 }
 
 }  // namespace

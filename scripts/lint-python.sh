@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lints and type-checks the Python SDK (python/kvbank) and its tests (tests/python): ruff check,
-# then mypy, both configured in python/pyproject.toml; ruff also reads the LMCache plugin's tests
-# (tests/lmcache). Fails on any finding.
+# then mypy, both configured in python/pyproject.toml; ruff also checks the engine plugins' tests
+# (tests/lmcache, tests/sglang). Fails on any finding.
 #
 # The tools live in a venv outside the clone ($KVBANK_LINT_VENV, default
 # ${XDG_CACHE_HOME:-~/.cache}/kvbank-lint-venv), made once from PyPI with the pinned versions
@@ -41,7 +41,8 @@ mkdir -p "$(dirname "$venv")"
 export RUFF_CACHE_DIR="$venv.cache/ruff" MYPY_CACHE_DIR="$venv.cache/mypy"
 config=python/pyproject.toml
 status=0
-"$venv/bin/ruff" check --config "$config" python/kvbank tests/python tests/lmcache || status=1
+"$venv/bin/ruff" check --config "$config" python/kvbank tests/python tests/lmcache tests/sglang \
+  || status=1
 "$venv/bin/mypy" --config-file "$config" || status=1
 [ "$status" = 0 ] && echo "lint-python: ruff and mypy found nothing"
 exit "$status"

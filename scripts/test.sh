@@ -38,16 +38,18 @@ stage check-format scripts/check-format.sh
 lint_python() { scripts/lint-python.sh || [ $? -eq 77 ]; }
 stage lint-python lint_python
 jobs=$(nproc)
-# The Python tests' venvs (the SDK's, and vLLM's with torch) are mostly downloads: they are made
-# while the release build compiles (their own locks keep the tests waiting for them; a failure
-# here is the tests' to report, when they try again). Logs in build/.
+# The Python tests' venvs (the SDK's, vLLM's with torch, SGLang's: a copy of vLLM's) are mostly
+# downloads: they are made while the release build compiles (their own locks keep the tests
+# waiting for them; a failure here is the tests' to report, when they try again). Logs in build/.
 mkdir -p build
 py=/usr/bin/python3  # the interpreter ctest makes both venvs of (tests/python/CMakeLists.txt)
 [ -x "$py" ] || py=$(command -v python3)
 "$py" tests/python/run_python_tests.py --prepare --python "$py" >build/prepare-python-venv.log 2>&1 &
 scripts/setup-vllm-venv.sh --no-kvbank --python "$py" >build/prepare-vllm-venv.log 2>&1 &
-# LMCache's venv is a copy of vLLM's: its script waits for that one (the vLLM script's lock).
+# LMCache's and SGLang's venvs are copies of vLLM's: their scripts wait for that one (the vLLM
+# script's lock).
 scripts/setup-lmcache-venv.sh --no-kvbank --python "$py" >build/prepare-lmcache-venv.log 2>&1 &
+scripts/setup-sglang-venv.sh --no-kvbank --python "$py" >build/prepare-sglang-venv.log 2>&1 &
 cmake --preset release >/dev/null
 stage release-build cmake --build --preset release -j "$jobs"
 stage release-tests ctest --preset release -j "$jobs" --output-on-failure

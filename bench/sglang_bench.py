@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""sglang_bench: SGLang HiCache pages through kvbank.sglang against the same bytes through the
+kvbank SDK directly, same kvbankd, same run.
+
+    sglang_bench.py --kvbankd build/release/bin/kvbankd [--reps 7] [--pages 32]
+                    [--layers 32] [--heads 8] [--head-dim 128] [--page-size 16]
+
+Run it with the SGLang venv's interpreter (scripts/setup-sglang-venv.sh prints it).
+
+kvbankd starts on 127.0.0.1 (--no-auth, a --shm-socket, host memory). SGLang's side is a CPU
+MHATokenToKVPool and an MHATokenToKVPoolHost (layer_first, not pinned) of a Llama-3.1-8B-shaped
+layer stack by default (32 layers, 8 kv heads, head_dim 128, bf16, 16-token pages: 2 MiB a
+page); the backend is KvbankHiCacheStorage with its defaults (shared-memory staging regions,
+2 store threads), registered on that pool as SGLang's controller does.
+
+Per rep, both sides move --pages pages of new keys (alternating which goes first):
+  store     backend: batch_set_v1(keys, host slots) (the strided copy out of the host pool, then
+            create + append + free a page, 2 at a time); SDK: the same calls on pages that
+            already sit in kvbank's block layout in a registered region (no copy), 2 at a time.
+  retrieve  backend: batch_get_v1(keys, host slots) (one fetch_blocks_into a region per staging
+            region's worth of pages, then the strided copy into the host pool); SDK:
+            fetch_blocks_into the same hashes into a registered region, nothing after.
+Medians over --reps of each side's seconds; ratio = SDK seconds / backend seconds (1: the
+backend costs nothing over the SDK; the goal is >= 0.9). "layout copy" times, on their own, the
+copies the backend adds to the SDK's calls (every page between the host pool's token-major
+slots and kvbank's head-major block layout, one torch copy_ a page); (SDK + copy) / backend
+near 1 says the backend adds nothing beyond that conversion. The first retrieve is checked bit
+for bit against the pages stored.
+"""
+
+import argparse
+import concurrent.futures
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+sys.path.insert(0, os.path.join(REPO, "tests", "sglang"))
+
+
+class _Config:
+    """The HiCacheStorageConfig fields the backend reads."""
+
+    def __init__(self, target):
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = 0, 1, 0, 1
+        self.model_name = "bench"
+        self.extra_config = {"kvbank_target": target}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvbankd", default=os.path.join(REPO, "build", "release", "bin",
+                                                      "kvbankd"))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--pages", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    args = ap.parse_args()
+    os.environ["KVBANK_KVBANKD"] = os.path.abspath(args.kvbankd)
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    import kvbank
+    from kvbank.sglang import KvbankHiCacheStorage, page_key_value
+
+    from hicache_rig import init_single_rank
+    from kvbankd_process import Server
+
+    ps, n = args.page_size, args.pages
+    page_bytes = 2 * args.layers * ps * args.heads * args.head_dim * 2
+    total = n * page_bytes
+    pool_mib = max(512, 3 * total * (args.reps + 2) // (1 << 20))
+    sock = os.path.join(tempfile.mkdtemp(prefix="kvbank-sglang-bench-"), "kvbankd.sock")
+    server = Server([f"--pool-bytes={pool_mib}MiB", "--shm-socket=" + sock])
+    try:
+        init_single_rank()
+        tokens = 2 * n * ps
+        kv = MHATokenToKVPool(tokens, ps, torch.bfloat16, args.heads, args.head_dim,
+                              args.layers, "cpu", False, start_layer=0, end_layer=args.layers)
+        host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 1.0, 0, ps,
+                                    "layer_first", pin_memory=False,
+                                    device_capacity_tokens=kv.size, start_layer=0,
+                                    end_layer=args.layers)
+        backend = KvbankHiCacheStorage(_Config(server.target), {})
+        backend.register_mem_pool_host(host)
+        model = backend.model
+        src = host.alloc(n * ps)
+        dst = host.alloc(n * ps)
+        g = torch.Generator().manual_seed(20261203)
+        host.kv_buffer[:, :, src] = torch.randn(host.kv_buffer[:, :, src].shape,
+                                                generator=g).to(torch.bfloat16)
+
+        client = kvbank.Client(server.target)
+        root = client.get_prefix_root(model)
+        region = client.register_region(total)
+        blocks = torch.from_numpy(region).view(torch.bfloat16)
+        pages = backend.pages
+        for i in range(n):  # the SDK's pages: kvbank's block layout, made once, untimed
+            pages.block(blocks, i).copy_(pages.host_page(int(src[i * ps])))
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+
+        def sdk_store(keys):
+            def one(i):
+                v = page_key_value(keys[i])
+                seq = client.create_sequence(model, [0] * ps, lease_s=60,
+                                             extra_keys=[("custom", v)])
+                if seq.cached_tokens < ps:
+                    client.append(model, seq.id, region[i * page_bytes:(i + 1) * page_bytes],
+                                  num_tokens=ps)
+                client.free(model, seq.id)
+            list(pool.map(one, range(n)))
+
+        def hashes(keys):
+            return [kvbank.chain_hash(root.root, [0] * ps, [("custom", page_key_value(k))],
+                                      algorithm=root.algorithm) for k in keys]
+
+        def sdk_get(keys):
+            info = client.fetch_blocks_into(model, hashes(keys), region)
+            assert info.num_tokens == n * ps
+
+        def layout_copy(to_host):
+            """The copies the backend makes on top of the SDK's calls: every page between the
+            host pool's token-major slots and kvbank's head-major block layout."""
+            for i in range(n):
+                host_page = pages.host_page(int((dst if to_host else src)[i * ps]))
+                if to_host:
+                    host_page.copy_(pages.fetched(blocks, n, i))
+                else:
+                    pages.block(blocks, i).copy_(host_page)
+
+        times = {k: [] for k in ("store_backend", "store_sdk", "get_backend", "get_sdk",
+                                 "store_copy", "get_copy")}
+        for rep in range(args.reps + 1):  # rep 0: warm-up
+            kb = [f"b{rep}-{i}" for i in range(n)]
+            ks = [f"s{rep}-{i}" for i in range(n)]
+            order = [("backend", "sdk"), ("sdk", "backend")][rep % 2]
+            for side in order:
+                t = time.perf_counter()
+                if side == "backend":
+                    assert backend.batch_set_v1(kb, src) == [True] * n
+                else:
+                    sdk_store(ks)
+                if rep:
+                    times["store_" + side].append(time.perf_counter() - t)
+                if side == "sdk":  # the copy-in alone (the blocks get the same bytes again)
+                    t = time.perf_counter()
+                    layout_copy(False)
+                    if rep:
+                        times["store_copy"].append(time.perf_counter() - t)
+            for side in order:
+                if side == "backend":
+                    host.kv_buffer[:, :, dst] = 0
+                t = time.perf_counter()
+                if side == "backend":
+                    assert backend.batch_get_v1(kb, dst) == [True] * n
+                else:
+                    sdk_get(ks)
+                if rep:
+                    times["get_" + side].append(time.perf_counter() - t)
+                if side == "sdk":  # the copy-out alone, after the SDK's fetch
+                    t = time.perf_counter()
+                    layout_copy(True)
+                    if rep:
+                        times["get_copy"].append(time.perf_counter() - t)
+                if side == "backend" and rep == 0:
+                    assert torch.equal(host.kv_buffer[:, :, dst].view(torch.int16),
+                                       host.kv_buffer[:, :, src].view(torch.int16))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")), platform.processor())
+        print(f"# sglang_bench: commit {commit}, {cpu}, nproc {os.cpu_count()}, "
+              f"load {os.getloadavg()[0]:.1f}")
+        plane = backend._conn.client.data_plane if backend._conn else "-"
+        print(f"# {n} pages of {page_bytes >> 10} KiB ({total / (1 << 20):.0f} MiB) a rep, "
+              f"{args.reps} reps; data plane {plane}")
+        print("| op | backend ms (GB/s) | SDK ms (GB/s) | ratio SDK/backend | layout copy ms |"
+              " ratio (SDK + copy)/backend |")
+        print("|---|---|---|---|---|---|")
+        for op in ("store", "get"):
+            b, s, c = med[op + "_backend"], med[op + "_sdk"], med[op + "_copy"]
+            print(f"| {'retrieve' if op == 'get' else op} | {b * 1e3:.1f} ({total / b / 1e9:.2f})"
+                  f" | {s * 1e3:.1f} ({total / s / 1e9:.2f}) | {s / b:.2f} | {c * 1e3:.1f} |"
+                  f" {(s + c) / b:.2f} |")
+        backend.close()
+        client.close()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

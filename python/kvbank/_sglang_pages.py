@@ -1,0 +1,126 @@
+"""kvbank.sglang's page copies: SGLang's MHA host pool (MHATokenToKVPoolHost) <-> kvbank blocks.
+
+A kvbank block of an MHA model is, per layer, K [kv_heads][block_tokens][head_dim] then V:
+[layers][2][kv_heads][tokens][head_dim]. SGLang's host pool keeps K and V apart, in one of four
+orders (MHATokenToKVPoolHost.init_kv_buffer):
+
+    layer_first        [2][layers][size][heads][dim]
+    page_first         [2][size][layers][heads][dim]
+    page_first_direct  [2][pages][layers][page_size][heads][dim]
+    page_head          [2][pages][heads][page_size][layers][dim]
+
+Every copy goes through one strided view per page, [2][layers][tokens][heads][dim], of either
+side, and one torch copy_ between the two views: no Python loop over layers or heads. A store
+appends one block at a time (its payload is the block); a fetch of n blocks answers the dense
+payload of their n * page_size tokens, per layer K [heads][n * page_size][dim] then V, so a
+fetched page is a strided slice of it. The flat
+pages of SGLang's non-zero-copy interface (get_data_page / set_from_flat_data_page) are a page
+of the pool in the pool's own order, so the same view reads and writes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+_KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+class PageLayout:
+    """One host pool's pages as kvbank blocks. Raises NotImplementedError for a pool it cannot
+    map (not MHA, K and V of different widths, a layout or dtype kvbank does not store)."""
+
+    def __init__(self, host: Any):
+        layout = getattr(host, "layout", None)
+        if layout not in LAYOUTS:
+            raise NotImplementedError(f"kvbank.sglang: host pool layout {layout!r}: only "
+                                      f"{', '.join(LAYOUTS)} are supported")
+        for attr in ("kv_buffer", "head_num", "head_dim", "layer_num", "page_size", "size"):
+            if not hasattr(host, attr):
+                raise NotImplementedError(f"kvbank.sglang: {type(host).__name__} is not an MHA "
+                                          f"host pool (no {attr}); MLA pools are not supported")
+        if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
+            raise NotImplementedError("kvbank.sglang: K and V of different head dims")
+        dtype = _KV_DTYPES.get(host.dtype)
+        if dtype is None:
+            raise NotImplementedError(f"kvbank.sglang: host pool dtype {host.dtype}: only "
+                                      f"{', '.join(str(d) for d in _KV_DTYPES)}")
+        buf = host.kv_buffer
+        if buf.device.type != "cpu":
+            raise NotImplementedError(f"kvbank.sglang: a host pool on {buf.device}")
+        self.host = host
+        self.layout = layout
+        self.dtype = dtype
+        self.torch_dtype = host.dtype
+        self.layers = int(host.layer_num)
+        self.heads = int(host.head_num)
+        self.dim = int(host.head_dim)
+        self.tokens = int(host.page_size)
+        self.size = int(host.size)
+        self.page_elems = 2 * self.layers * self.tokens * self.heads * self.dim
+        self.page_bytes = self.page_elems * buf.element_size()
+
+    def model_layout(self, name: str, num_q_heads: int = 0) -> dict[str, Any]:
+        """kvbank's layout dict: one block per page, the pool's layers, heads, dim and dtype."""
+        q_heads = num_q_heads or self.heads
+        kind = "mha" if q_heads == self.heads else ("mqa" if self.heads == 1 else "gqa")
+        return {"name": name, "num_layers": self.layers, "num_q_heads": q_heads,
+                "num_kv_heads": self.heads, "head_dim": self.dim, "block_tokens": self.tokens,
+                "kind": kind, "dtype": self.dtype}
+
+    def page_start(self, host_indices: torch.Tensor, i: int) -> int:
+        """The first token slot of page i of a v1 call's host_indices (page_size slots a page),
+        or -1 when it is not a whole, aligned page inside the pool: nothing is read or written
+        there then."""
+        t = self.tokens
+        if host_indices.numel() < (i + 1) * t:
+            return -1
+        start = int(host_indices[i * t])
+        if start < 0 or start % t or start + t > self.size:
+            return -1
+        if t > 1 and int(host_indices[i * t + t - 1]) != start + t - 1:
+            return -1
+        return start
+
+    def host_page(self, start: int) -> torch.Tensor:
+        """The page at token slot `start` of the pool, as a [2][layers][tokens][heads][dim]
+        view of its buffer."""
+        buf, t = self.host.kv_buffer, self.tokens
+        if self.layout == "layer_first":
+            return buf[:, :, start:start + t]
+        if self.layout == "page_first":
+            return buf[:, start:start + t].permute(0, 2, 1, 3, 4)
+        page = buf[:, start // t]
+        if self.layout == "page_first_direct":
+            return page
+        return page.permute(0, 3, 2, 1, 4)  # page_head: [2][heads][tokens][layers][dim]
+
+    def flat_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat page in the pool's own order (get_data_page, get_dummy_flat_data_page) as a
+        [2][layers][tokens][heads][dim] view."""
+        L, t, h, d = self.layers, self.tokens, self.heads, self.dim
+        if self.layout == "layer_first":
+            return flat.view(2, L, t, h, d)
+        if self.layout == "page_first":
+            return flat.view(2, t, L, h, d).permute(0, 2, 1, 3, 4)
+        if self.layout == "page_first_direct":
+            return flat.view(2, L, t, h, d)
+        return flat.view(2, h, t, L, d).permute(0, 3, 2, 1, 4)
+
+    def block(self, buf: torch.Tensor, j: int) -> torch.Tensor:
+        """Block j of a staging buffer of single-block payloads (flat, the pool's dtype, one
+        append's payload after the other) as a [2][layers][tokens][heads][dim] view of
+        kvbank's [layers][2][heads][tokens][dim]."""
+        e = self.page_elems
+        return buf[j * e:(j + 1) * e].view(self.layers, 2, self.heads, self.tokens,
+                                            self.dim).permute(1, 0, 3, 2, 4)
+
+    def fetched(self, buf: torch.Tensor, n: int, j: int) -> torch.Tensor:
+        """Block j of a fetch of n blocks (FetchBlocks' payload: per layer K [heads][n * tokens]
+        [dim] then V, the blocks' tokens one after the other) as a [2][layers][tokens][heads]
+        [dim] view."""
+        t = self.tokens
+        payload = buf[:n * self.page_elems].view(self.layers, 2, self.heads, n * t, self.dim)
+        return payload[:, :, :, j * t:(j + 1) * t].permute(1, 0, 3, 2, 4)

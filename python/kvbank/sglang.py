@@ -1,0 +1,483 @@
+"""kvbank.sglang.KvbankHiCacheStorage: kvbank as the storage tier (L3) of SGLang's HiCache.
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvbank",
+            "module_path": "kvbank.sglang", "class_name": "KvbankHiCacheStorage",
+            "interface_v1": 1, "kvbank_target": "127.0.0.1:50051"}'
+
+With "interface_v1": 1 SGLang's controller calls batch_set_v1 / batch_get_v1 with the host
+pool's slots: pages are copied between the host pool and kvbank's blocks through a
+shared-memory region registered with kvbankd (one strided copy per page on this side, none in
+the SDK); batch_exists asks kvbank's Match for the leading run of pages it holds. Without
+interface_v1 the get / set / batch_get / batch_set / exists path works too (a page a call).
+
+Mapping:
+  page            one kvbank block: page_size tokens = the model's block_tokens, every layer of
+                  the host pool, K and V, in kvbank's block layout (per layer K [kv_heads]
+                  [tokens][head_dim] then V), the pool's dtype (bf16, fp16, fp32)
+  model           registered with ensure_model from the host pool: layers, kv heads, head_dim,
+                  page size, dtype; named "sglang/<served model>" (kvbank_model), with
+                  "/tp<size>-<rank>" and "/pp<size>-<rank>" when there are several ranks (each
+                  rank stores its own heads or layers in its own model)
+  page key        the extra key ("custom", UTF-8 bytes of SGLang's page key in hex) of a block
+                  whose tokens are page_size zeros, hashed from the model's prefix root: every
+                  page is a chain of one block, so it is found whichever pages came before it
+                  (SGLang's key already names the whole prefix)
+  exists          Match over those hashes: the leading run kvbank holds (pool or a tier)
+  store           one sequence a page (created with the page's hash; a page kvbank already
+                  holds is attached, not sent again), appended from the region, then freed: the
+                  block stays in kvbank's prefix cache, evicted LRU like any other
+  load            FetchBlocks of a batch's hashes into the region: the leading run kvbank holds
+
+Limits:
+  - Blocks are named by SGLang's page keys (its own hash chain over the token ids), not by
+    kvbank's token hashes, and the v1 interface does not hand the tokens over: pages an SGLang
+    instance stores are found by SGLang instances of the same model and kvbank model name, not
+    by a vLLM instance through kvbank.vllm (whose blocks are named by token hashes), and the
+    other way round. The block bytes are the same layout, so a client that knows SGLang's keys
+    can read them with fetch_blocks.
+  - MHA host pools (MHATokenToKVPoolHost) only: MLA, hybrid and sparse pools raise at start, as
+    do fp8 KV caches. pp and tp ranks each write their own model; an instance of another tp
+    size does not find them.
+  - clear() does nothing: other instances may share the model.
+
+Failures: every call answers a miss or False when kvbank cannot serve it (server down, a key
+that is not a string, a page outside the pool, a block evicted between exists and get); it
+never raises into SGLang's threads and never writes bytes it did not fetch whole into the host
+pool. After a transport error the client is made again (at most every kvbank_retry_s), so a
+kvbankd that comes back is used again, the model registered anew.
+
+extra config (--hicache-storage-backend-extra-config; also the KVBANK_TARGET environment
+variable for the target):
+  kvbank_target        "host:port" of kvbankd (required)
+  kvbank_token         bearer token (default: none)
+  kvbank_model         kvbank model name (default "sglang/" + the served model's name)
+  kvbank_num_q_heads   query heads of the model (default: the kv heads)
+  kvbank_pool_bytes    pool bytes when the model is first registered (default 0: the server's)
+  kvbank_deadline_s    deadline of unary calls (default 30)
+  kvbank_lease_s       lease of a store's sequence, in case this process dies mid-store (60)
+  kvbank_region_bytes  bytes of each of the two staging regions, one for stores, one for loads
+                       (default 64 MiB, at least one page)
+  kvbank_io_threads    stores of a batch in flight at once (default 2)
+  kvbank_shm           use kvbankd's shared-memory plane when it serves one (default true)
+  kvbank_retry_s       least seconds between reconnections (default 2)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
+
+import kvbank
+
+from ._sglang_pages import PageLayout
+
+__all__ = ["KvbankHiCacheStorage", "PageLayout", "page_key_value"]
+
+logger = logging.getLogger("kvbank.sglang")
+
+# Errors after which the connection is made again: the server went away or forgot the model.
+_RECONNECT = (kvbank.UnavailableError, kvbank.DeadlineExceededError, kvbank.CancelledError,
+              kvbank.FailedPreconditionError, kvbank.UnknownError, kvbank.InternalError)
+
+
+def page_key_value(key: Any) -> str | None:
+    """The extra key value naming an SGLang page key: its UTF-8 bytes in hex (kvbank's extra
+    keys are strings on the wire; hex keeps any key intact). None for what is not a key."""
+    if isinstance(key, str):
+        raw = key.encode("utf-8", "surrogatepass")
+    elif isinstance(key, (bytes, bytearray)):
+        raw = bytes(key)
+    else:
+        return None
+    return raw.hex() if raw else None
+
+
+class _Staging:
+    """A flat buffer of whole blocks in the pool's dtype, in a shared-memory region registered
+    with kvbankd where it can be (payloads there move without a copy in the SDK), and the lock
+    of its one user at a time."""
+
+    def __init__(self, client: kvbank.Client, nbytes: int, dtype: torch.dtype, use_shm: bool):
+        self.region = None
+        if use_shm and client.data_plane == "shm":
+            try:
+                self.region = client.register_region(nbytes)
+            except kvbank.Error as e:
+                logger.info("kvbank.sglang: no shared-memory region (%s): gRPC", e)
+        if self.region is not None:
+            self.buf = torch.from_numpy(self.region).view(dtype)
+        else:
+            self.buf = torch.empty(nbytes // torch.empty((), dtype=dtype).element_size(),
+                                   dtype=dtype)
+        self.lock = threading.Lock()
+
+
+class _Conn:
+    """One connection: the client, the model's prefix root and the staging buffers."""
+
+    def __init__(self, client: kvbank.Client, root: bytes, algorithm: str, store: _Staging,
+                 load: _Staging, pages: int):
+        self.client = client
+        self.root = root
+        self.algorithm = algorithm
+        self.store = store
+        self.load = load
+        self.pages = pages  # blocks each staging buffer holds
+
+    def close(self) -> None:
+        for st in (self.store, self.load):
+            if st.region is not None:
+                try:
+                    self.client.unregister_region(st.region)
+                except Exception:  # noqa: BLE001 - best effort on a connection being dropped
+                    pass
+        self.client.close()
+
+
+class KvbankHiCacheStorage(HiCacheStorage):
+    """SGLang's HiCacheStorage over kvbank (see the module docstring). Thread-safe: SGLang's
+    backup thread stores while its prefetch threads look up and load."""
+
+    def __init__(self, storage_config: Any, kwargs: dict | None = None):
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self._target = str(extra.get("kvbank_target") or os.environ.get("KVBANK_TARGET", ""))
+        if not self._target:
+            raise ValueError("kvbank.sglang: kvbank_target is missing from the storage "
+                             "backend's extra config (and KVBANK_TARGET is not set)")
+        self._token = extra.get("kvbank_token") or None
+        served = getattr(storage_config, "model_name", None) or "model"
+        name = str(extra.get("kvbank_model") or "sglang/" + str(served))
+        tp_size = int(getattr(storage_config, "tp_size", 1) or 1)
+        pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
+        if tp_size > 1:
+            name += f"/tp{tp_size}-{getattr(storage_config, 'tp_rank', 0)}"
+        if pp_size > 1:
+            name += f"/pp{pp_size}-{getattr(storage_config, 'pp_rank', 0)}"
+        if len(name) > 128:  # kvbank's limit: keep the end
+            name = "sglang/..." + name[-118:]
+        self.model = name
+        self._q_heads = int(extra.get("kvbank_num_q_heads", 0))
+        self._pool_bytes = int(extra.get("kvbank_pool_bytes", 0))
+        self._deadline_s = float(extra.get("kvbank_deadline_s", 30.0))
+        self._lease_s = float(extra.get("kvbank_lease_s", 60.0))
+        self._region_bytes = int(extra.get("kvbank_region_bytes", 64 << 20))
+        self._io_threads = max(1, int(extra.get("kvbank_io_threads", 2)))
+        self._shm = bool(extra.get("kvbank_shm", True))
+        self._retry_s = float(extra.get("kvbank_retry_s", 2.0))
+        self.pages: PageLayout | None = None
+        self._conn: _Conn | None = None
+        self._conn_lock = threading.Lock()
+        self._next_try = 0.0
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self._io_threads, thread_name_prefix="kvbank-sglang")
+
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Maps the host pool's pages (raises NotImplementedError for a pool it cannot) and
+        connects; a kvbankd that cannot be reached yet is tried again at the first call."""
+        super().register_mem_pool_host(mem_pool_host)
+        self.pages = PageLayout(mem_pool_host)
+        if self._connection() is not None:
+            logger.info("kvbank.sglang: model %s on %s (%d-token pages of %d bytes, %s)",
+                        self.model, self._target, self.pages.tokens, self.pages.page_bytes,
+                        self._conn.client.data_plane if self._conn else "-")
+
+    def _connection(self) -> _Conn | None:
+        """The live connection, made (client, model, root, regions) when there is none and the
+        last try is long enough ago; None when kvbank cannot be reached."""
+        conn = self._conn
+        if conn is not None or self.pages is None:
+            return conn
+        with self._conn_lock:
+            if self._conn is not None:
+                return self._conn
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            self._next_try = now + self._retry_s
+            pages = self.pages
+            client = None
+            try:
+                client = kvbank.Client(self._target, self._token, deadline_s=self._deadline_s,
+                                       shm=self._shm)
+                client.ensure_model(pages.model_layout(self.model, self._q_heads),
+                                    pool_bytes=self._pool_bytes)
+                r = client.get_prefix_root(self.model)
+                n = max(1, self._region_bytes // pages.page_bytes)
+                nbytes = n * pages.page_bytes
+                store = _Staging(client, nbytes, pages.torch_dtype, self._shm)
+                load = _Staging(client, nbytes, pages.torch_dtype, self._shm)
+                self._conn = _Conn(client, r.root, r.algorithm, store, load, n)
+            except Exception as e:  # noqa: BLE001 - kvbank down: a miss until it is back
+                logger.warning("kvbank.sglang: cannot reach kvbank at %s: %s", self._target, e)
+                if client is not None:
+                    client.close()
+                return None
+            return self._conn
+
+    def _drop(self, conn: _Conn, e: Exception) -> None:
+        """Forgets a connection after a transport error (the next call makes a new one)."""
+        with self._conn_lock:
+            if self._conn is conn:
+                self._conn = None
+                logger.warning("kvbank.sglang: dropping the connection to %s: %s",
+                               self._target, e)
+            else:
+                return
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def _failed(self, conn: _Conn, what: str, e: Exception) -> None:
+        if isinstance(e, _RECONNECT):
+            self._drop(conn, e)
+        else:
+            logger.warning("kvbank.sglang: %s: %s", what, e)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._conn_lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    # ---- names ------------------------------------------------------------------------------
+
+    def _hash(self, conn: _Conn, key: Any) -> bytes | None:
+        value = page_key_value(key)
+        if value is None:
+            return None
+        assert self.pages is not None
+        return kvbank.chain_hash(conn.root, [0] * self.pages.tokens, [("custom", value)],
+                                 algorithm=conn.algorithm)
+
+    def _hashes(self, conn: _Conn, keys: Sequence[Any]) -> list[bytes]:
+        """The hashes of the leading keys that are keys (a bad key ends the run)."""
+        out = []
+        for key in keys:
+            h = self._hash(conn, key)
+            if h is None:
+                break
+            out.append(h)
+        return out
+
+    # ---- lookups ----------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of `keys` kvbank holds (Match: no side effects)."""
+        conn = self._connection()
+        if conn is None or not keys:
+            return 0
+        try:
+            hashes = self._hashes(conn, keys)
+            if not hashes:
+                return 0
+            tokens = conn.client.match(self.model, [hashes])[0]
+            assert self.pages is not None
+            return min(len(hashes), int(tokens) // self.pages.tokens)
+        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
+            self._failed(conn, "exists", e)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- loads ------------------------------------------------------------------------------
+
+    def _fetch(self, conn: _Conn, hashes: list[bytes], put: Any) -> int:
+        """Fetches the leading run of `hashes` (a staging buffer of pages at a time) and hands
+        each block to put(i, block view); returns how many pages it handed. (Overlapping the
+        next fetch with this copy-out, on two halves of the buffer, did not pay on 2 cores: the
+        copy-out and kvbankd's copy-in compete for the same cores and memory bandwidth.)"""
+        pages = self.pages
+        assert pages is not None
+        done = 0
+        st = conn.load
+        while done < len(hashes):
+            chunk = hashes[done:done + conn.pages]
+            with st.lock:
+                try:
+                    info = conn.client.fetch_blocks_into(self.model, chunk, st.buf)
+                except kvbank.NotFoundError:
+                    return done  # not even the first block: a miss
+                n = min(len(chunk), int(info.num_tokens) // pages.tokens)
+                if int(info.payload_bytes) != n * pages.page_bytes:
+                    raise kvbank.DataLossError(
+                        f"kvbank.sglang: {info.payload_bytes} bytes for {n} pages")
+                for j in range(n):
+                    put(done + j, pages.fetched(st.buf, n, j))
+            done += n
+            if n < len(chunk):
+                break
+        return done
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Loads the leading run of pages kvbank holds into the host pool's slots
+        (host_indices: page_size slots a page, in key order). Pages after the first miss, bad
+        key or bad slot are not touched and answer False."""
+        results = [False] * len(keys)
+        conn = self._connection()
+        if conn is None or not keys:
+            return results
+        pages = self.pages
+        assert pages is not None
+        starts = []
+        for i in range(len(keys)):
+            s = pages.page_start(host_indices, i)
+            if s < 0:
+                break
+            starts.append(s)
+        try:
+            hashes = self._hashes(conn, keys[:len(starts)])
+
+            def put(i: int, block: torch.Tensor) -> None:
+                pages.host_page(starts[i]).copy_(block)
+                results[i] = True
+
+            self._fetch(conn, hashes, put)
+        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
+            self._failed(conn, "load", e)
+        return results
+
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+        """Flat pages in the host pool's order (into target_locations[i] when given: SGLang's
+        dummy flat pages), None from the first page kvbank does not hold."""
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        conn = self._connection()
+        if conn is None or not keys:
+            return out
+        pages = self.pages
+        assert pages is not None
+        try:
+            hashes = self._hashes(conn, keys)
+
+            def put(i: int, block: torch.Tensor) -> None:
+                dst = target_locations[i] if target_locations is not None else None
+                if dst is None or dst.numel() != pages.page_elems or \
+                        dst.dtype != pages.torch_dtype or not dst.is_contiguous():
+                    dst = torch.empty(pages.page_elems, dtype=pages.torch_dtype)
+                pages.flat_page(dst.view(-1)).copy_(block)
+                out[i] = dst
+
+            self._fetch(conn, hashes, put)
+        except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
+            self._failed(conn, "get", e)
+            return [None] * len(keys)
+        return out
+
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None
+                              else None)[0]
+
+    # ---- stores -----------------------------------------------------------------------------
+
+    def _store_one(self, conn: _Conn, key_value: str, payload: torch.Tensor) -> bool:
+        """One page: a sequence created with the page's name (a page kvbank holds is attached
+        and not sent), its block appended from the staging buffer, the sequence freed."""
+        pages = self.pages
+        assert pages is not None
+        client = conn.client
+        seq = client.create_sequence(self.model, [0] * pages.tokens, lease_s=self._lease_s,
+                                     extra_keys=[("custom", key_value)])
+        try:
+            if seq.cached_tokens < pages.tokens:
+                client.append(self.model, seq.id, payload, num_tokens=pages.tokens)
+        finally:
+            try:
+                client.free(self.model, seq.id)  # the published block stays cached
+            except kvbank.Error:
+                pass  # its lease frees it
+        return True
+
+    def _store(self, conn: _Conn, values: list[str | None], fill: Any) -> list[bool]:
+        """Stores pages i with values[i] (None: a bad key, not stored), fill(i, block view)
+        copying page i into the staging buffer; a staging buffer of pages at a time, their
+        sequences io_threads at once."""
+        pages = self.pages
+        assert pages is not None
+        results = [False] * len(values)
+        st = conn.store
+        for c0 in range(0, len(values), conn.pages):
+            idx = [i for i in range(c0, min(len(values), c0 + conn.pages))
+                   if values[i] is not None]
+            e = pages.page_elems
+            with st.lock:
+                # Each page goes out as soon as it is copied: the copies overlap the appends.
+                futures = {}
+                try:
+                    for j, i in enumerate(idx):
+                        fill(i, pages.block(st.buf, j))
+                        futures[i] = self._pool.submit(self._store_one, conn, str(values[i]),
+                                                       st.buf[j * e:(j + 1) * e])
+                finally:
+                    for i, f in futures.items():  # the buffer is reused once the lock is free
+                        try:
+                            results[i] = f.result()
+                        except Exception as err:  # noqa: BLE001 - False, never an exception
+                            self._failed(conn, "store", err)
+        return results
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Stores the pages in the host pool's slots (page_size slots a page, in key order)
+        under their keys; False for a page not stored (bad key or slot, kvbank unreachable)."""
+        conn = self._connection()
+        if conn is None or not keys:
+            return [False] * len(keys)
+        pages = self.pages
+        assert pages is not None
+        try:
+            starts = [pages.page_start(host_indices, i) for i in range(len(keys))]
+            values = [page_key_value(k) if s >= 0 else None for k, s in zip(keys, starts)]
+            return self._store(conn, values,
+                               lambda i, block: block.copy_(pages.host_page(starts[i])))
+        except Exception as e:  # noqa: BLE001 - False, never an exception into SGLang
+            self._failed(conn, "store", e)
+            return [False] * len(keys)
+
+    def batch_set(self, keys: list[str], values: Any | None = None,
+                  target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
+        """Stores flat pages in the host pool's order (get_data_page); True when all were."""
+        conn = self._connection()
+        if conn is None or not keys or values is None or len(values) != len(keys):
+            return False
+        pages = self.pages
+        assert pages is not None
+        try:
+            flats = [v.reshape(-1) if isinstance(v, torch.Tensor) and
+                     v.numel() == pages.page_elems and v.dtype == pages.torch_dtype else None
+                     for v in values]
+            names = [page_key_value(k) if f is not None else None for k, f in zip(keys, flats)]
+            return all(self._store(conn, names,
+                                   lambda i, block: block.copy_(pages.flat_page(flats[i]))))
+        except Exception as e:  # noqa: BLE001 - False, never an exception into SGLang
+            self._failed(conn, "store", e)
+            return False
+
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def clear(self) -> None:
+        """Nothing: kvbank's blocks may be shared with other instances; they age out LRU."""
+
+    def get_stats(self) -> None:
+        return None
