@@ -351,7 +351,7 @@ int Main(int argc, char** argv) {
   std::vector<uint64_t> sizes = {2 * kMiB, 16 * kMiB, 128 * kMiB};
   std::string kvbankd = KVBANK_KVBANKD_PATH;
   std::vector<std::string> server_args;  // --server-arg: passed on to kvbankd
-  int small_only = 0;                     // --small-only N: the 4 KiB rows alone, N calls each
+  int small_only = 0;                    // --small-only N: the 4 KiB rows alone, N calls each
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
