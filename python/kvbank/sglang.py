@@ -51,7 +51,9 @@ kvbankd that comes back is used again, the model registered anew.
 extra config (--hicache-storage-backend-extra-config; also the KVBANK_TARGET environment
 variable for the target):
   kvbank_target        "host:port" of kvbankd (required)
-  kvbank_token         bearer token (default: none)
+  kvbank_token         bearer token (default: none); or kvbank_token_file, a file holding it
+  kvbank_tls_ca        CA file of kvbankd's certificate: TLS (default: plaintext);
+                       kvbank_tls_server_name, kvbank_tls_cert / kvbank_tls_key beside it
   kvbank_model         kvbank model name (default "sglang/" + the served model's name)
   kvbank_num_q_heads   query heads of the model (default: the kv heads)
   kvbank_pool_bytes    pool bytes when the model is first registered (default 0: the server's)
@@ -79,6 +81,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 import kvbank
 
+from ._connector_config import client_settings
 from ._sglang_pages import PageLayout
 
 __all__ = ["KvbankHiCacheStorage", "PageLayout", "page_key_value"]
@@ -150,11 +153,13 @@ class KvbankHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: Any, kwargs: dict | None = None):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
-        self._target = str(extra.get("kvbank_target") or os.environ.get("KVBANK_TARGET", ""))
-        if not self._target:
-            raise ValueError("kvbank.sglang: kvbank_target is missing from the storage "
-                             "backend's extra config (and KVBANK_TARGET is not set)")
-        self._token = extra.get("kvbank_token") or None
+        if not extra.get("kvbank_target") and os.environ.get("KVBANK_TARGET"):
+            extra["kvbank_target"] = os.environ["KVBANK_TARGET"]
+        settings = client_settings(extra, "kvbank.sglang: the storage backend's extra config "
+                                   "(or KVBANK_TARGET)")
+        self._target = settings["target"]
+        self._token = settings["token"]
+        self._tls = settings["tls"]
         served = getattr(storage_config, "model_name", None) or "model"
         name = str(extra.get("kvbank_model") or "sglang/" + str(served))
         tp_size = int(getattr(storage_config, "tp_size", 1) or 1)
@@ -168,11 +173,11 @@ class KvbankHiCacheStorage(HiCacheStorage):
         self.model = name
         self._q_heads = int(extra.get("kvbank_num_q_heads", 0))
         self._pool_bytes = int(extra.get("kvbank_pool_bytes", 0))
-        self._deadline_s = float(extra.get("kvbank_deadline_s", 30.0))
+        self._deadline_s = float(settings["deadline_s"])
         self._lease_s = float(extra.get("kvbank_lease_s", 60.0))
         self._region_bytes = int(extra.get("kvbank_region_bytes", 64 << 20))
         self._io_threads = max(1, int(extra.get("kvbank_io_threads", 2)))
-        self._shm = bool(extra.get("kvbank_shm", True))
+        self._shm = bool(settings["shm"])
         self._retry_s = float(extra.get("kvbank_retry_s", 2.0))
         self.pages: PageLayout | None = None
         self._conn: _Conn | None = None
@@ -211,7 +216,7 @@ class KvbankHiCacheStorage(HiCacheStorage):
             client = None
             try:
                 client = kvbank.Client(self._target, self._token, deadline_s=self._deadline_s,
-                                       shm=self._shm)
+                                       tls=self._tls, shm=self._shm)
                 client.ensure_model(pages.model_layout(self.model, self._q_heads),
                                     pool_bytes=self._pool_bytes)
                 r = client.get_prefix_root(self.model)
