@@ -3,7 +3,7 @@
 same bytes through the Python SDK directly, same server, same run.
 
     lmcache_bench.py --kvbankd build/release/bin/kvbankd [--reps 7] [--chunks 16]
-                     [--layers 8] [--hidden 1024]
+                     [--layers 8] [--hidden 1024] [--mooncake] [--no-shm]
 
 Starts kvbankd (--no-auth, loopback, port 0, its shared-memory socket), builds a real
 LMCacheEngine with the plugin (tests/lmcache/lmc_engine.py: local CPU backend, bf16 chunks of
@@ -19,6 +19,17 @@ Both sides run their chunks on the same number of threads (the plugin's `threads
 order of the two alternates per rep. Reported: median seconds per op and side, and the median of
 the per-rep ratios (SDK time / plugin time: 1.0 = the plugin costs nothing over the SDK). Run it
 with the LMCache venv's Python (scripts/setup-lmcache-venv.sh prints it).
+
+--mooncake: a third side, LMCache's own Mooncake Store connector (remote_url mooncakestore://)
+in a second LMCacheEngine of the same shape, its batched_put / batched_get on the same MemoryObjs.
+Mooncake runs as bench/mooncake_compare.py runs it: mooncake_master with its HTTP metadata
+server and one mooncake_client storage node holding the store's memory, all on 127.0.0.1 over
+TCP; the engine's store client holds no memory of its own (global_segment_size 0), so every
+byte crosses loopback to the storage node as every kvbank byte crosses to kvbankd. Needs
+Mooncake's package in the LMCache venv (pip install mooncake-transfer-engine-non-cuda).
+Reported beside: Mooncake time / plugin time per op (above 1: the kvbank plugin is faster).
+--no-shm: the plugin and the SDK both move their bytes through gRPC over loopback TCP (kvbankd
+without its shared-memory socket), as Mooncake's client moves its bytes over TCP here.
 """
 
 import argparse
@@ -40,8 +51,10 @@ import kvbank
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "tests", "lmcache"))
 sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import lmc_engine as le  # noqa: E402
+import mooncake_compare as mcc  # noqa: E402
 from kvbankd_process import Server  # noqa: E402
 
 CHUNK = 256
@@ -55,6 +68,10 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--mooncake", action="store_true",
+                    help="also LMCache's Mooncake Store connector, against a local Mooncake")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="kvbankd without its shared-memory socket: every byte through gRPC")
     args = ap.parse_args()
     os.environ["KVBANK_KVBANKD"] = os.path.abspath(args.kvbankd)
 
@@ -65,7 +82,7 @@ def main() -> int:
     pool = 4 * batch + (256 << 20)
     sock = os.path.join(tempfile.mkdtemp(prefix="kvbank-lmcbench-"), "kvbankd.sock")
     server = Server([f"--pool-bytes={pool}", f"--max-pool-bytes={pool}",
-                     "--shm-socket=" + sock])
+                     "--shm-socket=" + ("" if args.no_shm else sock)])
     cpu_gb = 3 * batch / (1 << 30) + 0.1
     engine = le.make_engine("bench", le.plugin_config(server.target, threads=str(THREADS)),
                             chunk=CHUNK, layers=args.layers, hidden=args.hidden, cpu_gb=cpu_gb)
@@ -135,15 +152,57 @@ def main() -> int:
     sdk_store(keys := fresh_keys())
     sdk_retrieve(keys)  # warm-up of the SDK side too
 
-    res = {k: [] for k in ("plugin_store", "sdk_store", "plugin_retrieve", "sdk_retrieve")}
+    mc = mc_conn = None
+    if args.mooncake:
+        os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"  # the storage node's and this client's
+        # Every rep's chunks fit the storage node: its puts are never refused for room.
+        mc = mcc.Procs(None, 0, (args.reps + 3) * batch + (256 << 20))
+        # No segment of its own (objects live on the storage node only), TCP. Mooncake
+        # 0.3.13's dict-based setup names the master "master_server_addr" (LMCache forwards
+        # "mooncake_"-prefixed keys as they are); with LMCache's "master_server_address" alone
+        # the setup fails and LMCache goes on with a store that answers nothing.
+        mc_extra = {"local_hostname": "127.0.0.1", "metadata_server": mc.metadata,
+                    "protocol": "tcp", "master_server_address": mc.master_addr,
+                    "mooncake_master_server_addr": mc.master_addr, "global_segment_size": 0,
+                    "local_buffer_size": batch + (64 << 20), "transfer_timeout": 30}
+        engine_mc = le.make_engine(
+            "bench-mooncake", mc_extra,
+            remote_url=f"mooncakestore://{mc.master_addr}/", chunk=CHUNK, layers=args.layers,
+            hidden=args.hidden, cpu_gb=cpu_gb)
+        remotes = [b for n, b in le.backends(engine_mc).items() if n.startswith("RemoteBackend")]
+        assert remotes and remotes[0].connection is not None, "no Mooncake remote backend"
+        mc_conn = remotes[0].connection
+        if hasattr(mc_conn, "getWrappedConnector"):
+            mc_conn = mc_conn.getWrappedConnector()
+        print(f"Mooncake: {type(mc_conn).__name__}, master {mc.master_addr}", flush=True)
+
+    def mc_store(keys):
+        asyncio.run(mc_conn.batched_put(keys, objs))
+
+    def mc_retrieve(keys):
+        got = asyncio.run(mc_conn.batched_get(keys))
+        assert all(o is not None for o in got), "a Mooncake get missed"
+        for o in got:
+            o.ref_count_down()
+
+    sides = {"plugin": (plugin_store, plugin_retrieve), "sdk": (sdk_store, sdk_retrieve)}
+    if mc_conn is not None:
+        sides["mooncake"] = (mc_store, mc_retrieve)
+        keys = fresh_keys()  # Mooncake's bytes are the stored bytes too
+        mc_store(keys)
+        got = asyncio.run(mc_conn.batched_get(keys))
+        for o, a in zip(got, arrays):
+            assert o is not None and bytes(memoryview(o.byte_array).cast("B")) == a.tobytes()
+            o.ref_count_down()
+
+    res = {f"{side}_{op}": [] for side in sides for op in ("store", "retrieve")}
     for rep in range(args.reps):
-        pk, sk = fresh_keys(), fresh_keys()
-        order = [("plugin", pk), ("sdk", sk)] if rep % 2 == 0 else [("sdk", sk), ("plugin", pk)]
+        names = list(sides)
+        order = [(n, fresh_keys()) for n in names[rep % len(names):] + names[:rep % len(names)]]
         for side, k in order:
-            res[side + "_store"].append(timed(plugin_store if side == "plugin" else sdk_store, k))
+            res[side + "_store"].append(timed(sides[side][0], k))
         for side, k in order:
-            res[side + "_retrieve"].append(
-                timed(plugin_retrieve if side == "plugin" else sdk_retrieve, k))
+            res[side + "_retrieve"].append(timed(sides[side][1], k))
 
     print(f"{args.reps} reps, medians; ratio = SDK time / plugin time (median of per-rep "
           "ratios)")
@@ -156,11 +215,26 @@ def main() -> int:
         print(f"| {op} | {mp:.3f} | {ms:.3f} | {batch / mp / 1e9:.2f} | {batch / ms / 1e9:.2f} "
               f"| **{statistics.median(ratios):.2f}** | "
               f"{', '.join(f'{r:.2f}' for r in ratios)} |")
+    if mc_conn is not None:
+        print("Mooncake Store through LMCache's connector; ratio = Mooncake time / kvbank plugin "
+              "time (median of per-rep ratios; above 1: the kvbank plugin is faster)")
+        print("| op | Mooncake s | Mooncake GB/s | ratio | per-rep ratios |")
+        print("|---|---:|---:|---:|---|")
+        for op in ("store", "retrieve"):
+            p, m = res["plugin_" + op], res["mooncake_" + op]
+            ratios = [b / a for a, b in zip(p, m)]
+            mm = statistics.median(m)
+            print(f"| {op} | {mm:.3f} | {batch / mm / 1e9:.2f} | "
+                  f"**{statistics.median(ratios):.2f}** | "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)} |")
     stats = conn._connection().client.plane_stats()
     print("plugin planes:", {k: v for k, v in stats.items() if v.get("calls")})
     for o in objs:
         o.ref_count_down()
     le.destroy("bench")
+    if mc is not None:
+        le.destroy("bench-mooncake")
+        mc.stop()
     server.stop()
     return 0
 

@@ -84,7 +84,9 @@ def mooncake_bin(name):
 
 
 class Procs:
-    """The servers: kvbankd, mooncake_master, mooncake_client. Logs go to a temp folder."""
+    """The servers: kvbankd, mooncake_master, mooncake_client. Logs go to a temp folder.
+    kvbankd None: Mooncake's two alone (bench/lmcache_bench.py and sglang_bench.py start their
+    own kvbankd)."""
 
     def __init__(self, kvbankd, kvbank_pool, mooncake_segment):
         self.dir = tempfile.mkdtemp(prefix="kvbank-mooncake-")
@@ -98,9 +100,12 @@ class Procs:
     def _start_all(self, kvbankd, kvbank_pool, mooncake_segment):
         # kvbankd
         port_file = os.path.join(self.dir, "port")
-        kv = self._start("kvbankd", [kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file,
-                                     "--no-auth", "--models=", "--pool-bytes=%d" % kvbank_pool,
-                                     "--max-pool-bytes=%d" % kvbank_pool])
+        kv = None
+        if kvbankd is not None:
+            kv = self._start("kvbankd", [kvbankd, "--listen=127.0.0.1:0",
+                                         "--port-file=" + port_file, "--no-auth", "--models=",
+                                         "--pool-bytes=%d" % kvbank_pool,
+                                         "--max-pool-bytes=%d" % kvbank_pool])
         # Mooncake master with the HTTP metadata server in it.
         self.mc_rpc, self.mc_http, metrics = free_port(), free_port(), free_port()
         master = self._start("mooncake_master", [
@@ -119,6 +124,8 @@ class Procs:
             "--master_server_address=" + self.master_addr, "--metadata_server=" + self.metadata,
             "--protocol=tcp", "--global_segment_size=%d" % mooncake_segment,
             "--local_buffer_size=0"])
+        if kv is None:
+            return
         deadline = time.monotonic() + 30
         port = 0
         while time.monotonic() < deadline and port <= 0:

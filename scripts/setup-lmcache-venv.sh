@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Makes (once) a venv with LMCache and kvbank's Python package, outside the clone:
 #
-#   scripts/setup-lmcache-venv.sh [--python PY] [--no-kvbank]
+#   scripts/setup-lmcache-venv.sh [--python PY] [--no-kvbank] [--with-mooncake]
 #
 # Prints the venv's interpreter on its last line. --no-kvbank: LMCache only, ./python not
-# installed.
+# installed. --with-mooncake: also Mooncake Store's package ($KVBANK_MOONCAKE_PKG, default
+# mooncake-transfer-engine-non-cuda; it links libibverbs1), for bench/lmcache_bench.py
+# --mooncake (LMCache's own Mooncake connector); the tests do not need it.
 #
 # The venv is $KVBANK_LMCACHE_VENV (default: $XDG_CACHE_HOME or ~/.cache, then
 # kvbank-lmcache-venv). LMCache needs torch, which the vLLM venv already carries: the script runs
@@ -24,11 +26,13 @@ SKIP=77
 
 PYTHON="${KVBANK_LMCACHE_PYTHON:-}"
 INSTALL_KVBANK=1
+WITH_MOONCAKE=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python) PYTHON="$2"; shift 2 ;;
     --no-kvbank) INSTALL_KVBANK=0; shift ;;
-    *) echo "usage: $0 [--python PY] [--no-kvbank]" >&2; exit 2 ;;
+    --with-mooncake) WITH_MOONCAKE=1; shift ;;
+    *) echo "usage: $0 [--python PY] [--no-kvbank] [--with-mooncake]" >&2; exit 2 ;;
   esac
 done
 if [[ -z "$PYTHON" ]]; then
@@ -112,6 +116,17 @@ else
     { log "FAILED: lmcache does not import"; exit 1; }
   touch "$MARKER"
   log "LMCache venv ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))"
+fi
+
+if [[ $WITH_MOONCAKE == 1 ]] && ! "$PY" -c "import mooncake.store" >/dev/null 2>&1; then
+  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    log "FAILED: Mooncake's wheel needs libibverbs.so.1 (apt-get install -y libibverbs1)"
+    exit 1
+  fi
+  mooncake_pkg="${KVBANK_MOONCAKE_PKG:-mooncake-transfer-engine-non-cuda}"
+  log "installing $mooncake_pkg"
+  "$PY" -m pip install --quiet --disable-pip-version-check "$mooncake_pkg" >&2 ||
+    pip_failed "pip install $mooncake_pkg"
 fi
 
 if [[ $INSTALL_KVBANK == 0 ]]; then

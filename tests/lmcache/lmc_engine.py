@@ -75,11 +75,15 @@ def plugin_config(target: str, **opts: Any) -> dict[str, Any]:
 def make_engine(instance_id: str, extra_config: dict[str, Any] | None, *,
                 chunk: int = CHUNK, unfull: bool = True, layers: int = LAYERS,
                 hidden: int = HIDDEN, cpu_gb: float = 0.25,
-                plugins: list[str] | None = None) -> LMCacheEngine:
-    """An LMCacheEngine with the local CPU backend and (extra_config given) the kvbank plugin."""
+                plugins: list[str] | None = None,
+                remote_url: str | None = None) -> LMCacheEngine:
+    """An LMCacheEngine with the local CPU backend and (extra_config given) the kvbank plugin,
+    or (remote_url given) LMCache's own connector for that URL, configured by extra_config."""
+    if remote_url is not None and plugins is None:
+        plugins = []
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=chunk, local_cpu=True, max_local_cpu_size=cpu_gb, remote_serde="naive",
-        save_unfull_chunk=unfull, lmcache_instance_id=instance_id,
+        save_unfull_chunk=unfull, lmcache_instance_id=instance_id, remote_url=remote_url,
         remote_storage_plugins=(plugins if plugins is not None
                                 else [PLUGIN] if extra_config is not None else None),
         extra_config=extra_config)
