@@ -4,6 +4,7 @@ kvbank SDK directly, same kvbankd, same run.
 
     sglang_bench.py --kvbankd build/release/bin/kvbankd [--reps 7] [--pages 32]
                     [--layers 32] [--heads 8] [--head-dim 128] [--page-size 16]
+                    [--layout layer_first] [--mooncake]
 
 Run it with the SGLang venv's interpreter (scripts/setup-sglang-venv.sh prints it).
 
@@ -25,7 +26,18 @@ backend costs nothing over the SDK; the goal is >= 0.9). "layout copy" times, on
 copies the backend adds to the SDK's calls (every page between the host pool's token-major
 slots and kvbank's head-major block layout, one torch copy_ a page); (SDK + copy) / backend
 near 1 says the backend adds nothing beyond that conversion. The first retrieve is checked bit
-for bit against the pages stored.
+for bit against the pages stored. --layout: the host pool's layout (layer_first, page_first,
+page_first_direct, page_head).
+
+--mooncake: a third side, SGLang's own Mooncake Store backend (MooncakeStore, the v1 zero-copy
+calls on the same host pool, which it registers with Mooncake) against mooncake_master and one
+mooncake_client storage node on 127.0.0.1 over TCP, started as bench/mooncake_compare.py
+starts them; the backend's store client holds no memory of its own (global_segment_size 0), so
+every byte crosses loopback to the storage node. Needs Mooncake's package in the SGLang venv
+(scripts/setup-sglang-venv.sh --with-mooncake). Reported beside: Mooncake seconds / kvbank
+backend seconds (above 1: the kvbank backend is faster). Mooncake's backend does not take an
+MHA pool in layer_first (it moves one object per K and per V of a page, contiguous in the other
+layouts): run it with --layout page_first_direct.
 """
 
 import argparse
@@ -43,6 +55,7 @@ import torch
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "tests", "python"))
 sys.path.insert(0, os.path.join(REPO, "tests", "sglang"))
+sys.path.insert(0, os.path.join(REPO, "bench"))
 
 
 class _Config:
@@ -64,7 +77,14 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layout", default="layer_first",
+                    choices=["layer_first", "page_first", "page_first_direct", "page_head"])
+    ap.add_argument("--mooncake", action="store_true",
+                    help="also SGLang's Mooncake Store backend, against a local Mooncake")
     args = ap.parse_args()
+    if args.mooncake and args.layout == "layer_first":
+        sys.exit("sglang_bench: SGLang's Mooncake backend does not take an MHA host pool in "
+                 "layer_first: add --layout page_first_direct")
     os.environ["KVBANK_KVBANKD"] = os.path.abspath(args.kvbankd)
 
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -82,13 +102,14 @@ def main():
     pool_mib = max(512, 3 * total * (args.reps + 2) // (1 << 20))
     sock = os.path.join(tempfile.mkdtemp(prefix="kvbank-sglang-bench-"), "kvbankd.sock")
     server = Server([f"--pool-bytes={pool_mib}MiB", "--shm-socket=" + sock])
+    mc = None  # Mooncake's servers, with --mooncake
     try:
         init_single_rank()
         tokens = 2 * n * ps
         kv = MHATokenToKVPool(tokens, ps, torch.bfloat16, args.heads, args.head_dim,
                               args.layers, "cpu", False, start_layer=0, end_layer=args.layers)
         host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 1.0, 0, ps,
-                                    "layer_first", pin_memory=False,
+                                    args.layout, pin_memory=False,
                                     device_capacity_tokens=kv.size, start_layer=0,
                                     end_layer=args.layers)
         backend = KvbankHiCacheStorage(_Config(server.target), {})
@@ -97,8 +118,9 @@ def main():
         src = host.alloc(n * ps)
         dst = host.alloc(n * ps)
         g = torch.Generator().manual_seed(20261203)
-        host.kv_buffer[:, :, src] = torch.randn(host.kv_buffer[:, :, src].shape,
-                                                generator=g).to(torch.bfloat16)
+        for i in range(n):  # the source pages, through the backend's view of the layout
+            page = backend.pages.host_page(int(src[i * ps]))
+            page.copy_(torch.randn(page.shape, generator=g).to(torch.bfloat16))
 
         client = kvbank.Client(server.target)
         root = client.get_prefix_root(model)
@@ -138,43 +160,73 @@ def main():
                 else:
                     pages.block(blocks, i).copy_(host_page)
 
-        times = {k: [] for k in ("store_backend", "store_sdk", "get_backend", "get_sdk",
-                                 "store_copy", "get_copy")}
+        def pages_of(slots):
+            return [pages.host_page(int(slots[i * ps])) for i in range(n)]
+
+        def zero(slots):
+            for page in pages_of(slots):
+                page.zero_()
+
+        def same(a, b):
+            return all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                       for x, y in zip(pages_of(a), pages_of(b)))
+
+        mstore = None
+        if args.mooncake:
+            from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+            from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+            import mooncake_compare as mcc
+            os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+            mc = mcc.Procs(None, 0, (args.reps + 3) * total + (256 << 20))
+            cfg = HiCacheStorageConfig(
+                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                is_mla_model=False, enable_storage_metrics=False,
+                is_page_first_layout=args.layout != "layer_first", model_name="bench-mooncake",
+                extra_config={"master_server_address": mc.master_addr,
+                              "metadata_server": mc.metadata, "protocol": "tcp",
+                              "global_segment_size": 0, "local_hostname": "127.0.0.1"})
+            mstore = MooncakeStore(cfg, host)
+            mstore.register_mem_pool_host(host)
+
+        sides = {"backend": (lambda k: backend.batch_set_v1(k, src),
+                             lambda k: backend.batch_get_v1(k, dst)),
+                 "sdk": (sdk_store, sdk_get)}
+        if mstore is not None:
+            sides["mooncake"] = (lambda k: mstore.batch_set_v1(k, src),
+                                 lambda k: mstore.batch_get_v1(k, dst))
+        times = {f"{op}_{side}": [] for side in sides for op in ("store", "get")}
+        times.update(store_copy=[], get_copy=[])
         for rep in range(args.reps + 1):  # rep 0: warm-up
-            kb = [f"b{rep}-{i}" for i in range(n)]
-            ks = [f"s{rep}-{i}" for i in range(n)]
-            order = [("backend", "sdk"), ("sdk", "backend")][rep % 2]
-            for side in order:
+            names = list(sides)
+            names = names[rep % len(names):] + names[:rep % len(names)]
+            keys = {side: [f"{side[0]}{rep}-{i}" for i in range(n)] for side in names}
+            for side in names:
                 t = time.perf_counter()
-                if side == "backend":
-                    assert backend.batch_set_v1(kb, src) == [True] * n
-                else:
-                    sdk_store(ks)
+                ok = sides[side][0](keys[side])
                 if rep:
                     times["store_" + side].append(time.perf_counter() - t)
+                assert ok is None or ok == [True] * n, f"{side} stored {ok}"
                 if side == "sdk":  # the copy-in alone (the blocks get the same bytes again)
                     t = time.perf_counter()
                     layout_copy(False)
                     if rep:
                         times["store_copy"].append(time.perf_counter() - t)
-            for side in order:
-                if side == "backend":
-                    host.kv_buffer[:, :, dst] = 0
+            for side in names:
+                if side != "sdk":
+                    zero(dst)
                 t = time.perf_counter()
-                if side == "backend":
-                    assert backend.batch_get_v1(kb, dst) == [True] * n
-                else:
-                    sdk_get(ks)
+                ok = sides[side][1](keys[side])
                 if rep:
                     times["get_" + side].append(time.perf_counter() - t)
+                assert ok is None or ok == [True] * n, f"{side} loaded {ok}"
                 if side == "sdk":  # the copy-out alone, after the SDK's fetch
                     t = time.perf_counter()
                     layout_copy(True)
                     if rep:
                         times["get_copy"].append(time.perf_counter() - t)
-                if side == "backend" and rep == 0:
-                    assert torch.equal(host.kv_buffer[:, :, dst].view(torch.int16),
-                                       host.kv_buffer[:, :, src].view(torch.int16))
+                elif rep == 0:
+                    assert same(dst, src), f"{side}: the pages loaded differ from those stored"
         med = {k: statistics.median(v) for k, v in times.items()}
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()
@@ -184,7 +236,7 @@ def main():
               f"load {os.getloadavg()[0]:.1f}")
         plane = backend._conn.client.data_plane if backend._conn else "-"
         print(f"# {n} pages of {page_bytes >> 10} KiB ({total / (1 << 20):.0f} MiB) a rep, "
-              f"{args.reps} reps; data plane {plane}")
+              f"{args.reps} reps; data plane {plane}; host layout {args.layout}")
         print("| op | backend ms (GB/s) | SDK ms (GB/s) | ratio SDK/backend | layout copy ms |"
               " ratio (SDK + copy)/backend |")
         print("|---|---|---|---|---|---|")
@@ -193,9 +245,20 @@ def main():
             print(f"| {'retrieve' if op == 'get' else op} | {b * 1e3:.1f} ({total / b / 1e9:.2f})"
                   f" | {s * 1e3:.1f} ({total / s / 1e9:.2f}) | {s / b:.2f} | {c * 1e3:.1f} |"
                   f" {(s + c) / b:.2f} |")
+        if mstore is not None:
+            print("SGLang's Mooncake Store backend (v1 zero-copy, TCP); ratio = Mooncake seconds"
+                  " / kvbank backend seconds (above 1: the kvbank backend is faster)")
+            print("| op | Mooncake ms (GB/s) | kvbank backend ms | ratio |")
+            print("|---|---|---|---|")
+            for op in ("store", "get"):
+                m, b = med[op + "_mooncake"], med[op + "_backend"]
+                print(f"| {'retrieve' if op == 'get' else op} | {m * 1e3:.1f} "
+                      f"({total / m / 1e9:.2f}) | {b * 1e3:.1f} | {m / b:.2f} |")
         backend.close()
         client.close()
     finally:
+        if mc is not None:
+            mc.stop()
         server.stop()
 
 

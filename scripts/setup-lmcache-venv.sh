@@ -4,9 +4,8 @@
 #   scripts/setup-lmcache-venv.sh [--python PY] [--no-kvbank] [--with-mooncake]
 #
 # Prints the venv's interpreter on its last line. --no-kvbank: LMCache only, ./python not
-# installed. --with-mooncake: also Mooncake Store's package ($KVBANK_MOONCAKE_PKG, default
-# mooncake-transfer-engine-non-cuda; it links libibverbs1), for bench/lmcache_bench.py
-# --mooncake (LMCache's own Mooncake connector); the tests do not need it.
+# installed. --with-mooncake: also Mooncake Store's package (scripts/venv-mooncake.sh), for
+# bench/lmcache_bench.py --mooncake (LMCache's own Mooncake connector); the tests do not need it.
 #
 # The venv is $KVBANK_LMCACHE_VENV (default: $XDG_CACHE_HOME or ~/.cache, then
 # kvbank-lmcache-venv). LMCache needs torch, which the vLLM venv already carries: the script runs
@@ -118,15 +117,9 @@ else
   log "LMCache venv ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))"
 fi
 
-if [[ $WITH_MOONCAKE == 1 ]] && ! "$PY" -c "import mooncake.store" >/dev/null 2>&1; then
-  if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
-    log "FAILED: Mooncake's wheel needs libibverbs.so.1 (apt-get install -y libibverbs1)"
-    exit 1
-  fi
-  mooncake_pkg="${KVBANK_MOONCAKE_PKG:-mooncake-transfer-engine-non-cuda}"
-  log "installing $mooncake_pkg"
-  "$PY" -m pip install --quiet --disable-pip-version-check "$mooncake_pkg" >&2 ||
-    pip_failed "pip install $mooncake_pkg"
+if [[ $WITH_MOONCAKE == 1 ]]; then
+  source "$REPO/scripts/venv-mooncake.sh"
+  install_mooncake "$PY"
 fi
 
 if [[ $INSTALL_KVBANK == 0 ]]; then

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Makes (once) a venv with SGLang for CPUs and kvbank's Python package, outside the clone:
 #
-#   scripts/setup-sglang-venv.sh [--python PY] [--no-kvbank]
+#   scripts/setup-sglang-venv.sh [--python PY] [--no-kvbank] [--with-mooncake]
 #
 # Prints the venv's interpreter on its last line. --no-kvbank: SGLang only, ./python not
-# installed.
+# installed. --with-mooncake: also Mooncake Store's package (scripts/venv-mooncake.sh), for
+# bench/sglang_bench.py --mooncake (SGLang's own Mooncake backend); the tests do not need it.
 #
 # The venv is $KVBANK_SGLANG_VENV (default: $XDG_CACHE_HOME or ~/.cache, then
 # kvbank-sglang-venv). SGLang's own requirements pin another torch and pull GPU kernels; what its
@@ -26,11 +27,13 @@ SKIP=77
 
 PYTHON="${KVBANK_SGLANG_PYTHON:-}"
 INSTALL_KVBANK=1
+WITH_MOONCAKE=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python) PYTHON="$2"; shift 2 ;;
     --no-kvbank) INSTALL_KVBANK=0; shift ;;
-    *) echo "usage: $0 [--python PY] [--no-kvbank]" >&2; exit 2 ;;
+    --with-mooncake) WITH_MOONCAKE=1; shift ;;
+    *) echo "usage: $0 [--python PY] [--no-kvbank] [--with-mooncake]" >&2; exit 2 ;;
   esac
 done
 if [[ -z "$PYTHON" ]]; then
@@ -105,6 +108,11 @@ else
   "$PY" -c "$IMPORTS" >&2 || { log "FAILED: sglang's HiCache modules do not import"; exit 1; }
   touch "$MARKER"
   log "SGLang venv ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))"
+fi
+
+if [[ $WITH_MOONCAKE == 1 ]]; then
+  source "$REPO/scripts/venv-mooncake.sh"
+  install_mooncake "$PY"
 fi
 
 if [[ $INSTALL_KVBANK == 0 ]]; then
