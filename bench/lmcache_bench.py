@@ -128,27 +128,32 @@ def main() -> int:
             assert info.payload_bytes == chunk_bytes
         list(pool_.map(one, range(len(keys))))
 
-    def plugin_store(keys):
-        asyncio.run(conn.batched_put(keys, objs))
+    def connector_side(c, what):
+        """store and retrieve of the MemoryObjs through LMCache remote connector `c`, after
+        checking that the bytes it returns are the bytes it stored."""
+        def store(keys):
+            asyncio.run(c.batched_put(keys, objs))
 
-    def plugin_retrieve(keys):
-        got = asyncio.run(conn.batched_get(keys))
-        assert all(o is not None for o in got), "a plugin get missed"
-        for o in got:
-            o.ref_count_down()
+        def retrieve(keys, check=False):
+            got = asyncio.run(c.batched_get(keys))
+            assert all(o is not None for o in got), f"a {what} get missed"
+            for o, a in zip(got, arrays):
+                if check:
+                    assert bytes(memoryview(o.byte_array).cast("B")) == a.tobytes(), \
+                        f"{what} returned other bytes"
+                o.ref_count_down()
+
+        keys = fresh_keys()
+        store(keys)
+        retrieve(keys, check=True)
+        return store, retrieve
 
     def timed(fn, keys):
         t = time.perf_counter()
         fn(keys)
         return time.perf_counter() - t
 
-    # Bytes through the plugin are the stored bytes.
-    keys = fresh_keys()
-    plugin_store(keys)
-    got = asyncio.run(conn.batched_get(keys))
-    for o, a in zip(got, arrays):
-        assert o is not None and bytes(memoryview(o.byte_array).cast("B")) == a.tobytes()
-        o.ref_count_down()
+    plugin_side = connector_side(conn, "plugin")
     sdk_store(keys := fresh_keys())
     sdk_retrieve(keys)  # warm-up of the SDK side too
 
@@ -176,24 +181,9 @@ def main() -> int:
             mc_conn = mc_conn.getWrappedConnector()
         print(f"Mooncake: {type(mc_conn).__name__}, master {mc.master_addr}", flush=True)
 
-    def mc_store(keys):
-        asyncio.run(mc_conn.batched_put(keys, objs))
-
-    def mc_retrieve(keys):
-        got = asyncio.run(mc_conn.batched_get(keys))
-        assert all(o is not None for o in got), "a Mooncake get missed"
-        for o in got:
-            o.ref_count_down()
-
-    sides = {"plugin": (plugin_store, plugin_retrieve), "sdk": (sdk_store, sdk_retrieve)}
+    sides = {"plugin": plugin_side, "sdk": (sdk_store, sdk_retrieve)}
     if mc_conn is not None:
-        sides["mooncake"] = (mc_store, mc_retrieve)
-        keys = fresh_keys()  # Mooncake's bytes are the stored bytes too
-        mc_store(keys)
-        got = asyncio.run(mc_conn.batched_get(keys))
-        for o, a in zip(got, arrays):
-            assert o is not None and bytes(memoryview(o.byte_array).cast("B")) == a.tobytes()
-            o.ref_count_down()
+        sides["mooncake"] = connector_side(mc_conn, "Mooncake")
 
     res = {f"{side}_{op}": [] for side in sides for op in ("store", "retrieve")}
     for rep in range(args.reps):
