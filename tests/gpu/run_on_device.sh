@@ -85,6 +85,22 @@ configure_with_gtest() {
   configure "$@" -DCMAKE_DISABLE_FIND_PACKAGE_GTest=OFF -DGTest_DIR="$gtest_dir"
 }
 
+# NCCL: the CUDA toolkit's where it has one, else the nvidia-nccl wheel of this machine's python3
+# (PyTorch's images carry NCCL that way: headers in include/, only libnccl.so.2 in lib/).
+nccl_args=()
+cuda_include="$(dirname "$(command -v nvcc)")/../include"
+if [[ ! -f $cuda_include/nccl.h ]]; then
+  nccl_wheel="$(python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl")
+print(next(iter(s.submodule_search_locations)) if s else "")' 2>/dev/null || true)"
+  if [[ -n $nccl_wheel && -f $nccl_wheel/include/nccl.h && -f $nccl_wheel/lib/libnccl.so.2 ]]; then
+    echo "== NCCL from the Python wheel at $nccl_wheel" | tee -a "$OUT/configure.log"
+    export CPATH="$nccl_wheel/include${CPATH:+:$CPATH}"
+    export LD_LIBRARY_PATH="$nccl_wheel/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    nccl_args=(-DKVBANK_NCCL_LIBRARY="$nccl_wheel/lib/libnccl.so.2")
+  fi
+fi
+set -- "${nccl_args[@]}" "$@"
+
 deps="$PWD/.deps"
 arch=x86_64-linux-gnu
 mode=kernels
