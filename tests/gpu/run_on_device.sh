@@ -131,19 +131,30 @@ grep -E '^(absl_DIR|OPENSSL_CRYPTO_LIBRARY|KVBANK_XXHASH_LIBRARY|GTest_DIR):' "$
 echo "== build: $mode" | tee -a "$OUT/configure.log"
 
 # The binaries of the tests labelled gpu, read from ctest's files (ctest itself names no command
-# before the binary exists). None found: ninja's default, everything.
+# before the binary exists; awk implementations and CMake versions differ, so Python reads them).
+# None found: everything is built.
 gpu_binaries() {
-  find "$BUILD" -name CTestTestfile.cmake -exec cat {} + | awk -v bin="$BUILD/bin/" '
-    function name() { match($0, /\[=\[[^]]*\]=\]/); return substr($0, RSTART + 3, RLENGTH - 6) }
-    /^add_test\(/ { n = name(); match($0, /"[^"]*"/); cmd[n] = substr($0, RSTART + 1, RLENGTH - 2) }
-    /^set_tests_properties\(/ && /LABELS "([^"]*;)?gpu(;[^"]*)?"/ { gpu[name()] = 1 }
-    END {
-      for (n in gpu) {
-        if ((n in cmd) && index(cmd[n], bin) == 1) print substr(cmd[n], length(bin) + 1)
-      }
-    }' | sort -u | tr '\n' ' '
+  find "$BUILD" -name CTestTestfile.cmake -print0 | xargs -0 cat | python3 -c '
+import re, sys
+bin_dir = sys.argv[1] + "/bin/"
+cmd, gpu = {}, set()
+for line in sys.stdin:
+    m = re.match(r"add_test\(\[=\[(.*?)\]=\]\s+\"([^\"]*)\"", line)
+    if m:
+        cmd[m.group(1)] = m.group(2)
+    m = re.match(r"set_tests_properties\(\[=\[(.*?)\]=\].*\bLABELS\s+\"([^\"]*)\"", line)
+    if m and "gpu" in m.group(2).split(";"):
+        gpu.add(m.group(1))
+print(" ".join(sorted({cmd[n][len(bin_dir):] for n in gpu if cmd.get(n, "").startswith(bin_dir)})))
+' "$BUILD"
 }
 targets=$(gpu_binaries)
+if [[ -z $targets ]]; then
+  echo "== no gpu test binary read from $BUILD's CTestTestfile.cmake files: building everything" |
+    tee -a "$OUT/configure.log"
+  cp "$BUILD/tests/gpu/CTestTestfile.cmake" "$OUT/gpu-CTestTestfile.cmake" 2>/dev/null || true
+  targets=all
+fi
 # The bench builds alongside (it runs after the tests).
 if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
   targets+=" gpu_attention_bench"
