@@ -1,7 +1,9 @@
 // The C++ SDK's data planes: shared-memory regions, CUDA IPC device regions and the NCCL
 // communicator (kvbank/client.h). The memfd and socket steps are in shm_region.cc, the NCCL
 // link in nccl_link.cc; the gRPC steps are here.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
@@ -169,18 +171,39 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegion(uint64_t size)
     return absl::FailedPreconditionError(
         "ClientOptions::shm_socket is not set (kvbankd's --shm-socket path)");
   }
-  std::unique_ptr<ShmRegion> region(new ShmRegion());
   auto fd = internal::CreateSealedMemfd(size);
   if (!fd.ok()) return fd.status();
-  region->memfd_ = *fd;
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  return RegisterMemfd(*fd, size);
+}
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterRegionFd(int fd) {
+  if (impl_->options.shm_socket.empty()) {
+    return absl::FailedPreconditionError(
+        "ClientOptions::shm_socket is not set (kvbankd's --shm-socket path)");
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("descriptor ", fd, " is not a non-empty memfd or shared-memory file"));
+  }
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) {
+    return absl::InternalError(absl::StrCat("dup of descriptor ", fd, ": ", std::strerror(errno)));
+  }
+  return RegisterMemfd(own, uint64_t(st.st_size));
+}
+
+absl::StatusOr<std::unique_ptr<ShmRegion>> Client::RegisterMemfd(int fd, uint64_t size) {
+  std::unique_ptr<ShmRegion> region(new ShmRegion());
+  region->memfd_ = fd;
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot map a ", size, "-byte region: ", std::strerror(errno)));
   }
   region->data_ = static_cast<uint8_t*>(p);
   region->size_ = size;
-  auto handoff = internal::HandOver(impl_->options.shm_socket, *fd);
+  auto handoff = internal::HandOver(impl_->options.shm_socket, fd);
   if (!handoff.ok()) return handoff.status();
   region->conn_ = handoff->conn;
   v1::RegisterRegionRequest req;

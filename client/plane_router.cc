@@ -146,7 +146,19 @@ absl::StatusOr<std::shared_ptr<ShmRegion>> PlaneRouter::RegisterRegion(uint64_t 
     return absl::FailedPreconditionError(
         "no shared-memory plane: the server names no --shm-socket this host has");
   }
-  auto r = state_->client->RegisterRegion(size);
+  return Track(state_->client->RegisterRegion(size));
+}
+
+absl::StatusOr<std::shared_ptr<ShmRegion>> PlaneRouter::RegisterRegionFd(int fd) {
+  if (!state_->shm_on.load()) {
+    return absl::FailedPreconditionError(
+        "no shared-memory plane: the server names no --shm-socket this host has");
+  }
+  return Track(state_->client->RegisterRegionFd(fd));
+}
+
+absl::StatusOr<std::shared_ptr<ShmRegion>> PlaneRouter::Track(
+    absl::StatusOr<std::unique_ptr<ShmRegion>> r) {
   if (!r.ok()) return r.status();
   std::shared_ptr<ShmRegion> shared = *std::move(r);
   absl::MutexLock lock(&state_->regions_mu);

@@ -2,8 +2,9 @@
 // SOCK_STREAM socket). Both ends run on one host, so integers travel in host byte order.
 //
 //   client -> server  one message: ShmHello (8 bytes), exactly one descriptor in SCM_RIGHTS: a
-//                     memfd sealed against shrinking (F_SEAL_SHRINK), of 1 ..
-//                     --shm-max-region-bytes
+//                     memfd or other tmpfs file of 1 .. --shm-max-region-bytes, every page
+//                     written; sealed against shrinking (F_SEAL_SHRINK, as the SDK's are) or not
+//                     (kvbankd guards the mapping; transfers fail once the file shrinks)
 //   server -> client  ShmReply, then `message_bytes` bytes of text (why, when status is not 0)
 //
 // On status 0 the server has mapped the memfd and the client claims it with the gRPC call

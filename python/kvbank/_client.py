@@ -205,6 +205,18 @@ class Client:
         region = self._c.register_region(nbytes)
         return np.frombuffer(region, dtype=np.uint8)
 
+    def register_region_fd(self, fd: int) -> np.ndarray:
+        """Memory this process already has in a shared file (a memfd or a /dev/shm file, every
+        page written: an engine's host pool, say) registered as a region: the whole file, mapped
+        again and returned as a writable uint8 array over the same bytes. Payloads in that
+        array (views, tensors over it) move without a copy on this side; an offset into the
+        file is the same offset into the array. The file need not be sealed: if its owner
+        truncates it, transfers over it fail (FailedPreconditionError) and kvbankd goes on.
+        The caller keeps and closes its own descriptor. InvalidArgumentError when kvbankd
+        refuses the file (not tmpfs, a page never written, too large)."""
+        region = self._c.register_region_fd(int(fd))
+        return np.frombuffer(region, dtype=np.uint8)
+
     def unregister_region(self, array: np.ndarray) -> None:
         """Stops routing buffers in this region (from register_region) through it; the region
         goes with the last array viewing it."""
@@ -212,7 +224,7 @@ class Client:
         while isinstance(base, (np.ndarray, memoryview)):
             base = base.base if isinstance(base, np.ndarray) else base.obj
         if not isinstance(base, _kvbank.Region):
-            raise InvalidArgumentError("not an array from register_region")
+            raise InvalidArgumentError("not an array from register_region or register_region_fd")
         self._c.unregister_region(base)
 
     # ---- CUDA IPC (same host, a kvbankd with a cuda:N pool) --------------------------------

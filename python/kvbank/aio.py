@@ -93,6 +93,10 @@ class AsyncClient:
         """Client.register_region, awaited."""
         return await self._call(self.client.register_region, nbytes)
 
+    async def register_region_fd(self, fd: int) -> np.ndarray:
+        """Client.register_region_fd, awaited."""
+        return await self._call(self.client.register_region_fd, fd)
+
     async def unregister_region(self, array: np.ndarray) -> None:
         """Client.unregister_region, awaited."""
         await self._call(self.client.unregister_region, array)

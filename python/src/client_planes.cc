@@ -70,6 +70,13 @@ void BindShmPlane(py::class_<PyClient>& c) {
           },
           py::arg("size"))
       .def(
+          "register_region_fd",
+          // The caller's shared file (a memfd, an shm_open file) as a region, mapped again here.
+          [](PyClient& self, int fd) {
+            return CallWithoutGil([&] { return self.planes().RegisterRegionFd(fd); });
+          },
+          py::arg("fd"))
+      .def(
           "unregister_region",
           [](PyClient& self, const std::shared_ptr<ShmRegion>& r) {
             self.planes().UnregisterRegion(r);

@@ -26,6 +26,7 @@
 #include "absl/strings/strip.h"
 #include "openssl/rand.h"
 #include "proto/shm_wire.h"
+#include "server/plane/sigbus_guard.h"
 
 namespace kvbank::plane {
 
@@ -93,17 +94,12 @@ absl::StatusOr<std::shared_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t max
             ? "shm region: hugetlbfs memfds (MFD_HUGETLB) are not taken; send a plain memfd"
             : "shm region: the descriptor is not a shmem memfd (memfd_create)");
   }
+  // NOTE: without F_SEAL_SHRINK the client could ftruncate the file under a copy, and the
+  // server's access past the new end would raise SIGBUS in kvbankd. Such a file (a memfd made
+  // without MFD_ALLOW_SEALING, an shm_open file: engines allocate host pools so) is taken, its
+  // mapping guarded (sigbus_guard.h) and checked after each copy (CheckIntact).
   const int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0) {
-    return absl::InvalidArgumentError(
-        "shm region: the descriptor takes no seals: send a memfd made with MFD_ALLOW_SEALING");
-  }
-  // NOTE: without this seal the client could ftruncate the file under a copy, and the server's
-  // access past the new end would raise SIGBUS in kvbankd.
-  if ((seals & F_SEAL_SHRINK) == 0) {
-    return absl::InvalidArgumentError(
-        "shm region: the memfd is not sealed against shrinking (fcntl F_ADD_SEALS F_SEAL_SHRINK)");
-  }
+  const bool guarded = seals < 0 || (seals & F_SEAL_SHRINK) == 0;
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size == 0) return absl::InvalidArgumentError("shm region: the memfd is empty (size 0)");
   if (size > max_bytes) {
@@ -126,18 +122,47 @@ absl::StatusOr<std::shared_ptr<ShmMapping>> ShmMapping::Map(int fd, uint64_t max
         "shm region: cannot map it shared read/write (open it O_RDWR, no write seal): ",
         std::strerror(errno)));
   }
+  int slot = -1;
+  if (guarded) {
+    auto added = SigbusGuard::Add(static_cast<uint8_t*>(p), size);
+    if (!added.ok()) {
+      munmap(p, size);
+      return absl::Status(added.status().code(),
+                          absl::StrCat("shm region: ", added.status().message(),
+                                       " (seal it: F_ADD_SEALS F_SEAL_SHRINK)"));
+    }
+    slot = *added;
+  }
   const int keep = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (keep < 0) {
     absl::Status s = Errno("shm region: dup");
+    SigbusGuard::Remove(slot);
     munmap(p, size);
     return s;
   }
-  return std::shared_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), size, keep));
+  return std::shared_ptr<ShmMapping>(new ShmMapping(static_cast<uint8_t*>(p), size, keep, slot));
 }
 
 ShmMapping::~ShmMapping() {
+  SigbusGuard::Remove(guard_slot_);
   munmap(data_, size_);
   close(fd_);
+}
+
+absl::Status ShmMapping::CheckIntact() const {
+  if (guard_slot_ < 0) return absl::OkStatus();  // sealed: it cannot shrink
+  struct stat st;
+  if (fstat(fd_, &st) == 0 && uint64_t(st.st_size) < size_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the region's file is ", st.st_size, " bytes now, ", size_,
+                     " when it was registered (truncated by its owner); unregister it"));
+  }
+  if (SigbusGuard::Tripped(guard_slot_)) {
+    return absl::FailedPreconditionError(
+        "the region's file was truncated by its owner during a transfer: that transfer failed, "
+        "and the region's mapping is lost for good; unregister it");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ShmMapping::CheckAllocated(uint64_t offset, uint64_t length) const {
@@ -707,9 +732,9 @@ absl::StatusOr<RegionBytes> ShmRegions::Resolve(const std::string& tenant, uint6
                                                    " runs past the region's ", mapping->size(),
                                                    " bytes"));
   }
-  if (absl::Status s = mapping->CheckAllocated(offset, length); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
-  }
+  absl::Status s = mapping->CheckIntact();
+  if (s.ok()) s = mapping->CheckAllocated(offset, length);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
   RegionBytes out;
   out.bytes = absl::MakeSpan(mapping->data() + offset, length);
   out.mapping = std::move(mapping);

@@ -2,12 +2,14 @@
 // Fetch name as (region, offset, length) instead of carrying the bytes over gRPC, so that a
 // payload is copied once, between the pool and the region.
 //
-// A region comes in on the Unix socket (proto/shm_wire.h): a memfd, sealed against shrinking so
-// that the client can never truncate it under a copy (which would raise SIGBUS in kvbankd), is
-// checked, mapped shared read/write and answered with a random 128-bit handle. The gRPC call
-// RegisterRegion claims the handle for the caller's tenant and gets a region id; only that tenant
-// can name the id (any other gets NOT_FOUND, as for an id that never was). A handle not claimed
-// within claim_timeout is dropped, and so is a connection that never sent a region.
+// A region comes in on the Unix socket (proto/shm_wire.h): a memfd (or another tmpfs file) is
+// checked, mapped shared read/write and answered with a random 128-bit handle. The SDK's memfds
+// are sealed against shrinking, so that the client can never truncate them under a copy (which
+// would raise SIGBUS in kvbankd); an unsealed file (an engine's own host pool) is taken with its
+// mapping guarded against that SIGBUS (sigbus_guard.h), each transfer failing that saw it shrink.
+// The gRPC call RegisterRegion claims the handle for the caller's tenant and gets a region id; only
+// that tenant can name the id (any other gets NOT_FOUND, as for an id that never was). A handle not
+// claimed within claim_timeout is dropped, and so is a connection that never sent a region.
 //
 // Invariant: a region is registered only while the socket connection it came on is open. When
 // the client closes it (exit, crash, SIGKILL) the region is unregistered; UnregisterRegion
@@ -75,10 +77,11 @@ struct ShmOptions {
 // One mapped memfd; unmapped when the last holder lets go. Thread-safe (immutable).
 class ShmMapping {
  public:
-  // Checks `fd` (a memfd or other shmem file on tmpfs that takes seals, F_SEAL_SHRINK set, size
-  // in 1..max_bytes, every page allocated, mappable shared read/write) and maps it.
-  // INVALID_ARGUMENT naming what is wrong. Keeps a duplicate of `fd` (to check for holes later);
-  // the caller closes its own.
+  // Checks `fd` (a memfd or other shmem file on tmpfs, size in 1..max_bytes, every page
+  // allocated, mappable shared read/write) and maps it. INVALID_ARGUMENT naming what is wrong.
+  // A file not sealed against shrinking (F_SEAL_SHRINK) is taken too, its mapping guarded
+  // against SIGBUS (sigbus_guard.h; RESOURCE_EXHAUSTED past SigbusGuard::kMaxRanges of them).
+  // Keeps a duplicate of `fd` (to check for holes and size later); the caller closes its own.
   static absl::StatusOr<std::shared_ptr<ShmMapping>> Map(int fd, uint64_t max_bytes);
   ~ShmMapping();
   ShmMapping(const ShmMapping&) = delete;
@@ -89,12 +92,20 @@ class ShmMapping {
   // FAILED_PRECONDITION when bytes [offset, offset + length) hold a page that is not allocated
   // (punched out since the region was mapped): a copy would allocate it on kvbankd's account.
   absl::Status CheckAllocated(uint64_t offset, uint64_t length) const;
+  // Whether the file is sealed against shrinking (else its mapping is guarded).
+  bool sealed() const { return guard_slot_ < 0; }
+  // OK for a sealed file. For an unsealed one FAILED_PRECONDITION once its owner truncated it:
+  // shorter than when mapped, or a copy hit SIGBUS (the mapping is throwaway memory since).
+  // Transfers ask it after their copy: a fetch then failed, an append must not commit.
+  absl::Status CheckIntact() const;
 
  private:
-  ShmMapping(uint8_t* data, uint64_t size, int fd) : data_(data), size_(size), fd_(fd) {}
+  ShmMapping(uint8_t* data, uint64_t size, int fd, int guard_slot)
+      : data_(data), size_(size), fd_(fd), guard_slot_(guard_slot) {}
   uint8_t* const data_;
   const uint64_t size_;
-  const int fd_;  // a duplicate of the memfd, for SEEK_HOLE
+  const int fd_;          // a duplicate of the memfd, for SEEK_HOLE and fstat
+  const int guard_slot_;  // SigbusGuard's slot; -1: sealed, not guarded
 };
 
 // Bytes of a region, and the mapping that keeps them valid while this lives.

@@ -53,7 +53,16 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
   const std::vector<DType>& stored = model.layout().layer_dtypes;
   const bool plain =
       std::all_of(stored.begin(), stored.end(), [&](DType d) { return d == txn->dtype(); });
-  if (plain) return txn->Write(bytes->bytes);
+  // An unsealed region that its owner truncated under the copy read throwaway pages: the append
+  // fails before it commits (CheckIntact).
+  auto intact = [&]() {
+    absl::Status s = bytes->mapping->CheckIntact();
+    return s.ok() ? s : absl::Status(s.code(), absl::StrCat("header.source: ", s.message()));
+  };
+  if (plain) {
+    if (absl::Status s = txn->Write(bytes->bytes); !s.ok()) return s;
+    return intact();
+  }
   // NOTE: the client may change its region while this reads it. A copy is harmless (the client
   // gets what it wrote), but a conversion reads values more than once (the NaN check, an fp8
   // group's scale, then the codes): it gets each piece from a private copy, read once.
@@ -61,6 +70,7 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
   for (uint64_t at = 0; at < bytes->bytes.size(); at += piece.size()) {
     const uint64_t n = std::min<uint64_t>(piece.size(), bytes->bytes.size() - at);
     std::memcpy(piece.data(), bytes->bytes.data() + at, n);
+    if (absl::Status s = intact(); !s.ok()) return s;
     if (absl::Status s = txn->Write(absl::MakeConstSpan(piece.data(), n)); !s.ok()) return s;
   }
   return absl::OkStatus();
@@ -230,9 +240,13 @@ absl::StatusOr<KvBankService::RegionSink> KvBankService::RegionSinkFor(
       // stops the copy within a piece.
       split.piece_bytes = kRegionCopyPiece;
     }
-    return SplitCopy(n, split, copy, ended, [this, &tenant](std::function<void()> task) {
+    absl::Status s = SplitCopy(n, split, copy, ended, [this, &tenant](std::function<void()> task) {
       device_work_->Continue(tenant, std::move(task));
     });
+    if (!s.ok()) return s;
+    // An unsealed region truncated under the copy: the bytes went to throwaway pages.
+    s = region.mapping->CheckIntact();
+    return s.ok() ? s : absl::Status(s.code(), absl::StrCat("dest: ", s.message()));
   });
 }
 

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,8 @@
 #include <fstream>
 #include <future>
 #include <limits>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_split.h"
 #include "client/shm_handshake.h"
@@ -535,16 +538,110 @@ TEST_F(ShmTest, ARegionIsItsTenantsOnly) {
             absl::StatusCode::kUnauthenticated);
 }
 
-TEST_F(ShmTest, UnsealedMemfdAndGarbageOnTheSocketAreRefused) {
+// An engine's host pool in a memfd it made without MFD_ALLOW_SEALING (SGLang's shm allocator
+// does): registered as it is, transfers land in the engine's own mapping of it; once the engine
+// truncates it, transfers over it fail naming why, change nothing, and kvbankd goes on serving,
+// also while the file shrinks and grows under its copies.
+TEST_F(ShmTest, AnEnginesUnsealedMemfdIsARegionUntilItsOwnerTruncatesIt) {
   ASSERT_NO_FATAL_FAILURE(Start());
-  // A memfd the client could still shrink under a copy.
-  const int fd = memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  constexpr uint64_t kSize = 1 << 20;
+  const int fd = memfd_create("engine-pool", MFD_CLOEXEC);
   ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 65536), 0);
-  auto h = internal::HandOver(socket_, fd);
+  std::vector<uint8_t> init(kSize);
+  Random(5).Fill(init.data(), init.size());
+  ASSERT_EQ(pwrite(fd, init.data(), kSize, 0), static_cast<ssize_t>(kSize));
+  auto* mine =
+      static_cast<uint8_t*>(mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ASSERT_NE(mine, MAP_FAILED);
+  auto region = c->RegisterRegionFd(fd);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ShmRegion& r = **region;
+  EXPECT_EQ(r.size(), kSize);
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  Client::AppendArgs args;
+  args.num_tokens = 16;
+  ASSERT_TRUE(c->AppendFromRegion("m", seq->id, args, r.Slice(0, 4096)).ok());
+  // The fetch lands in the engine's own mapping: the same pages.
+  auto f = c->FetchToRegion("m", seq->id, {}, r.Slice(8192, 4096));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(0, std::memcmp(mine + 8192, init.data(), 4096));
+
+  // Shrinking and growing under transfers: each one either works or fails cleanly.
+  std::atomic<bool> stop{false};
+  std::thread owner([&] {
+    while (!stop.load()) {
+      (void)!ftruncate(fd, 4096);
+      (void)!ftruncate(fd, kSize);
+      (void)!pwrite(fd, init.data(), kSize, 0);  // no hole: its pages are the owner's again
+    }
+  });
+  int ok = 0, refused = 0;
+  for (int i = 0; i < 200; ++i) {
+    auto each = c->CreateSequence("m");
+    ASSERT_TRUE(each.ok()) << each.status();
+    absl::Status s = c->AppendFromRegion("m", each->id, args, r.Slice(kSize - 4096, 4096)).status();
+    // A refused append committed nothing; a taken one all of its tokens.
+    auto length = c->GetSequence("m", each->id);
+    ASSERT_TRUE(length.ok()) << length.status();
+    EXPECT_EQ(length->length, s.ok() ? 16u : 0u) << s;
+    if (s.ok()) s = c->FetchToRegion("m", each->id, {}, r.Slice(4096, kSize - 4096)).status();
+    ASSERT_TRUE(c->Free("m", each->id).ok());
+    if (s.ok()) {
+      ++ok;
+      continue;
+    }
+    ++refused;
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "truncated") ||
+                absl::StrContains(s.message(), "no page written"))
+        << s;
+  }
+  stop = true;
+  owner.join();
+  std::cerr << "[shm] under truncation: " << ok << " transfers done, " << refused << " refused\n";
+
+  // Truncated for good: refused before any copy, nothing changes.
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  const uint64_t before = c->GetSequence("m", seq->id)->length;
+  auto append = c->AppendFromRegion("m", seq->id, args, r.Slice(0, 4096));
+  EXPECT_EQ(append.status().code(), absl::StatusCode::kFailedPrecondition) << append.status();
+  EXPECT_TRUE(absl::StrContains(append.status().message(),
+                                "header.source: the region's file is "
+                                "4096 bytes now"))
+      << append.status();
+  auto fetch = c->FetchToRegion("m", seq->id, {}, r.Slice(0, 4096));
+  EXPECT_EQ(fetch.status().code(), absl::StatusCode::kFailedPrecondition) << fetch.status();
+  EXPECT_EQ(c->GetSequence("m", seq->id)->length, before);
+  // kvbankd serves on: a sealed region beside it works.
+  auto sealed = c->RegisterRegion(4096);
+  ASSERT_TRUE(sealed.ok()) << sealed.status();
+  Random(6).Fill((*sealed)->data(), 4096);
+  EXPECT_TRUE(c->AppendFromRegion("m", seq->id, args, (*sealed)->Slice(0, 4096)).ok());
+  munmap(mine, kSize);
   close(fd);
-  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
-  EXPECT_TRUE(absl::StrContains(h.status().message(), "F_SEAL_SHRINK")) << h.status();
+
+  // What is not a shared-memory file is refused, by the SDK or by kvbankd, naming why.
+  int pipe_fds[2];
+  ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
+  EXPECT_EQ(c->RegisterRegionFd(pipe_fds[0]).status().code(), absl::StatusCode::kInvalidArgument);
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
+  const std::string file = dir_ + "/on-disk";
+  std::ofstream(file) << std::string(4096, 'x');
+  const int disk = open(file.c_str(), O_RDWR | O_CLOEXEC);
+  auto on_disk = c->RegisterRegionFd(disk);
+  EXPECT_EQ(on_disk.status().code(), absl::StatusCode::kInvalidArgument) << on_disk.status();
+  EXPECT_TRUE(absl::StrContains(on_disk.status().message(), "not a shmem memfd"))
+      << on_disk.status();
+  close(disk);
+}
+
+TEST_F(ShmTest, GarbageOnTheSocketIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(Start());
   // Garbage: the connection is closed, nothing else happens.
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;

@@ -76,6 +76,54 @@ def test_the_plane_is_found_and_moves_the_same_bytes(shm_server):
         c.unregister_region(region)
 
 
+def test_an_engines_own_shared_file_is_a_region(shm_server):
+    """register_region_fd: memory this process made (a memfd without seals, as an engine's host
+    pool is) moves without a copy, landing in the process's own mapping of it; once truncated,
+    transfers over it fail and the server goes on."""
+    import mmap
+    n = 64  # 4 layers x 2 x 4 heads x 64 tokens x 64 x 2 bytes = 256 KiB
+    payload = np.random.default_rng(7202).standard_normal((4, 2, 4, n, 64)).astype(np.float16)
+    size = 4 * payload.nbytes
+    fd = os.memfd_create("engine-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        mine = mmap.mmap(fd, size)
+        mine.write(bytes(size))  # every page written: the engine's own memory
+        engine = np.frombuffer(mine, dtype=np.uint8)
+        with kvbank.Client(shm_server.target, shm_min_bytes=64 << 10) as c:
+            c.ensure_model(layout("shm-py-fd"))
+            region = c.register_region_fd(fd)
+            assert region.size == size
+            region[:payload.nbytes].view(np.float16)[:] = payload.reshape(-1)
+            assert engine[:payload.nbytes].tobytes() == payload.tobytes()  # the same pages
+            seq = c.create_sequence("shm-py-fd")
+            c.append("shm-py-fd", seq.id, region[:payload.nbytes].view(np.float16), num_tokens=n)
+            c.fetch_into("shm-py-fd", seq.id, region[2 * payload.nbytes:3 * payload.nbytes])
+            assert engine[2 * payload.nbytes:3 * payload.nbytes].tobytes() == payload.tobytes()
+            st = c.plane_stats()
+            assert st["shm"]["calls"] == 2 and st["shm_staged"]["calls"] == 0
+
+            os.ftruncate(fd, payload.nbytes)  # the owner shrinks it
+            with pytest.raises(kvbank.FailedPreconditionError, match="truncated by its owner"):
+                c.fetch_into("shm-py-fd", seq.id, region[2 * payload.nbytes:3 * payload.nbytes])
+            with pytest.raises(kvbank.FailedPreconditionError, match="truncated by its owner"):
+                c.append("shm-py-fd", seq.id, region[:payload.nbytes].view(np.float16),
+                         num_tokens=n)
+            assert c.get_sequence("shm-py-fd", seq.id).length == n
+            c.unregister_region(region)
+            with pytest.raises(kvbank.InvalidArgumentError):
+                r, w = os.pipe()
+                try:
+                    c.register_region_fd(r)
+                finally:
+                    os.close(r)
+                    os.close(w)
+        del engine
+        mine.close()
+    finally:
+        os.close(fd)
+
+
 def test_small_payloads_and_a_plane_off_use_grpc(shm_server, server):
     small = np.zeros(4 * 2 * 4 * 2 * 64, np.float16)
     with kvbank.Client(shm_server.target) as c:

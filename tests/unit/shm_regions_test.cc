@@ -20,6 +20,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
@@ -211,20 +212,9 @@ TEST_F(ShmRegionsTest, ClosingTheConnectionDropsTheRegionButNotAMappingInUse) {
   EXPECT_EQ(held->bytes[4095], 1);
 }
 
-TEST_F(ShmRegionsTest, RefusesUnsealedEmptyLargeAndReadOnlyRegions) {
+TEST_F(ShmRegionsTest, RefusesEmptyLargeAndReadOnlyRegions) {
   options_.max_region_bytes = 16384;
   ASSERT_NO_FATAL_FAILURE(StartRegions());
-  // No F_SEAL_SHRINK: the client could truncate it under a copy.
-  const int unsealed = Keep(memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  ASSERT_EQ(ftruncate(unsealed, 4096), 0);
-  auto h = internal::HandOver(options_.socket_path, unsealed);
-  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
-  EXPECT_TRUE(absl::StrContains(h.status().message(), "F_SEAL_SHRINK")) << h.status();
-  // Sealing disallowed altogether.
-  const int no_seals = Keep(memfd_create("noseals", MFD_CLOEXEC));
-  ASSERT_EQ(ftruncate(no_seals, 4096), 0);
-  h = internal::HandOver(options_.socket_path, no_seals);
-  EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << h.status();
   // Too large, and empty.
   EXPECT_EQ(HandOver(32768).status().code(), absl::StatusCode::kInvalidArgument);
   const int empty = Keep(memfd_create("empty", MFD_CLOEXEC | MFD_ALLOW_SEALING));
@@ -289,6 +279,116 @@ TEST_F(ShmRegionsTest, RefusesSparseHugetlbAndPunchedRegions) {
       << over_hole.status();
   EXPECT_TRUE(regions_->Resolve("t", claimed->region_id, 0, 32768, "dest").ok());
   EXPECT_TRUE(regions_->Resolve("t", claimed->region_id, 36864, 28672, "dest").ok());
+}
+
+// A memfd that cannot be sealed (made without MFD_ALLOW_SEALING, as engines make their host pools)
+// or is not sealed against shrinking is taken, guarded: once its owner truncates it, transfers
+// over it fail (before the copy when the file is shorter, after it when it shrank during the
+// copy, whose SIGBUS kvbankd survives), and a sealed region beside it is untouched.
+TEST_F(ShmRegionsTest, UnsealedRegionsAreTakenAndSurviveTruncation) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  auto whole = [&](int fd, size_t n) {
+    const std::string bytes(n, 'u');
+    return fd >= 0 && pwrite(fd, bytes.data(), n, 0) == static_cast<ssize_t>(n);
+  };
+  const int no_seals = Keep(memfd_create("engine-pool", MFD_CLOEXEC));
+  const int unsealed = Keep(memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_TRUE(whole(no_seals, 65536) && whole(unsealed, 8192));
+  auto h1 = internal::HandOver(options_.socket_path, no_seals);
+  ASSERT_TRUE(h1.ok()) << h1.status();
+  Keep(h1->conn);
+  auto h2 = internal::HandOver(options_.socket_path, unsealed);
+  ASSERT_TRUE(h2.ok()) << h2.status();
+  Keep(h2->conn);
+  int sealed_fd = -1;
+  auto h3 = HandOver(8192, &sealed_fd);
+  ASSERT_TRUE(h3.ok()) << h3.status();
+  auto c1 = regions_->Claim("t", h1->handle);
+  auto c2 = regions_->Claim("t", h2->handle);
+  auto c3 = regions_->Claim("t", h3->handle);
+  ASSERT_TRUE(c1.ok() && c2.ok() && c3.ok());
+
+  // Shared both ways while whole.
+  auto r1 = regions_->Resolve("t", c1->region_id, 0, 65536, "dest");
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  EXPECT_FALSE(r1->mapping->sealed());
+  std::memset(r1->bytes.data(), 'k', 4096);
+  char first = 0;
+  ASSERT_EQ(pread(no_seals, &first, 1, 0), 1);
+  EXPECT_EQ(first, 'k');
+  EXPECT_TRUE(r1->mapping->CheckIntact().ok());
+
+  // The owner truncates it: a transfer that resolves now fails, naming why.
+  ASSERT_EQ(ftruncate(no_seals, 4096), 0);
+  auto late = regions_->Resolve("t", c1->region_id, 0, 4096, "header.source");
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition) << late.status();
+  EXPECT_TRUE(absl::StrContains(late.status().message(),
+                                "header.source: the region's file is "
+                                "4096 bytes now, 65536"))
+      << late.status();
+  // A transfer that resolved before: its copy past the new end takes SIGBUS; kvbankd survives,
+  // the copy finishes on throwaway pages, and the transfer sees it failed.
+  std::vector<uint8_t> sink(65536);
+  std::memcpy(sink.data(), r1->bytes.data(), sink.size());  // reads past the end
+  std::memset(r1->bytes.data() + 8192, 'x', 8192);          // writes past it
+  // The file itself is what its owner left: nothing written past the end brought it back.
+  struct stat st;
+  ASSERT_EQ(fstat(no_seals, &st), 0);
+  EXPECT_EQ(st.st_size, 4096);
+  // Grown back, the file is whole again, but the mapping that took the SIGBUS is not.
+  ASSERT_EQ(ftruncate(no_seals, 65536), 0);
+  const absl::Status tripped = r1->mapping->CheckIntact();
+  EXPECT_EQ(tripped.code(), absl::StatusCode::kFailedPrecondition) << tripped;
+  EXPECT_TRUE(absl::StrContains(tripped.message(), "truncated by its owner during a transfer"))
+      << tripped;
+
+  // The other regions, unsealed and sealed, go on.
+  auto r2 = regions_->Resolve("t", c2->region_id, 0, 8192, "dest");
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  std::memset(r2->bytes.data(), 'v', 8192);
+  EXPECT_TRUE(r2->mapping->CheckIntact().ok());
+  auto r3 = regions_->Resolve("t", c3->region_id, 0, 8192, "dest");
+  ASSERT_TRUE(r3.ok()) << r3.status();
+  EXPECT_TRUE(r3->mapping->sealed());
+  EXPECT_TRUE(r3->mapping->CheckIntact().ok());
+  EXPECT_TRUE(regions_->Unregister("t", c1->region_id).ok());
+  EXPECT_EQ(regions_->num_regions(), 2u);
+}
+
+// The guard is for registered regions only: a SIGBUS anywhere else still ends the process (as
+// the default action, or the sanitizer's report, would).
+TEST(SigbusGuardDeathTest, AFaultOutsideRegionsStillEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  ShmOptions options;
+  const std::string dir = ::testing::TempDir() + "kvbank-sigbus-XXXXXX";
+  std::vector<char> path(dir.begin(), dir.end());
+  path.push_back('\0');
+  ASSERT_NE(mkdtemp(path.data()), nullptr);
+  options.socket_path = std::string(path.data()) + "/s.sock";
+  auto regions = ShmRegions::Start(options);
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  // Installs the handler: an unsealed region registered.
+  const int fd = memfd_create("guarded", MFD_CLOEXEC);
+  const std::string page(4096, 'g');
+  ASSERT_EQ(pwrite(fd, page.data(), page.size(), 0), 4096);
+  auto h = internal::HandOver(options.socket_path, fd);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_DEATH(
+      {
+        const int other = memfd_create("unguarded", MFD_CLOEXEC);
+        if (other < 0 || ftruncate(other, 8192) != 0) _exit(0);
+        auto* p = static_cast<volatile uint8_t*>(
+            mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, other, 0));
+        if (ftruncate(other, 0) != 0) _exit(0);
+        p[4096] = 1;  // SIGBUS, not in a guarded range
+        _exit(0);
+      },
+      "");
+  close(h->conn);
+  close(fd);
+  regions->reset();
+  std::remove(options.socket_path.c_str());
+  rmdir(path.data());
 }
 
 TEST_F(ShmRegionsTest, GarbageOrNoDescriptorClosesThePeerAndNothingElse) {

@@ -338,6 +338,14 @@ class Client {
   // this client's tenant. FAILED_PRECONDITION when shm_socket is not set; UNAVAILABLE when
   // nothing answers on it; the server's refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) as is.
   absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterRegion(uint64_t size);
+  // Registers memory the caller already has in a shared file: `fd` names a memfd or another
+  // tmpfs file (an engine's host pool, say), every page of it written. The region is the whole
+  // file, mapped again here (ShmRegion::data() is that mapping: the same bytes at another
+  // address); the SDK keeps a duplicate of `fd`, the caller closes its own. A file not sealed
+  // against shrinking is taken, but if its owner truncates it, transfers over it fail with
+  // FAILED_PRECONDITION. INVALID_ARGUMENT when `fd` is not such a file (the server's reason for
+  // a refused one); else RegisterRegion's errors.
+  absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterRegionFd(int fd);
   // Region transfers so far asked for with a control frame on the shm socket (ClientOptions::
   // shm_control); the others went by gRPC.
   uint64_t ShmControlRequests() const;
@@ -482,6 +490,8 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  // Maps `fd` (owned from here on), hands it over and registers it.
+  absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterMemfd(int fd, uint64_t size);
   std::unique_ptr<Impl> impl_;
 };
 

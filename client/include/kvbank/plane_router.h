@@ -83,6 +83,9 @@ class PlaneRouter {
   // shared-memory plane is off; else Client::RegisterRegion's errors. The router keeps a
   // reference until UnregisterRegion; the region stays registered while any reference lives.
   absl::StatusOr<std::shared_ptr<ShmRegion>> RegisterRegion(uint64_t size);
+  // The same for memory the caller has in a shared file (Client::RegisterRegionFd): buffers in
+  // the region's own mapping (ShmRegion::data()) move on kShm.
+  absl::StatusOr<std::shared_ptr<ShmRegion>> RegisterRegionFd(int fd);
   // Stops routing through `region` (the caller's reference keeps it registered).
   void UnregisterRegion(const std::shared_ptr<ShmRegion>& region);
 
@@ -108,6 +111,8 @@ class PlaneRouter {
  private:
   struct State;
   explicit PlaneRouter(std::unique_ptr<State> state);
+  // Keeps a registered region for routing.
+  absl::StatusOr<std::shared_ptr<ShmRegion>> Track(absl::StatusOr<std::unique_ptr<ShmRegion>> r);
   absl::StatusOr<Client::FetchResult> RouteFetch(const std::string& model, uint64_t id,
                                                  const std::vector<BlockHash>* hashes,
                                                  const Client::FetchArgs& args,
