@@ -27,7 +27,10 @@ copies the backend adds to the SDK's calls (every page between the host pool's t
 slots and kvbank's head-major block layout, one torch copy_ a page); (SDK + copy) / backend
 near 1 says the backend adds nothing beyond that conversion. The first retrieve is checked bit
 for bit against the pages stored. --layout: the host pool's layout (layer_first, page_first,
-page_first_direct, page_head).
+page_first_direct, page_head). --allocator shm: SGLang keeps the host pool in a memfd, and the
+backend moves pages straight between it and kvbankd (zero-copy: no layout copy; kvbank's
+blocks token-major, the SDK's side then uses that layout too); "layout copy" then times what
+the copy path would add.
 
 --mooncake: a third side, SGLang's own Mooncake Store backend (MooncakeStore, the v1 zero-copy
 calls on the same host pool, which it registers with Mooncake) against mooncake_master and one
@@ -50,7 +53,12 @@ import sys
 import tempfile
 import time
 
-import torch
+# NOTE: torch's OpenMP threads spin for a while after each parallel op (GOMP's default active
+# wait), and on a small machine they take the cores kvbankd's copies need: the side timed
+# right after a torch op (the backend's load, after the host slots are zeroed) ran up to 1.5x
+# slower than the same fetch after none. Passive waits keep every side's timing its own.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "tests", "python"))
@@ -79,6 +87,9 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--layout", default="layer_first",
                     choices=["layer_first", "page_first", "page_first_direct", "page_head"])
+    ap.add_argument("--allocator", default="default", choices=["default", "shm"],
+                    help="SGLang's host allocator; shm: the pool in a memfd, which the kvbank "
+                         "backend registers as a region (zero-copy loads and stores)")
     ap.add_argument("--mooncake", action="store_true",
                     help="also SGLang's Mooncake Store backend, against a local Mooncake")
     args = ap.parse_args()
@@ -111,7 +122,7 @@ def main():
         host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 1.0, 0, ps,
                                     args.layout, pin_memory=False,
                                     device_capacity_tokens=kv.size, start_layer=0,
-                                    end_layer=args.layers)
+                                    end_layer=args.layers, allocator_type=args.allocator)
         backend = KvbankHiCacheStorage(_Config(server.target), {})
         backend.register_mem_pool_host(host)
         model = backend.model
@@ -235,8 +246,11 @@ def main():
         print(f"# sglang_bench: commit {commit}, {cpu}, nproc {os.cpu_count()}, "
               f"load {os.getloadavg()[0]:.1f}")
         plane = backend._conn.client.data_plane if backend._conn else "-"
+        mode = "zero-copy (runs of the host pool's memfd)" if backend.zero_copy else \
+            "copied through a staging region"
         print(f"# {n} pages of {page_bytes >> 10} KiB ({total / (1 << 20):.0f} MiB) a rep, "
-              f"{args.reps} reps; data plane {plane}; host layout {args.layout}")
+              f"{args.reps} reps; data plane {plane}; host layout {args.layout}, allocator "
+              f"{args.allocator}; backend {mode}")
         print("| op | backend ms (GB/s) | SDK ms (GB/s) | ratio SDK/backend | layout copy ms |"
               " ratio (SDK + copy)/backend |")
         print("|---|---|---|---|---|---|")

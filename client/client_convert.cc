@@ -50,6 +50,8 @@ void SetSlice(const RegionSlice& slice, v1::RegionSlice* out) {
   out->set_region_id(slice.region_id);
   out->set_offset(slice.offset);
   out->set_length(slice.length);
+  out->set_run_bytes(slice.run_bytes);
+  out->mutable_run_offsets()->Assign(slice.run_offsets.begin(), slice.run_offsets.end());
 }
 
 v1::FetchRequest MakeFetchRequest(const std::string& model, uint64_t id,

@@ -14,6 +14,7 @@ Errors raise kvbank.Error subclasses named after the gRPC code (kvbank.NotFoundE
 
 from . import aio as aio  # kvbank.aio.AsyncClient after a plain `import kvbank`
 from ._client import (
+    MAX_REGION_RUNS,
     Client,
     chain_hash,
     cuda_ipc_handle,
@@ -72,7 +73,8 @@ __all__ = [
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PrefixRoot", "ResourceExhaustedError", "SequenceInfo",
     "UnauthenticatedError", "UnavailableError", "UnimplementedError", "UnknownError",
-    "DEVICE_PLANES", "chain_hash", "choose_device_plane", "cuda_ipc_handle", "layout_fingerprint",
+    "DEVICE_PLANES", "MAX_REGION_RUNS", "chain_hash", "choose_device_plane", "cuda_ipc_handle",
+    "layout_fingerprint",
     "normalize_layout", "numpy_dtype", "prefix_hashes", "preset_layout", "preset_names",
     "root_hash",
 ]

@@ -122,6 +122,29 @@ def _cuda_span(tensor: Any) -> tuple[int, int]:
     return int(tensor.data_ptr()), tensor.numel() * tensor.element_size()
 
 
+# The most runs one scattered transfer may name (fetch_blocks_into_runs, append_runs).
+MAX_REGION_RUNS = 1 << 18
+
+
+def _offsets(run_offsets: Any) -> np.ndarray:
+    """Run offsets as the binding takes them (a negative one raises OverflowError)."""
+    if isinstance(run_offsets, np.ndarray) and run_offsets.dtype == np.uint64:
+        return np.ascontiguousarray(run_offsets)
+    return np.array([int(o) for o in run_offsets], dtype=np.uint64)
+
+
+def _region_of(array: np.ndarray) -> tuple[Any, int]:
+    """The registered region under an array from register_region / register_region_fd (or a
+    view of one), and the array's byte offset in it."""
+    base: object = array
+    while isinstance(base, (np.ndarray, memoryview)):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    if not isinstance(base, _kvbank.Region):
+        raise InvalidArgumentError("not an array from register_region or register_region_fd")
+    start = np.frombuffer(base, dtype=np.uint8).ctypes.data
+    return base, int(np.asarray(array).ctypes.data) - int(start)
+
+
 class Client:
     """A connection to kvbankd. Thread-safe: share one per process.
 
@@ -206,26 +229,54 @@ class Client:
         return np.frombuffer(region, dtype=np.uint8)
 
     def register_region_fd(self, fd: int) -> np.ndarray:
-        """Memory this process already has in a shared file (a memfd or a /dev/shm file, every
-        page written: an engine's host pool, say) registered as a region: the whole file, mapped
-        again and returned as a writable uint8 array over the same bytes. Payloads in that
+        """Memory this process already has in a shared file (a memfd or a /dev/shm file: an
+        engine's host pool, say) registered as a region: the whole file, mapped again and
+        returned as a writable uint8 array over the same bytes. Pages of the file never touched
+        are allocated here, on this process's memory, with no byte changed. Payloads in that
         array (views, tensors over it) move without a copy on this side; an offset into the
         file is the same offset into the array. The file need not be sealed: if its owner
         truncates it, transfers over it fail (FailedPreconditionError) and kvbankd goes on.
         The caller keeps and closes its own descriptor. InvalidArgumentError when kvbankd
-        refuses the file (not tmpfs, a page never written, too large)."""
+        refuses the file (not on tmpfs, too large)."""
         region = self._c.register_region_fd(int(fd))
         return np.frombuffer(region, dtype=np.uint8)
 
     def unregister_region(self, array: np.ndarray) -> None:
         """Stops routing buffers in this region (from register_region) through it; the region
         goes with the last array viewing it."""
-        base: object = array
-        while isinstance(base, (np.ndarray, memoryview)):
-            base = base.base if isinstance(base, np.ndarray) else base.obj
-        if not isinstance(base, _kvbank.Region):
-            raise InvalidArgumentError("not an array from register_region or register_region_fd")
-        self._c.unregister_region(base)
+        self._c.unregister_region(_region_of(array)[0])
+
+    def fetch_blocks_into_runs(self, model: str, hashes: Sequence[bytes], region: np.ndarray,
+                               run_offsets: Union[Sequence[int], np.ndarray], run_bytes: int, *,
+                               layer_begin: int = 0, layer_end: Optional[int] = None,
+                               dtype: Optional[str] = None, kv_head_begin: int = 0,
+                               kv_head_end: Optional[int] = None) -> FetchInfo:
+        """fetch_blocks written into pieces of a registered region, in one call: the payload
+        (per layer K [kv_heads][n][head_dim] then V) cut in runs of run_bytes, run r written at
+        byte run_offsets[r] of `region` (an array from register_region / register_region_fd, or
+        a view of one: offsets count from the view's first byte). Runs may not overlap; at most
+        MAX_REGION_RUNS. So
+        pages land where an engine's host pool keeps them, without a copy on this side.
+        info.payload_bytes says how many leading runs' bytes the cached run filled."""
+        reg, base = _region_of(region)
+        return self._c.fetch_blocks_to_region_runs(
+            model, [bytes(h) for h in hashes], reg, base, int(run_bytes),
+            _offsets(run_offsets), layer_begin, layer_end, dtype, kv_head_begin, kv_head_end)
+
+    def append_runs(self, model: str, seq_id: int, region: np.ndarray,
+                    run_offsets: Union[Sequence[int], np.ndarray], run_bytes: int, *,
+                    num_tokens: int,
+                    layer_begin: int = 0, layer_end: Optional[int] = None,
+                    dtype: Optional[str] = None, token_ids: Optional[Sequence[int]] = None,
+                    kv_head_begin: int = 0, kv_head_end: Optional[int] = None) -> SequenceInfo:
+        """append whose payload is gathered from pieces of a registered region (as
+        fetch_blocks_into_runs): run r, run_bytes long, at byte run_offsets[r] of `region`;
+        run_bytes x the runs must be the payload's size."""
+        reg, base = _region_of(region)
+        return self._c.append_from_region_runs(
+            model, seq_id, reg, base, int(run_bytes), _offsets(run_offsets),
+            num_tokens, layer_begin, layer_end, dtype, list(token_ids or ()), kv_head_begin,
+            kv_head_end)
 
     # ---- CUDA IPC (same host, a kvbankd with a cuda:N pool) --------------------------------
 

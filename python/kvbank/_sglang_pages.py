@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -61,6 +62,8 @@ class PageLayout:
         self.size = int(host.size)
         self.page_elems = 2 * self.layers * self.tokens * self.heads * self.dim
         self.page_bytes = self.page_elems * buf.element_size()
+        # kvbank's blocks in the zero-copy mapping (token_major_layout) rather than its MHA one.
+        self.token_major = False
 
     def model_layout(self, name: str, num_q_heads: int = 0) -> dict[str, Any]:
         """kvbank's layout dict: one block per page, the pool's layers, heads, dim and dtype."""
@@ -69,6 +72,44 @@ class PageLayout:
         return {"name": name, "num_layers": self.layers, "num_q_heads": q_heads,
                 "num_kv_heads": self.heads, "head_dim": self.dim, "block_tokens": self.tokens,
                 "kind": kind, "dtype": self.dtype}
+
+    # ---- the zero-copy mapping (token-major blocks, runs in the host pool) -----------------
+    #
+    # A model declared with one kv head of heads * dim values a token keeps, per layer, K
+    # [tokens][heads * dim] then V: each (layer, K or V) of a page is one run of a host pool in
+    # layer_first or page_first_direct order, so pages move between kvbankd and the host pool
+    # with no copy on this side (RegionSlice runs).
+    RUN_LAYOUTS = ("layer_first", "page_first_direct")
+
+    def token_major_layout(self, name: str, num_q_heads: int = 0) -> dict[str, Any]:
+        """kvbank's layout dict of the zero-copy mapping (see above)."""
+        return {"name": name, "num_layers": self.layers, "num_q_heads": num_q_heads or 1,
+                "num_kv_heads": 1, "head_dim": self.heads * self.dim,
+                "block_tokens": self.tokens, "kind": "mqa", "dtype": self.dtype}
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes of one (layer, K or V) of a page."""
+        return self.tokens * self.heads * self.dim * self.host.kv_buffer.element_size()
+
+    def fetch_runs(self, starts: list[int], base: int = 0) -> np.ndarray:
+        """Run offsets (uint64, from byte `base` of the host buffer) of a FetchBlocks of these
+        pages (in this order) under the zero-copy mapping: its payload is, per layer, K of every
+        page then V of every page. Computed as arrays: a batch has 2 x layers x pages runs."""
+        t, rb = self.tokens, self.run_bytes
+        s = np.asarray(starts, dtype=np.uint64)
+        layer = np.arange(self.layers, dtype=np.uint64)[:, None, None]
+        kv = np.arange(2, dtype=np.uint64)[None, :, None]
+        if self.layout == "layer_first":  # [2][layers][size][heads][dim]
+            at = ((kv * self.layers + layer) * self.size + s[None, None, :]) * (rb // t)
+        else:  # page_first_direct: [2][pages][layers][tokens][heads][dim]
+            pages = self.size // t
+            at = ((kv * pages + (s // t)[None, None, :]) * self.layers + layer) * rb
+        return (at + np.uint64(base)).reshape(-1)
+
+    def page_runs(self, start: int, base: int = 0) -> np.ndarray:
+        """Run offsets of one page's block (an append's payload)."""
+        return self.fetch_runs([start], base)
 
     def page_start(self, host_indices: torch.Tensor, i: int) -> int:
         """The first token slot of page i of a v1 call's host_indices (page_size slots a page),
@@ -114,13 +155,18 @@ class PageLayout:
         append's payload after the other) as a [2][layers][tokens][heads][dim] view of
         kvbank's [layers][2][heads][tokens][dim]."""
         e = self.page_elems
-        return buf[j * e:(j + 1) * e].view(self.layers, 2, self.heads, self.tokens,
-                                            self.dim).permute(1, 0, 3, 2, 4)
+        flat = buf[j * e:(j + 1) * e]
+        if self.token_major:
+            return flat.view(self.layers, 2, self.tokens, self.heads, self.dim).transpose(0, 1)
+        return flat.view(self.layers, 2, self.heads, self.tokens, self.dim).permute(1, 0, 3, 2, 4)
 
     def fetched(self, buf: torch.Tensor, n: int, j: int) -> torch.Tensor:
         """Block j of a fetch of n blocks (FetchBlocks' payload: per layer K [heads][n * tokens]
         [dim] then V, the blocks' tokens one after the other) as a [2][layers][tokens][heads]
         [dim] view."""
         t = self.tokens
+        if self.token_major:
+            payload = buf[:n * self.page_elems].view(self.layers, 2, n * t, self.heads, self.dim)
+            return payload[:, :, j * t:(j + 1) * t].transpose(0, 1)
         payload = buf[:n * self.page_elems].view(self.layers, 2, self.heads, n * t, self.dim)
         return payload[:, :, :, j * t:(j + 1) * t].permute(1, 0, 3, 2, 4)

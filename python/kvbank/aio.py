@@ -321,6 +321,31 @@ class AsyncClient:
             layer_end=layer_end, dtype=dtype, kv_head_begin=kv_head_begin,
             kv_head_end=kv_head_end)
 
+    async def fetch_blocks_into_runs(self, model: str, hashes: Sequence[bytes],
+                                     region: np.ndarray,
+                                     run_offsets: Union[Sequence[int], np.ndarray],
+                                     run_bytes: int, *, layer_begin: int = 0,
+                                     layer_end: Optional[int] = None,
+                                     dtype: Optional[str] = None, kv_head_begin: int = 0,
+                                     kv_head_end: Optional[int] = None) -> FetchInfo:
+        """Client.fetch_blocks_into_runs, awaited."""
+        return await self._call(
+            self.client.fetch_blocks_into_runs, model, hashes, region, run_offsets, run_bytes,
+            layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
+            kv_head_begin=kv_head_begin, kv_head_end=kv_head_end)
+
+    async def append_runs(self, model: str, seq_id: int, region: np.ndarray,
+                          run_offsets: Union[Sequence[int], np.ndarray], run_bytes: int, *,
+                          num_tokens: int, layer_begin: int = 0,
+                          layer_end: Optional[int] = None, dtype: Optional[str] = None,
+                          token_ids: Optional[Sequence[int]] = None, kv_head_begin: int = 0,
+                          kv_head_end: Optional[int] = None) -> SequenceInfo:
+        """Client.append_runs, awaited."""
+        return await self._call(
+            self.client.append_runs, model, seq_id, region, run_offsets, run_bytes,
+            num_tokens=num_tokens, layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
+            token_ids=token_ids, kv_head_begin=kv_head_begin, kv_head_end=kv_head_end)
+
     async def fetch_blocks_into(self, model: str, hashes: Sequence[bytes], out: Any, *,
                                 layer_begin: int = 0, layer_end: Optional[int] = None,
                                 dtype: Optional[str] = None, kv_head_begin: int = 0,

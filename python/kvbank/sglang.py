@@ -7,10 +7,18 @@
             "interface_v1": 1, "kvbank_target": "127.0.0.1:50051"}'
 
 With "interface_v1": 1 SGLang's controller calls batch_set_v1 / batch_get_v1 with the host
-pool's slots: pages are copied between the host pool and kvbank's blocks through a
-shared-memory region registered with kvbankd (one strided copy per page on this side, none in
-the SDK); batch_exists asks kvbank's Match for the leading run of pages it holds. Without
+pool's slots; batch_exists asks kvbank's Match for the leading run of pages it holds. Without
 interface_v1 the get / set / batch_get / batch_set / exists path works too (a page a call).
+
+Zero-copy (add "allocator": "shm" to the extra config, host layout layer_first or
+page_first_direct, kvbankd on the same host): SGLang then keeps its host pool in a memfd, which
+the backend registers with kvbankd as it is (register_region_fd). A page's layers, K and V,
+are runs of that file, and kvbank's blocks are declared token-major (one kv head of heads x
+head_dim values: per layer K [tokens][heads x head_dim] then V), so a store appends each page
+straight from the pool and a load fetches a batch's pages straight into their slots, in one
+call (fetch_blocks_into_runs): no copy in this process. Otherwise pages are copied between
+the host pool and kvbank's MHA blocks through a shared-memory staging region (one strided copy
+per page on this side, none in the SDK).
 
 Mapping:
   page            one kvbank block: page_size tokens = the model's block_tokens, every layer of
@@ -19,7 +27,8 @@ Mapping:
   model           registered with ensure_model from the host pool: layers, kv heads, head_dim,
                   page size, dtype; named "sglang/<served model>" (kvbank_model), with
                   "/tp<size>-<rank>" and "/pp<size>-<rank>" when there are several ranks (each
-                  rank stores its own heads or layers in its own model)
+                  rank stores its own heads or layers in its own model), and "/token-major"
+                  after it for the zero-copy layout (unless kvbank_model names it)
   page key        the extra key ("custom", UTF-8 bytes of SGLang's page key in hex) of a block
                   whose tokens are page_size zeros, hashed from the model's prefix root: every
                   page is a chain of one block, so it is found whichever pages came before it
@@ -63,6 +72,8 @@ variable for the target):
                        (default 64 MiB, at least one page)
   kvbank_io_threads    stores of a batch in flight at once (default 2)
   kvbank_shm           use kvbankd's shared-memory plane when it serves one (default true)
+  kvbank_zero_copy     "auto" (default): zero-copy when the host pool allows it (see above);
+                       false: always the staging copy and kvbank's MHA block layout
   kvbank_retry_s       least seconds between reconnections (default 2)
 """
 
@@ -105,6 +116,16 @@ def page_key_value(key: Any) -> str | None:
     return raw.hex() if raw else None
 
 
+def _model_name(name: str, token_major: bool = False) -> str:
+    """The kvbank model of a backend: `name`, "/token-major" after it for the zero-copy
+    mapping's blocks (another layout, so another model), cut to kvbank's 128 characters."""
+    if token_major:
+        name += "/token-major"
+    if len(name) > 128:  # kvbank's limit: keep the end
+        name = "sglang/..." + name[-118:]
+    return name
+
+
 class _Staging:
     """A flat buffer of whole blocks in the pool's dtype, in a shared-memory region registered
     with kvbankd where it can be (payloads there move without a copy in the SDK), and the lock
@@ -136,12 +157,17 @@ class _Conn:
         self.store = store
         self.load = load
         self.pages = pages  # blocks each staging buffer holds
+        # Zero-copy: the host pool's file as a region (register_region_fd), and the byte offset
+        # of the pool's buffer in it.
+        self.host_region: Any = None
+        self.host_offset = 0
 
     def close(self) -> None:
-        for st in (self.store, self.load):
-            if st.region is not None:
+        regions = [st.region for st in (self.store, self.load)] + [self.host_region]
+        for region in regions:
+            if region is not None:
                 try:
-                    self.client.unregister_region(st.region)
+                    self.client.unregister_region(region)
                 except Exception:  # noqa: BLE001 - best effort on a connection being dropped
                     pass
         self.client.close()
@@ -168,9 +194,10 @@ class KvbankHiCacheStorage(HiCacheStorage):
             name += f"/tp{tp_size}-{getattr(storage_config, 'tp_rank', 0)}"
         if pp_size > 1:
             name += f"/pp{pp_size}-{getattr(storage_config, 'pp_rank', 0)}"
-        if len(name) > 128:  # kvbank's limit: keep the end
-            name = "sglang/..." + name[-118:]
-        self.model = name
+        self._explicit_model = bool(extra.get("kvbank_model"))
+        self._base_model = name
+        self.model = _model_name(name)
+        self._zero_copy_opt = str(extra.get("kvbank_zero_copy", "auto")).lower()
         self._q_heads = int(extra.get("kvbank_num_q_heads", 0))
         self._pool_bytes = int(extra.get("kvbank_pool_bytes", 0))
         self._deadline_s = float(settings["deadline_s"])
@@ -180,6 +207,9 @@ class KvbankHiCacheStorage(HiCacheStorage):
         self._shm = bool(settings["shm"])
         self._retry_s = float(extra.get("kvbank_retry_s", 2.0))
         self.pages: PageLayout | None = None
+        # The host pool's shared file (fd, byte offset of its buffer) when it has one.
+        self._host_file: tuple[int, int] | None = None
+        self.zero_copy = False  # the connection moves v1 pages straight to / from the pool
         self._conn: _Conn | None = None
         self._conn_lock = threading.Lock()
         self._next_try = 0.0
@@ -194,10 +224,38 @@ class KvbankHiCacheStorage(HiCacheStorage):
         connects; a kvbankd that cannot be reached yet is tried again at the first call."""
         super().register_mem_pool_host(mem_pool_host)
         self.pages = PageLayout(mem_pool_host)
+        self._host_file = None
+        if self._zero_copy_opt not in ("0", "false", "no", "off"):
+            why = self._find_host_file(mem_pool_host)
+            if why:
+                logger.info("kvbank.sglang: pages copied through a staging region: %s", why)
         if self._connection() is not None:
-            logger.info("kvbank.sglang: model %s on %s (%d-token pages of %d bytes, %s)",
+            logger.info("kvbank.sglang: model %s on %s (%d-token pages of %d bytes, %s, %s)",
                         self.model, self._target, self.pages.tokens, self.pages.page_bytes,
-                        self._conn.client.data_plane if self._conn else "-")
+                        self._conn.client.data_plane if self._conn else "-",
+                        "zero-copy" if self.zero_copy else "copied")
+
+    def _find_host_file(self, host: Any) -> str:
+        """Sets _host_file when the zero-copy path can serve this pool; else says why not."""
+        pages = self.pages
+        assert pages is not None
+        if pages.layout not in PageLayout.RUN_LAYOUTS:
+            return (f"layout {pages.layout} keeps a page's layer apart "
+                    f"(zero-copy takes {' or '.join(PageLayout.RUN_LAYOUTS)})")
+        allocator = getattr(host, "allocator", None)
+        fds = getattr(allocator, "fds", None) or []
+        mms = getattr(allocator, "mms", None) or []
+        if len(fds) != 1 or len(mms) != 1:
+            return ('the host pool is not in one shared file (set "allocator": "shm" in '
+                    "--hicache-storage-backend-extra-config)")
+        import numpy as np
+        base = int(np.frombuffer(mms[0], dtype=np.uint8).ctypes.data)
+        buf = host.kv_buffer
+        offset = int(buf.data_ptr()) - base
+        if offset < 0 or offset + buf.numel() * buf.element_size() > len(mms[0]):
+            return "the host pool's buffer is not inside its shared file"
+        self._host_file = (int(fds[0]), offset)
+        return ""
 
     def _connection(self) -> _Conn | None:
         """The live connection, made (client, model, root, regions) when there is none and the
@@ -217,14 +275,30 @@ class KvbankHiCacheStorage(HiCacheStorage):
             try:
                 client = kvbank.Client(self._target, self._token, deadline_s=self._deadline_s,
                                        tls=self._tls, shm=self._shm)
-                client.ensure_model(pages.model_layout(self.model, self._q_heads),
-                                    pool_bytes=self._pool_bytes)
+                # Zero-copy: the host pool's own file as a region, blocks token-major.
+                region = None
+                if self._host_file is not None and self._shm and client.data_plane == "shm":
+                    try:
+                        region = client.register_region_fd(self._host_file[0])
+                    except kvbank.Error as e:
+                        logger.warning("kvbank.sglang: the host pool cannot be a region (%s): "
+                                       "pages copied through a staging region", e)
+                pages.token_major = region is not None
+                self.zero_copy = region is not None
+                self.model = _model_name(self._base_model, self.zero_copy and
+                                         not self._explicit_model)
+                layout = (pages.token_major_layout if self.zero_copy
+                          else pages.model_layout)(self.model, self._q_heads)
+                client.ensure_model(layout, pool_bytes=self._pool_bytes)
                 r = client.get_prefix_root(self.model)
                 n = max(1, self._region_bytes // pages.page_bytes)
                 nbytes = n * pages.page_bytes
                 store = _Staging(client, nbytes, pages.torch_dtype, self._shm)
                 load = _Staging(client, nbytes, pages.torch_dtype, self._shm)
                 self._conn = _Conn(client, r.root, r.algorithm, store, load, n)
+                if region is not None:
+                    self._conn.host_region = region
+                    self._conn.host_offset = self._host_file[1] if self._host_file else 0
             except Exception as e:  # noqa: BLE001 - kvbank down: a miss until it is back
                 logger.warning("kvbank.sglang: cannot reach kvbank at %s: %s", self._target, e)
                 if client is not None:
@@ -349,6 +423,10 @@ class KvbankHiCacheStorage(HiCacheStorage):
             starts.append(s)
         try:
             hashes = self._hashes(conn, keys[:len(starts)])
+            if conn.host_region is not None:
+                for i in range(self._fetch_runs(conn, hashes, starts)):
+                    results[i] = True
+                return results
 
             def put(i: int, block: torch.Tensor) -> None:
                 pages.host_page(starts[i]).copy_(block)
@@ -358,6 +436,39 @@ class KvbankHiCacheStorage(HiCacheStorage):
         except Exception as e:  # noqa: BLE001 - a miss, never an exception into SGLang
             self._failed(conn, "load", e)
         return results
+
+    def _fetch_runs(self, conn: _Conn, hashes: list[bytes], starts: list[int]) -> int:
+        """Zero-copy load: FetchBlocks of the leading run of `hashes` straight into the host
+        pool's pages at `starts` (each page's layers, K and V, as runs of the pool's file);
+        returns how many pages it loaded. When kvbank holds fewer pages than asked, the runs it
+        wrote were laid out for the longer fetch: those pages are fetched again, exactly, and
+        the slots past them (this call's, answered False) hold bytes of no meaning."""
+        pages = self.pages
+        assert pages is not None
+        per_call = max(1, kvbank.MAX_REGION_RUNS // (2 * pages.layers))
+        done = 0
+        while done < len(hashes):
+            want = min(per_call, len(hashes) - done)
+            asked = want
+            while True:
+                offsets = pages.fetch_runs(starts[done:done + want], conn.host_offset)
+                try:
+                    info = conn.client.fetch_blocks_into_runs(
+                        self.model, hashes[done:done + want], conn.host_region, offsets,
+                        pages.run_bytes)
+                except kvbank.NotFoundError:
+                    return done  # not even the first page: a miss
+                n = min(want, int(info.num_tokens) // pages.tokens)
+                if int(info.payload_bytes) != n * pages.page_bytes:
+                    raise kvbank.DataLossError(
+                        f"kvbank.sglang: {info.payload_bytes} bytes for {n} pages")
+                if n == want:
+                    break
+                want = n
+            done += want
+            if want < asked:
+                break
+        return done
 
     def batch_get(self, keys: list[str], target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> list[torch.Tensor | None]:
@@ -393,9 +504,9 @@ class KvbankHiCacheStorage(HiCacheStorage):
 
     # ---- stores -----------------------------------------------------------------------------
 
-    def _store_one(self, conn: _Conn, key_value: str, payload: torch.Tensor) -> bool:
+    def _store_one(self, conn: _Conn, key_value: str, send: Any) -> bool:
         """One page: a sequence created with the page's name (a page kvbank holds is attached
-        and not sent), its block appended from the staging buffer, the sequence freed."""
+        and not sent), its block appended by send(sequence id), the sequence freed."""
         pages = self.pages
         assert pages is not None
         client = conn.client
@@ -403,13 +514,35 @@ class KvbankHiCacheStorage(HiCacheStorage):
                                      extra_keys=[("custom", key_value)])
         try:
             if seq.cached_tokens < pages.tokens:
-                client.append(self.model, seq.id, payload, num_tokens=pages.tokens)
+                send(seq.id)
         finally:
             try:
                 client.free(self.model, seq.id)  # the published block stays cached
             except kvbank.Error:
                 pass  # its lease frees it
         return True
+
+    def _store_runs(self, conn: _Conn, values: list[str | None],
+                    starts: list[int]) -> list[bool]:
+        """Zero-copy stores: each page appended straight from the host pool's file (its layers,
+        K and V, as runs), io_threads pages at once."""
+        pages = self.pages
+        assert pages is not None
+
+        def send(start: int) -> Any:
+            return lambda seq_id: conn.client.append_runs(
+                self.model, seq_id, conn.host_region, pages.page_runs(start, conn.host_offset),
+                pages.run_bytes, num_tokens=pages.tokens)
+
+        futures = {i: self._pool.submit(self._store_one, conn, str(v), send(starts[i]))
+                   for i, v in enumerate(values) if v is not None}
+        results = [False] * len(values)
+        for i, f in futures.items():
+            try:
+                results[i] = f.result()
+            except Exception as err:  # noqa: BLE001 - False, never an exception
+                self._failed(conn, "store", err)
+        return results
 
     def _store(self, conn: _Conn, values: list[str | None], fill: Any) -> list[bool]:
         """Stores pages i with values[i] (None: a bad key, not stored), fill(i, block view)
@@ -429,8 +562,11 @@ class KvbankHiCacheStorage(HiCacheStorage):
                 try:
                     for j, i in enumerate(idx):
                         fill(i, pages.block(st.buf, j))
-                        futures[i] = self._pool.submit(self._store_one, conn, str(values[i]),
-                                                       st.buf[j * e:(j + 1) * e])
+                        payload = st.buf[j * e:(j + 1) * e]
+                        futures[i] = self._pool.submit(
+                            self._store_one, conn, str(values[i]),
+                            lambda seq_id, p=payload: conn.client.append(
+                                self.model, seq_id, p, num_tokens=pages.tokens))
                 finally:
                     for i, f in futures.items():  # the buffer is reused once the lock is free
                         try:
@@ -451,6 +587,8 @@ class KvbankHiCacheStorage(HiCacheStorage):
         try:
             starts = [pages.page_start(host_indices, i) for i in range(len(keys))]
             values = [page_key_value(k) if s >= 0 else None for k, s in zip(keys, starts)]
+            if conn.host_region is not None:
+                return self._store_runs(conn, values, starts)
             return self._store(conn, values,
                                lambda i, block: block.copy_(pages.host_page(starts[i])))
         except Exception as e:  # noqa: BLE001 - False, never an exception into SGLang

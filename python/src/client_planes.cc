@@ -22,6 +22,16 @@
 namespace py = pybind11;
 
 namespace kvbank::python {
+namespace {
+
+// A scattered slice's run offsets: any integer array or sequence, as uint64.
+using RunOffsets = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+std::vector<uint64_t> ToVector(const RunOffsets& a) {
+  return std::vector<uint64_t>(a.data(), a.data() + a.size());
+}
+
+}  // namespace
 
 void BindRegion(py::module_& m) {
   // A registered shared-memory region: writable bytes (buffer protocol) that payloads move
@@ -76,6 +86,46 @@ void BindShmPlane(py::class_<PyClient>& c) {
             return CallWithoutGil([&] { return self.planes().RegisterRegionFd(fd); });
           },
           py::arg("fd"))
+      .def(
+          "fetch_blocks_to_region_runs",
+          // FetchBlocks into runs of a registered region (RegionSlice's run_bytes / run_offsets).
+          [](PyClient& self, const std::string& model, const std::vector<py::bytes>& hashes,
+             const std::shared_ptr<ShmRegion>& region, uint64_t offset, uint64_t run_bytes,
+             const RunOffsets& run_offsets, uint32_t layer_begin, std::optional<uint32_t> layer_end,
+             const std::optional<std::string>& dtype, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const std::vector<BlockHash> hs = ToHashes(hashes);
+            const Client::FetchArgs a = MakeFetchArgs(0, std::nullopt, layer_begin, layer_end,
+                                                      dtype, kv_head_begin, kv_head_end);
+            RegionSlice slice{region->id(), offset, 0, run_bytes, ToVector(run_offsets)};
+            return FromFetchResult(
+                CallWithoutGil([&] { return self.c().FetchBlocksToRegion(model, hs, a, slice); }));
+          },
+          py::arg("model"), py::arg("hashes"), py::arg("region"), py::arg("offset"),
+          py::arg("run_bytes"), py::arg("run_offsets"), py::arg("layer_begin") = 0,
+          py::arg("layer_end") = py::none(), py::arg("dtype") = py::none(),
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
+      .def(
+          "append_from_region_runs",
+          // Append from runs of a registered region.
+          [](PyClient& self, const std::string& model, uint64_t id,
+             const std::shared_ptr<ShmRegion>& region, uint64_t offset, uint64_t run_bytes,
+             const RunOffsets& run_offsets, uint64_t num_tokens, uint32_t layer_begin,
+             std::optional<uint32_t> layer_end, const std::optional<std::string>& dtype,
+             std::vector<uint32_t> token_ids, uint32_t kv_head_begin,
+             std::optional<uint32_t> kv_head_end) {
+            const Client::AppendArgs a =
+                MakeAppendArgs(num_tokens, layer_begin, layer_end, dtype, std::move(token_ids),
+                               kv_head_begin, kv_head_end);
+            RegionSlice slice{region->id(), offset, 0, run_bytes, ToVector(run_offsets)};
+            return FromSequenceInfo(
+                CallWithoutGil([&] { return self.c().AppendFromRegion(model, id, a, slice); }));
+          },
+          py::arg("model"), py::arg("id"), py::arg("region"), py::arg("offset"),
+          py::arg("run_bytes"), py::arg("run_offsets"), py::arg("num_tokens"),
+          py::arg("layer_begin") = 0, py::arg("layer_end") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{},
+          py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
           "unregister_region",
           [](PyClient& self, const std::shared_ptr<ShmRegion>& r) {

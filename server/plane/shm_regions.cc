@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -738,6 +739,45 @@ absl::StatusOr<RegionBytes> ShmRegions::Resolve(const std::string& tenant, uint6
   RegionBytes out;
   out.bytes = absl::MakeSpan(mapping->data() + offset, length);
   out.mapping = std::move(mapping);
+  return out;
+}
+
+absl::StatusOr<RegionRuns> ShmRegions::ResolveRuns(const std::string& tenant, uint64_t id,
+                                                   uint64_t offset, uint64_t run_bytes,
+                                                   absl::Span<const uint64_t> run_offsets,
+                                                   absl::string_view field) const {
+  if (run_offsets.empty() || run_offsets.size() > kMaxRegionRuns) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".run_offsets: ", run_offsets.size(),
+                                                   " runs (1 .. ", kMaxRegionRuns, ")"));
+  }
+  if (run_bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".run_bytes is 0 with run_offsets set"));
+  }
+  std::vector<uint64_t> sorted(run_offsets.begin(), run_offsets.end());
+  std::sort(sorted.begin(), sorted.end());
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  if (sorted.back() > max - run_bytes || offset > max - (sorted.back() + run_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": offset ", offset, " + run offset ",
+                                                   sorted.back(), " + run_bytes ", run_bytes,
+                                                   " overflows"));
+  }
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i] - sorted[i - 1] < run_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": runs at ", sorted[i - 1], " and ",
+                                                     sorted[i], " of ", run_bytes,
+                                                     " bytes overlap"));
+    }
+  }
+  // One check for the span the runs lie in (bounds, tenancy, the file whole, its pages there).
+  auto span = Resolve(tenant, id, offset + sorted.front(),
+                      sorted.back() + run_bytes - sorted.front(), field);
+  if (!span.ok()) return span.status();
+  RegionRuns out;
+  out.run_bytes = run_bytes;
+  out.runs.reserve(run_offsets.size());
+  uint8_t* const base = span->bytes.data() - sorted.front();
+  for (uint64_t r : run_offsets) out.runs.push_back(absl::MakeSpan(base + r, run_bytes));
+  out.mapping = std::move(span->mapping);
   return out;
 }
 

@@ -40,6 +40,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -113,6 +114,27 @@ struct RegionBytes {
   std::shared_ptr<ShmMapping> mapping;
   absl::Span<uint8_t> bytes;
 };
+
+// Runs of a region in payload order (ShmRegions::ResolveRuns), each run_bytes long.
+struct RegionRuns {
+  std::shared_ptr<ShmMapping> mapping;
+  uint64_t run_bytes = 0;
+  std::vector<absl::Span<uint8_t>> runs;
+  uint64_t size() const { return run_bytes * runs.size(); }
+  // Payload bytes [at, at + n) as the pieces of runs they lie in, in order.
+  template <typename Fn>  // absl::Status(uint64_t payload_at, absl::Span<uint8_t> piece)
+  absl::Status ForEachPiece(uint64_t at, uint64_t n, Fn&& fn) const {
+    while (n > 0) {
+      const uint64_t r = at / run_bytes, within = at % run_bytes;
+      const uint64_t len = std::min(n, run_bytes - within);
+      if (absl::Status s = fn(at, runs[r].subspan(within, len)); !s.ok()) return s;
+      at += len;
+      n -= len;
+    }
+    return absl::OkStatus();
+  }
+};
+inline constexpr uint64_t kMaxRegionRuns = uint64_t{1} << 18;
 
 // Where kvbankd puts its shm socket when --shm-socket is left at "auto": the folder kvbank in
 // $XDG_RUNTIME_DIR, else /tmp/kvbank-<uid>; made with mode 0700 when missing, and refused when it
@@ -192,6 +214,13 @@ class ShmRegions {
   // punched out (ShmMapping::CheckAllocated).
   absl::StatusOr<RegionBytes> Resolve(const std::string& tenant, uint64_t id, uint64_t offset,
                                       uint64_t length, absl::string_view field) const;
+  // The runs of a scattered slice (v1::RegionSlice's run_bytes / run_offsets): run r at
+  // offset + run_offsets[r]. Resolve's errors for the span from the first run's start to the
+  // last one's end, and INVALID_ARGUMENT naming `field` for no runs or more than
+  // kMaxRegionRuns, run_bytes 0, an offset that overflows or runs that overlap.
+  absl::StatusOr<RegionRuns> ResolveRuns(const std::string& tenant, uint64_t id, uint64_t offset,
+                                         uint64_t run_bytes, absl::Span<const uint64_t> run_offsets,
+                                         absl::string_view field) const;
 
   // Control frames go to `handler`, called on the listener thread (it must not block: work that
   // may goes to other threads). Null: frames are answered UNAVAILABLE. Setting it waits until no

@@ -38,40 +38,76 @@ absl::StatusOr<plane::ShmRegions*> KvBankService::ShmPlane() const {
   return options_.shm_regions.get();
 }
 
+namespace {
+
+// A shared-memory slice as runs: a plain slice is one run; a scattered one its runs.
+absl::StatusOr<plane::RegionRuns> ResolveSlice(const plane::ShmRegions& regions,
+                                               const std::string& tenant,
+                                               const v1::RegionSlice& slice,
+                                               absl::string_view field) {
+  if (slice.run_offsets_size() == 0) {
+    if (slice.run_bytes() != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".run_bytes is set without run_offsets"));
+    }
+    auto bytes = regions.Resolve(tenant, slice.region_id(), slice.offset(), slice.length(), field);
+    if (!bytes.ok()) return bytes.status();
+    plane::RegionRuns out;
+    out.run_bytes = bytes->bytes.size();
+    out.runs.push_back(bytes->bytes);
+    out.mapping = std::move(bytes->mapping);
+    return out;
+  }
+  const uint64_t n = uint64_t(slice.run_offsets_size()), rb = slice.run_bytes();
+  if (slice.length() != 0 && (rb == 0 || slice.length() % rb != 0 || slice.length() / rb != n)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".length ", slice.length(),
+                                                   " is not run_bytes ", rb, " x ", n, " runs"));
+  }
+  return regions.ResolveRuns(tenant, slice.region_id(), slice.offset(), rb,
+                             absl::MakeConstSpan(slice.run_offsets().data(), n), field);
+}
+
+}  // namespace
+
 absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const SequenceStore& model,
                                              const v1::RegionSlice& source, AppendTxn* txn) const {
   auto regions = ShmPlane();
   if (!regions.ok()) return regions.status();
-  auto bytes = (*regions)->Resolve(tenant, source.region_id(), source.offset(), source.length(),
-                                   "header.source");
-  if (!bytes.ok()) return bytes.status();
-  if (source.length() != txn->payload_bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("header.source.length ", source.length(),
+  auto runs = ResolveSlice(**regions, tenant, source, "header.source");
+  if (!runs.ok()) return runs.status();
+  if (runs->size() != txn->payload_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.source.length ", runs->size(),
                                                    " is not the payload's ", txn->payload_bytes(),
                                                    " bytes"));
   }
-  const std::vector<DType>& stored = model.layout().layer_dtypes;
-  const bool plain =
-      std::all_of(stored.begin(), stored.end(), [&](DType d) { return d == txn->dtype(); });
   // An unsealed region that its owner truncated under the copy read throwaway pages: the append
   // fails before it commits (CheckIntact).
   auto intact = [&]() {
-    absl::Status s = bytes->mapping->CheckIntact();
+    absl::Status s = runs->mapping->CheckIntact();
     return s.ok() ? s : absl::Status(s.code(), absl::StrCat("header.source: ", s.message()));
   };
+  const std::vector<DType>& stored = model.layout().layer_dtypes;
+  const bool plain =
+      std::all_of(stored.begin(), stored.end(), [&](DType d) { return d == txn->dtype(); });
   if (plain) {
-    if (absl::Status s = txn->Write(bytes->bytes); !s.ok()) return s;
+    for (absl::Span<uint8_t> run : runs->runs) {
+      if (absl::Status s = txn->Write(run); !s.ok()) return s;
+    }
     return intact();
   }
   // NOTE: the client may change its region while this reads it. A copy is harmless (the client
   // gets what it wrote), but a conversion reads values more than once (the NaN check, an fp8
   // group's scale, then the codes): it gets each piece from a private copy, read once.
-  std::vector<uint8_t> piece(std::min<uint64_t>(bytes->bytes.size(), uint64_t{1} << 20));
-  for (uint64_t at = 0; at < bytes->bytes.size(); at += piece.size()) {
-    const uint64_t n = std::min<uint64_t>(piece.size(), bytes->bytes.size() - at);
-    std::memcpy(piece.data(), bytes->bytes.data() + at, n);
-    if (absl::Status s = intact(); !s.ok()) return s;
-    if (absl::Status s = txn->Write(absl::MakeConstSpan(piece.data(), n)); !s.ok()) return s;
+  std::vector<uint8_t> piece(std::min<uint64_t>(runs->size(), uint64_t{1} << 20));
+  for (uint64_t at = 0; at < runs->size(); at += piece.size()) {
+    const uint64_t n = std::min<uint64_t>(piece.size(), runs->size() - at);
+    absl::Status s = runs->ForEachPiece(at, n, [&](uint64_t p, absl::Span<uint8_t> from) {
+      std::memcpy(piece.data() + (p - at), from.data(), from.size());
+      return absl::OkStatus();
+    });
+    if (s.ok()) s = intact();
+    if (s.ok()) s = txn->Write(absl::MakeConstSpan(piece.data(), n));
+    if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
@@ -218,18 +254,19 @@ absl::StatusOr<KvBankService::RegionSink> KvBankService::RegionSinkFor(
     const std::string& tenant, const v1::RegionSlice& dest) const {
   auto regions = ShmPlane();
   if (!regions.ok()) return regions.status();
-  auto bytes = (*regions)->Resolve(tenant, dest.region_id(), dest.offset(), dest.length(), "dest");
-  if (!bytes.ok()) return bytes.status();
-  return RegionSink([this, tenant, region = *std::move(bytes)](FetchReader& reader,
-                                                               const std::atomic<bool>& ended) {
+  auto runs = ResolveSlice(**regions, tenant, dest, "dest");
+  if (!runs.ok()) return runs.status();
+  return RegionSink([this, tenant, region = *std::move(runs)](FetchReader& reader,
+                                                              const std::atomic<bool>& ended) {
     const uint64_t n = reader.payload_bytes();
-    if (n > region.bytes.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.bytes.size(),
+    if (n > region.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("dest.length ", region.size(),
                                                      " is less than the payload's ", n,
                                                      " bytes; nothing was written"));
     }
     auto copy = [&](uint64_t at, uint64_t len) {
-      return reader.Read(at, region.bytes.subspan(at, len));
+      return region.ForEachPiece(
+          at, len, [&](uint64_t p, absl::Span<uint8_t> to) { return reader.Read(p, to); });
     };
     SplitCopyOptions split;
     if (n >= kSplitRegionCopyBytes && reader.ConcurrentReads()) {
@@ -329,6 +366,10 @@ absl::StatusOr<plane::DeviceBytes> KvBankService::ResolveDeviceSlice(
     absl::string_view field) const {
   if (slice.region_id() == 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".region_id is 0 (unset)"));
+  }
+  if (slice.run_offsets_size() != 0 || slice.run_bytes() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": runs (run_bytes, run_offsets) are for shared-memory regions only"));
   }
   auto ipc = CudaIpcPlane();
   if (!ipc.ok()) return ipc.status();

@@ -405,6 +405,96 @@ TEST_F(ShmTest, FetchBlocksIntoARegionEqualsTheGrpcPath) {
   for (uint64_t i = 0; i < (*region)->size(); ++i) ASSERT_EQ(d[i], 0xee) << "byte " << i;
 }
 
+// Scattered slices: a payload cut in runs lands at (or is gathered from) offsets of the caller's
+// choosing, in one call, byte for byte the contiguous payload; bad runs are refused naming the
+// field, and nothing is written or appended.
+TEST_F(ShmTest, ScatteredRunsMoveThePayloadInOneCall) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--shm-socket=" + socket_}));
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  std::cerr << "[shm] seed 9203\n";
+  const std::vector<uint32_t> tokens = Tokens(9203, 4 * kBt);
+  Client::AppendArgs args;
+  args.num_tokens = tokens.size();
+  args.token_ids = tokens;
+  ASSERT_TRUE(c->Append("m", seq->id, args, Random(9203).Bytes(tokens.size() * 256)).ok());
+  auto root = c->GetPrefixRoot("m");
+  ASSERT_TRUE(root.ok()) << root.status();
+  const std::vector<BlockHash> hashes =
+      PrefixHashes(root->algorithm, root->root, tokens, root->block_tokens);
+  auto want = c->FetchBlocks("m", hashes);
+  ASSERT_TRUE(want.ok()) << want.status();
+  const uint64_t payload = want->payload.size();
+  ASSERT_EQ(payload, 4 * kBt * 256);
+
+  auto region = c->RegisterRegion(64 * 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ShmRegion& r = **region;
+  uint8_t* const d = r.data();
+  // 16 runs of 1 KiB, last to first, 1 KiB apart, from byte 100 on.
+  constexpr uint64_t kRun = 1024;
+  RegionSlice runs{r.id(), 100, 0, kRun, {}};
+  for (uint64_t i = 0; i < payload / kRun; ++i) runs.run_offsets.push_back((15 - i) * 2 * kRun);
+  std::memset(d, 0xee, r.size());
+  auto f = c->FetchBlocksToRegion("m", hashes, {}, runs);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->payload_bytes, payload);
+  std::vector<uint8_t> gathered;
+  for (uint64_t i = 0; i < runs.run_offsets.size(); ++i) {
+    const uint8_t* at = d + 100 + runs.run_offsets[i];
+    gathered.insert(gathered.end(), at, at + kRun);
+    ASSERT_EQ(at[kRun], 0xee) << "the gap after run " << i;
+  }
+  EXPECT_TRUE(BytesEqual(gathered, want->payload));
+  EXPECT_EQ(d[99], 0xee);
+  // Gathered back from the same runs: another sequence with the same bytes.
+  auto seq2 = c->CreateSequence("m");
+  ASSERT_TRUE(seq2.ok());
+  Client::AppendArgs plain;
+  plain.num_tokens = tokens.size();
+  ASSERT_TRUE(c->AppendFromRegion("m", seq2->id, plain, runs).ok());
+  auto back = c->Fetch("m", seq2->id, {});
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(BytesEqual(back->payload, want->payload));
+
+  // Bad runs: refused naming the field; nothing written, nothing appended.
+  struct Case {
+    RegionSlice slice;
+    const char* names;
+  };
+  const uint64_t id = r.id();
+  std::vector<Case> cases = {
+      {{id, 0, 0, kRun, {0, 512}}, "dest: runs at 0 and 512 of 1024 bytes overlap"},
+      {{id, 0, 0, 0, {0, 4096}}, "dest.run_bytes is 0"},
+      {{id, 0, 4096, kRun, {}}, "dest.run_bytes is set without run_offsets"},
+      {{id, 0, 5, kRun, {0, 4096}}, "dest.length 5 is not run_bytes 1024 x 2 runs"},
+      {{id, 64 * 1024 - 512, 0, kRun, {0}}, "runs past the region"},
+      {{id, 0, 0, kRun, {0, 2048, 4096}}, "dest.length 3072 is less than the payload's"},
+      {{id, 8, 0, kRun, {std::numeric_limits<uint64_t>::max() - 100}}, "overflows"},
+  };
+  std::memset(d, 0xee, r.size());
+  for (const Case& k : cases) {
+    auto bad = c->FetchBlocksToRegion("m", hashes, {}, k.slice);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+    EXPECT_TRUE(absl::StrContains(bad.status().message(), k.names)) << bad.status();
+  }
+  for (uint64_t i = 0; i < r.size(); ++i) ASSERT_EQ(d[i], 0xee) << "byte " << i;
+  RegionSlice short_source{id, 0, 0, kRun, {0, 2048}};
+  auto bad_append = c->AppendFromRegion("m", seq2->id, plain, short_source);
+  EXPECT_EQ(bad_append.status().code(), absl::StatusCode::kInvalidArgument) << bad_append.status();
+  EXPECT_TRUE(absl::StrContains(bad_append.status().message(), "header.source.length 2048"))
+      << bad_append.status();
+  EXPECT_EQ(c->GetSequence("m", seq2->id)->length, tokens.size());
+  // Device regions take no runs.
+  auto device = c->FetchBlocksToDevice("m", hashes, {}, {1, 0, 0, kRun, {0}});
+  EXPECT_EQ(device.status().code(), absl::StatusCode::kInvalidArgument) << device.status();
+  EXPECT_TRUE(absl::StrContains(device.status().message(), "shared-memory regions only"))
+      << device.status();
+}
+
 TEST_F(ShmTest, BadSlicesAreRefusedNamingThemAndChangeNothing) {
   ASSERT_NO_FATAL_FAILURE(Start());
   std::unique_ptr<Client> c = Shm();

@@ -88,7 +88,7 @@ def test_an_engines_own_shared_file_is_a_region(shm_server):
     try:
         os.ftruncate(fd, size)
         mine = mmap.mmap(fd, size)
-        mine.write(bytes(size))  # every page written: the engine's own memory
+        # No page written: register_region_fd allocates them (kvbankd refuses holes).
         engine = np.frombuffer(mine, dtype=np.uint8)
         with kvbank.Client(shm_server.target, shm_min_bytes=64 << 10) as c:
             c.ensure_model(layout("shm-py-fd"))
@@ -122,6 +122,40 @@ def test_an_engines_own_shared_file_is_a_region(shm_server):
         mine.close()
     finally:
         os.close(fd)
+
+
+def test_scattered_runs_in_one_call(shm_server):
+    """fetch_blocks_into_runs / append_runs: a payload cut in runs lands at (is gathered from)
+    offsets of a registered region, in one call, the same bytes as the contiguous payload."""
+    n = 64  # 4 blocks; 4 layers x 2 x 4 heads x 64 tokens x 64 x 2 bytes = 256 KiB
+    payload = np.random.default_rng(7203).standard_normal((4, 2, 4, n, 64)).astype(np.float16)
+    ids = list(range(3000, 3000 + n))
+    with kvbank.Client(shm_server.target) as c:
+        c.ensure_model(layout("shm-py-runs"))
+        seq = c.create_sequence("shm-py-runs", prompt=ids)
+        c.append("shm-py-runs", seq.id, payload, num_tokens=n, token_ids=ids)
+        root = c.get_prefix_root("shm-py-runs")
+        hashes = kvbank.prefix_hashes(root.root, ids, 16, algorithm=root.algorithm)
+        want = payload.tobytes()
+        region = c.register_region(2 * len(want) + 4096)
+        run = 4096
+        runs = len(want) // run
+        offsets = [(runs - 1 - r) * 2 * run for r in range(runs)]  # last to first, gaps between
+        view = region[4096:]  # offsets count from the view
+        view[:] = 0xEE
+        info = c.fetch_blocks_into_runs("shm-py-runs", hashes, view, offsets, run)
+        assert info.payload_bytes == len(want) and info.num_tokens == n
+        got = b"".join(view[o:o + run].tobytes() for o in offsets)
+        assert got == want
+        assert view[run:2 * run].tobytes() == b"\xee" * run  # a gap
+        seq2 = c.create_sequence("shm-py-runs")
+        c.append_runs("shm-py-runs", seq2.id, view, offsets, run, num_tokens=n)
+        assert c.fetch("shm-py-runs", seq2.id).tobytes() == want
+        with pytest.raises(kvbank.InvalidArgumentError, match="overlap"):
+            c.fetch_blocks_into_runs("shm-py-runs", hashes, view, [0, run // 2], run)
+        with pytest.raises(kvbank.InvalidArgumentError, match="register_region"):
+            c.fetch_blocks_into_runs("shm-py-runs", hashes, np.zeros(4096, np.uint8), [0], run)
+        c.unregister_region(region)
 
 
 def test_small_payloads_and_a_plane_off_use_grpc(shm_server, server):

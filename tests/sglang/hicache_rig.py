@@ -57,7 +57,7 @@ class Rig:
 
     def __init__(self, target, layout="layer_first", page_size=4, layers=3, heads=2,
                  head_dim=8, dtype=torch.bfloat16, device_tokens=256, host_ratio=4.0,
-                 model_name="tiny-llama", **extra):
+                 model_name="tiny-llama", allocator="default", **extra):
         init_single_rank()
         self.page_size = page_size
         self.kv = MHATokenToKVPool(device_tokens, page_size, dtype, heads, head_dim, layers,
@@ -70,7 +70,8 @@ class Rig:
             self.kv.get_device_pool_infos()[0].buffer_info, host_ratio, 0, page_size, layout,
             pin_memory=False, device_capacity_tokens=cap, start_layer=self.kv.start_layer,
             end_layer=self.kv.end_layer,
-            write_back_staging=getattr(self.kv, "hicache_write_back_staging", None))
+            write_back_staging=getattr(self.kv, "hicache_write_back_staging", None),
+            allocator_type=allocator)
         self.cc = HiCacheController(
             self.allocator, self.host, page_size, dist.group.WORLD, threading.Event(),
             write_policy="write_through", io_backend="direct", storage_backend="dynamic",

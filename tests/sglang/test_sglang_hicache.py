@@ -80,6 +80,7 @@ def test_write_back_prefetch_load_bit_exact(server, client, layout, v1):
         assert_same(torch.from_numpy(blocks.data.view("int16")), bits(fetched_payload(pages)),
                     "kvbank's blocks")
         assert rig.storage._conn.client.data_plane == "shm"
+        assert not rig.storage.zero_copy  # the default allocator's pool is in no shared file
         # The host copies go; a prefetch brings the pages back into other slots.
         rig.host.free(host_slots)
         got_slots, got = rig.prefetch(tokens)
@@ -92,6 +93,50 @@ def test_write_back_prefetch_load_bit_exact(server, client, layout, v1):
         assert hit == 4 * rig.page_size
         stats = rig.storage._conn.client.plane_stats()
         assert stats["shm"]["calls"] > 0, stats
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_zero_copy_with_a_shared_host_pool(server, client, layout):
+    """With SGLang's shm host allocator ("allocator": "shm") the host pool's own memfd is a
+    kvbank region: write-back appends each page straight from the pool and loads fetch straight
+    into it (the page's layers, K and V, as runs of the file), no staging copy; kvbank keeps
+    the pages token-major in its own model; bit-exact both ways; a batch whose tail kvbank does
+    not hold loads its leading pages exactly."""
+    name = f"tiny-llama-zc-{layout}"
+    rig = Rig(server.target, layout=layout, model_name=name, allocator="shm", interface_v1=1)
+    model = "sglang/" + name + "/token-major"
+    try:
+        assert rig.storage.zero_copy, "the shm host pool was not taken as a region"
+        assert rig.storage.model == model
+        num_pages = 6
+        tokens = page_tokens(num_pages, rig.page_size, SEED + 7)
+        host_slots, pages = rig.fill_host(num_pages, SEED + 7)
+        keys, done = rig.write_storage(host_slots, tokens)
+        assert done == len(tokens), f"the backup thread stored {done} of {len(tokens)} tokens"
+        hashes = block_hashes(client, model, keys, rig.page_size)
+        blocks = client.fetch_blocks(model, hashes)
+        assert blocks.info.num_tokens == len(tokens)
+        # Token-major blocks: per layer K [tokens][heads][dim] then V.
+        want = torch.cat(pages, dim=2).transpose(0, 1).contiguous().view(-1)
+        assert_same(torch.from_numpy(blocks.data.view("int16")), bits(want), "kvbank's blocks")
+        rig.host.free(host_slots)
+        got_slots, got = rig.prefetch(tokens)
+        assert got == len(tokens), f"prefetch loaded {got} of {len(tokens)} tokens"
+        for i, page in enumerate(rig.host_pages(got_slots)):
+            assert_same(page, pages[i], f"page {i} loaded back")
+        # No page went through the staging regions (those transfers are what plane_stats
+        # counts as "shm"; the runs go straight between kvbankd and the pool's file).
+        stats = rig.storage._conn.client.plane_stats()
+        assert stats["shm"]["calls"] == 0 and stats["shm_staged"]["calls"] == 0, stats
+        # Six keys, the last two unknown: the first four load, exactly, the rest answer False.
+        slots = rig.host.alloc(num_pages * rig.page_size)
+        mixed = keys[:4] + ["f" * 64, "e" * 64]
+        assert rig.storage.batch_get_v1(mixed, slots) == [True] * 4 + [False] * 2
+        for i, page in enumerate(rig.host_pages(slots)[:4]):
+            assert_same(page, pages[i], f"page {i} of the partial load")
+        rig.host.free(slots)
     finally:
         rig.close()
 

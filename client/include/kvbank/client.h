@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -74,9 +75,26 @@ struct ClientOptions {
 
 // Bytes [offset, offset + length) of a shared-memory region registered with kvbankd.
 struct RegionSlice {
+  RegionSlice() = default;
+  RegionSlice(uint64_t region_id, uint64_t offset, uint64_t length, uint64_t run_bytes = 0,
+              std::vector<uint64_t> run_offsets = {})
+      : region_id(region_id),
+        offset(offset),
+        length(length),
+        run_bytes(run_bytes),
+        run_offsets(std::move(run_offsets)) {}
   uint64_t region_id = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
+  // Scattered (shared-memory regions): the payload in runs of run_bytes, run r at region bytes
+  // [offset + run_offsets[r], + run_bytes); length is then 0 or run_bytes x the runs. The runs
+  // may not overlap. One call moves a payload between kvbankd and pieces an engine keeps apart.
+  uint64_t run_bytes = 0;
+  std::vector<uint64_t> run_offsets;
+  // The bytes the slice holds: length, or run_bytes x the runs.
+  uint64_t bytes() const {
+    return run_offsets.empty() || length != 0 ? length : run_bytes * run_offsets.size();
+  }
 };
 
 // A same-host shared-memory region (Client::RegisterRegion): a memfd of this process, sealed
@@ -339,7 +357,8 @@ class Client {
   // nothing answers on it; the server's refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) as is.
   absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterRegion(uint64_t size);
   // Registers memory the caller already has in a shared file: `fd` names a memfd or another
-  // tmpfs file (an engine's host pool, say), every page of it written. The region is the whole
+  // tmpfs file (an engine's host pool, say); pages of it never touched are allocated here (on
+  // the caller's memory, no byte changed: MADV_POPULATE_WRITE). The region is the whole
   // file, mapped again here (ShmRegion::data() is that mapping: the same bytes at another
   // address); the SDK keeps a duplicate of `fd`, the caller closes its own. A file not sealed
   // against shrinking is taken, but if its owner truncates it, transfers over it fail with
@@ -491,7 +510,7 @@ class Client {
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   // Maps `fd` (owned from here on), hands it over and registers it.
-  absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterMemfd(int fd, uint64_t size);
+  absl::StatusOr<std::unique_ptr<ShmRegion>> RegisterMemfd(int fd, uint64_t size, bool populate);
   std::unique_ptr<Impl> impl_;
 };
 
