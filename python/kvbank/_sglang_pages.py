@@ -64,6 +64,7 @@ class PageLayout:
         self.page_bytes = self.page_elems * buf.element_size()
         # kvbank's blocks in the zero-copy mapping (token_major_layout) rather than its MHA one.
         self.token_major = False
+        self._first_page_runs: np.ndarray | None = None  # page_runs of slot 0
 
     def model_layout(self, name: str, num_q_heads: int = 0) -> dict[str, Any]:
         """kvbank's layout dict: one block per page, the pool's layers, heads, dim and dtype."""
@@ -108,8 +109,15 @@ class PageLayout:
         return (at + np.uint64(base)).reshape(-1)
 
     def page_runs(self, start: int, base: int = 0) -> np.ndarray:
-        """Run offsets of one page's block (an append's payload)."""
-        return self.fetch_runs([start], base)
+        """Run offsets of one page's block (an append's payload): the first page's, moved."""
+        if self._first_page_runs is None:
+            self._first_page_runs = self.fetch_runs([0])
+        t = self.tokens
+        if self.layout == "layer_first":
+            shift = start * (self.run_bytes // t)
+        else:
+            shift = (start // t) * self.layers * self.run_bytes
+        return self._first_page_runs + np.uint64(base + shift)
 
     def page_start(self, host_indices: torch.Tensor, i: int) -> int:
         """The first token slot of page i of a v1 call's host_indices (page_size slots a page),
