@@ -33,6 +33,12 @@
 # configuration or the build fails.
 set -euo pipefail
 
+# A prebuilt bundle (scripts/bundle-device-service.sh) runs the service too, with no build here;
+# KVBANK_DEVICE_BUILD=1 builds from source instead.
+if [[ -f .svc/tests.tsv && "${KVBANK_DEVICE_BUILD:-0}" != 1 ]]; then
+  exec "$(dirname "$0")/run_prebuilt_on_device.sh"
+fi
+
 OUT="${OUT:-$PWD/out}"
 BUILD="${KVBANK_GPU_BUILD_DIR:-$PWD/build-gpu}"
 mkdir -p "$OUT"
