@@ -11,7 +11,13 @@ import numpy as np
 
 from . import _kvbank
 from ._device import DeviceRouter, _cuda_driver, is_cuda
-from ._errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
+from ._errors import (
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    from_status,
+)
 from ._types import (
     Blocks,
     DeviceRegion,
@@ -277,6 +283,24 @@ class Client:
             model, seq_id, reg, base, int(run_bytes), _offsets(run_offsets),
             num_tokens, layer_begin, layer_end, dtype, list(token_ids or ()), kv_head_begin,
             kv_head_end)
+
+    def put_pages_runs(self, model: str, region: np.ndarray,
+                       pages: Sequence[tuple[ExtraKeys, Union[Sequence[int], np.ndarray]]],
+                       run_bytes: int, *, num_tokens: int, lease_s: Optional[float] = None,
+                       parallel: int = 2) -> list[Optional[Error]]:
+        """Pages stored under their own keys, many in one call, as an engine's page store keeps
+        them (SGLang HiCache pages, LMCache chunks): pages[i] = (extra_keys, run_offsets). Page
+        i becomes one block of num_tokens placeholder tokens named by its extra keys, its
+        payload gathered from runs of `region` (as append_runs) unless kvbankd already holds
+        it. `parallel` pages at once, on the SDK's threads (the interpreter lock is released
+        for the whole batch). One entry a page: None when kvbankd holds it afterwards, else
+        the error of that page alone."""
+        reg, base = _region_of(region)
+        out = self._c.put_pages_from_region_runs(
+            model, reg, base, int(run_bytes),
+            [(_extra_keys(keys), _offsets(runs)) for keys, runs in pages], int(num_tokens), lease_s,
+            int(parallel))
+        return [None if code == 0 else from_status(code, message) for code, message in out]
 
     # ---- CUDA IPC (same host, a kvbankd with a cuda:N pool) --------------------------------
 

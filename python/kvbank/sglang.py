@@ -525,22 +525,22 @@ class KvbankHiCacheStorage(HiCacheStorage):
     def _store_runs(self, conn: _Conn, values: list[str | None],
                     starts: list[int]) -> list[bool]:
         """Zero-copy stores: each page appended straight from the host pool's file (its layers,
-        K and V, as runs), io_threads pages at once."""
+        K and V, as runs), the whole batch in one SDK call that runs io_threads pages at once
+        on the SDK's threads (put_pages_runs: no per-page work under the interpreter lock)."""
         pages = self.pages
         assert pages is not None
-
-        def send(start: int) -> Any:
-            return lambda seq_id: conn.client.append_runs(
-                self.model, seq_id, conn.host_region, pages.page_runs(start, conn.host_offset),
-                pages.run_bytes, num_tokens=pages.tokens)
-
-        futures = {i: self._pool.submit(self._store_one, conn, str(v), send(starts[i]))
-                   for i, v in enumerate(values) if v is not None}
+        idx = [i for i, v in enumerate(values) if v is not None]
+        errors = conn.client.put_pages_runs(
+            self.model, conn.host_region,
+            [([("custom", str(values[i]))], pages.page_runs(starts[i], conn.host_offset))
+             for i in idx],
+            pages.run_bytes, num_tokens=pages.tokens, lease_s=self._lease_s,
+            parallel=self._io_threads)
         results = [False] * len(values)
-        for i, f in futures.items():
-            try:
-                results[i] = f.result()
-            except Exception as err:  # noqa: BLE001 - False, never an exception
+        for i, err in zip(idx, errors):
+            if err is None:
+                results[i] = True
+            else:
                 self._failed(conn, "store", err)
         return results
 

@@ -127,6 +127,39 @@ void BindShmPlane(py::class_<PyClient>& c) {
           py::arg("dtype") = py::none(), py::arg("token_ids") = std::vector<uint32_t>{},
           py::arg("kv_head_begin") = 0, py::arg("kv_head_end") = py::none())
       .def(
+          "put_pages_from_region_runs",
+          // Pages under their own extra keys, each appended from runs of a registered region
+          // (Client::PutPagesFromRegion); one (status code, message) a page, (0, "") when held.
+          [](PyClient& self, const std::string& model, const std::shared_ptr<ShmRegion>& region,
+             uint64_t offset, uint64_t run_bytes,
+             const std::vector<
+                 std::pair<std::vector<std::pair<std::string, py::bytes>>, RunOffsets>>& pages,
+             uint64_t num_tokens, std::optional<double> lease_s, int parallel) {
+            std::vector<Client::PagePut> puts;
+            puts.reserve(pages.size());
+            for (const auto& [keys, runs] : pages) {
+              puts.push_back({ToExtraKeys(keys),
+                              RegionSlice{region->id(), offset, 0, run_bytes, ToVector(runs)}});
+            }
+            Client::PutPagesArgs args;
+            args.num_tokens = num_tokens;
+            args.lease = ToDuration(lease_s);
+            args.parallel = parallel;
+            std::vector<absl::Status> st;
+            {
+              py::gil_scoped_release release;
+              st = self.c().PutPagesFromRegion(model, args, puts);
+            }
+            std::vector<std::pair<int, std::string>> out;
+            out.reserve(st.size());
+            for (const absl::Status& s : st)
+              out.emplace_back(int(s.code()), std::string(s.message()));
+            return out;
+          },
+          py::arg("model"), py::arg("region"), py::arg("offset"), py::arg("run_bytes"),
+          py::arg("pages"), py::arg("num_tokens"), py::arg("lease_s") = py::none(),
+          py::arg("parallel") = 2)
+      .def(
           "unregister_region",
           [](PyClient& self, const std::shared_ptr<ShmRegion>& r) {
             self.planes().UnregisterRegion(r);

@@ -1001,5 +1001,104 @@ TEST_F(ShmTest, RegionTransfersTakeTheControlPathAskedForAndDeviceOnesAreRefused
   EXPECT_EQ(info->length, 4u) << "a refused append changed the sequence";
 }
 
+// Pages under their own keys, many in one call (PutPagesFromRegion): each page held afterwards,
+// named by its key alone, byte for byte what its runs held; pages already held are OK again; a
+// bad page fails alone and leaves nothing, the others are stored; bad arguments fail every page.
+TEST_F(ShmTest, PutPagesStoresEachPageUnderItsKey) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--models=", "--shm-socket=" + socket_}));
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  ASSERT_TRUE(c->EnsureModel(layout, 64 * BlockBytes(layout)).ok());
+  const uint64_t page = kBt * 256;  // one block's payload
+  constexpr uint64_t kRun = 512;    // a page's payload in 8 runs, kept apart in the region
+  auto region = c->RegisterRegion(64 * 1024);
+  ASSERT_TRUE(region.ok()) << region.status();
+  ShmRegion& r = **region;
+  std::cerr << "[shm] seed 9204\n";
+  Random rng(9204);
+  rng.Fill(r.data(), r.size());
+  // Page p's run j at 1024 * (8 * p + j): runs of 512 bytes with 512-byte gaps.
+  auto runs_of = [&](uint64_t p) {
+    std::vector<uint64_t> offsets;
+    for (uint64_t j = 0; j < page / kRun; ++j) offsets.push_back(1024 * (8 * p + j));
+    return offsets;
+  };
+  auto bytes_of = [&](uint64_t p) {
+    std::vector<uint8_t> out;
+    for (uint64_t o : runs_of(p)) out.insert(out.end(), r.data() + o, r.data() + o + kRun);
+    return out;
+  };
+  auto key_of = [](uint64_t p) {
+    return std::vector<ExtraKey>{{ExtraKeyKind::kCustom, "page-" + std::to_string(p)}};
+  };
+  std::vector<Client::PagePut> pages;
+  for (uint64_t p = 0; p < 6; ++p) pages.push_back({key_of(p), {r.id(), 0, 0, kRun, runs_of(p)}});
+  Client::PutPagesArgs args;
+  args.num_tokens = kBt;
+  args.parallel = 3;
+  // Whether page p is held: a sequence of the page's placeholder tokens and key attaches it, and
+  // it reads back as the page's bytes.
+  auto held = [&](uint64_t p) -> ::testing::AssertionResult {
+    Client::CreateArgs ca;
+    ca.prompt.assign(kBt, 0);
+    ca.extra_keys = key_of(p);
+    auto seq = c->CreateSequence("m", ca);
+    if (!seq.ok()) return ::testing::AssertionFailure() << seq.status();
+    auto back = c->Fetch("m", seq->id, {});
+    (void)c->Free("m", seq->id);
+    if (seq->cached_tokens != kBt) {
+      return ::testing::AssertionFailure()
+             << "page " << p << ": " << seq->cached_tokens << " tokens cached";
+    }
+    if (!back.ok()) return ::testing::AssertionFailure() << back.status();
+    return BytesEqual(back->payload, bytes_of(p));
+  };
+
+  std::vector<absl::Status> st = c->PutPagesFromRegion("m", args, pages);
+  ASSERT_EQ(st.size(), pages.size());
+  for (uint64_t p = 0; p < pages.size(); ++p) {
+    EXPECT_TRUE(st[p].ok()) << "page " << p << ": " << st[p];
+    EXPECT_TRUE(held(p));
+  }
+  const uint64_t used = StatsOf(*c, "m").blocks_cached;
+  EXPECT_EQ(used, pages.size()) << "each page one cached block";
+  st = c->PutPagesFromRegion("m", args, pages);  // held already: OK, nothing new
+  for (const absl::Status& s : st) EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(StatsOf(*c, "m").blocks_cached, used);
+
+  // A page whose runs are past the region fails alone.
+  std::vector<Client::PagePut> mixed = {{key_of(6), {r.id(), 0, 0, kRun, runs_of(6)}},
+                                        {key_of(11), {r.id(), 0, 0, kRun, runs_of(70)}},
+                                        {key_of(7), {r.id(), 0, 0, kRun, runs_of(7)}}};
+  st = c->PutPagesFromRegion("m", args, mixed);
+  ASSERT_EQ(st.size(), 3u);
+  EXPECT_TRUE(st[0].ok()) << st[0];
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kInvalidArgument) << st[1];
+  EXPECT_TRUE(absl::StrContains(st[1].message(), "runs past the region")) << st[1];
+  EXPECT_TRUE(st[2].ok()) << st[2];
+  EXPECT_TRUE(held(6));
+  EXPECT_TRUE(held(7));
+  Client::MatchQuery q;
+  q.tokens.assign(kBt, 0);
+  q.extra_keys = key_of(11);
+  auto m = c->Match("m", {q});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)[0], 0u) << "the failed page is held";
+
+  Client::PutPagesArgs bad = args;
+  bad.num_tokens = 0;
+  for (const absl::Status& s : c->PutPagesFromRegion("m", bad, pages)) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  }
+  bad = args;
+  bad.parallel = 0;
+  for (const absl::Status& s : c->PutPagesFromRegion("m", bad, pages)) {
+    EXPECT_TRUE(absl::StrContains(s.message(), "parallel 0")) << s;
+  }
+  EXPECT_TRUE(c->PutPagesFromRegion("m", args, {}).empty());
+  // No sequence is left open: every page's sequence was freed.
+  EXPECT_EQ(StatsOf(*c, "m").blocks_used, 0u);
+}
+
 }  // namespace
 }  // namespace kvbank::integ

@@ -158,6 +158,44 @@ def test_scattered_runs_in_one_call(shm_server):
         c.unregister_region(region)
 
 
+def test_put_pages_runs_stores_each_page_under_its_key(shm_server):
+    """put_pages_runs: many one-block pages under their own keys in one call, each gathered from
+    runs of a region; a page held already is OK again; a bad page fails alone."""
+    page = 4 * 2 * 4 * 16 * 64 * 2  # one block: 64 KiB
+    run = page // 4
+    with kvbank.Client(shm_server.target) as c:
+        c.ensure_model(layout("shm-py-pages"))
+        region = c.register_region(16 * page)
+        region[:] = np.random.default_rng(7204).integers(0, 256, region.size, dtype=np.uint8)
+        # page p's runs: run r at (4 * p + r) * run, last to first within the page
+        def runs(p):
+            return [(4 * p + 3 - r) * run for r in range(4)]
+
+        def key(p):
+            return [("custom", f"page-{p}")]
+
+        pages = [(key(p), runs(p)) for p in range(5)]
+        assert c.put_pages_runs("shm-py-pages", region, pages, run, num_tokens=16,
+                                parallel=3) == [None] * 5
+        for p in range(5):
+            seq = c.create_sequence("shm-py-pages", prompt=[0] * 16, extra_keys=key(p))
+            assert seq.cached_tokens == 16
+            want = b"".join(region[o:o + run].tobytes() for o in runs(p))
+            assert c.fetch("shm-py-pages", seq.id).tobytes() == want
+            c.free("shm-py-pages", seq.id)
+        again = c.put_pages_runs("shm-py-pages", region, pages, run, num_tokens=16)
+        assert again == [None] * 5
+        errs = c.put_pages_runs("shm-py-pages", region,
+                                [(key(5), runs(5)), (key(6), runs(64)), (key(7), runs(7))],
+                                run, num_tokens=16)
+        assert errs[0] is None and errs[2] is None
+        assert isinstance(errs[1], kvbank.InvalidArgumentError), errs[1]
+        assert "runs past the region" in str(errs[1])
+        assert c.match("shm-py-pages", [[0] * 16], extra_keys=key(6)) == [0]
+        assert c.match("shm-py-pages", [[0] * 16], extra_keys=key(7)) == [16]
+        c.unregister_region(region)
+
+
 def test_small_payloads_and_a_plane_off_use_grpc(shm_server, server):
     small = np.zeros(4 * 2 * 4 * 2 * 64, np.float16)
     with kvbank.Client(shm_server.target) as c:

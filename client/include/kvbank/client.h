@@ -375,6 +375,25 @@ class Client {
   // gRPC. Atomic as Append.
   absl::StatusOr<SequenceInfo> AppendFromRegion(const std::string& model, uint64_t id,
                                                 const AppendArgs& args, const RegionSlice& source);
+  // Pages kept as an engine's own page store keeps them (SGLang HiCache pages, LMCache chunks),
+  // many in one call: page i is a sequence of args.num_tokens placeholder token ids (0) whose
+  // extra keys are pages[i].extra_keys, so that its block is named by the page's own key, not by
+  // what came before it; its payload is appended from pages[i].source (a region slice, runs
+  // allowed) unless kvbankd already holds that block; then the sequence is freed (the block
+  // stays cached). args.parallel pages at once, on threads of this call (the caller's included).
+  // One status a page, in order: OK when kvbankd holds the page afterwards. A page that fails
+  // changes nothing of the others.
+  struct PagePut {
+    std::vector<ExtraKey> extra_keys;
+    RegionSlice source;
+  };
+  struct PutPagesArgs {
+    uint64_t num_tokens = 0;              // a page's tokens (the model's block_tokens)
+    std::optional<absl::Duration> lease;  // each page's sequence while its append runs
+    int parallel = 2;                     // 1..64
+  };
+  std::vector<absl::Status> PutPagesFromRegion(const std::string& model, const PutPagesArgs& args,
+                                               const std::vector<PagePut>& pages);
   // Fetch written into `dest` from its start (the result's payload stays empty; payload_bytes
   // says how much was written, never more than dest's length: a server that claims more is
   // INTERNAL). INVALID_ARGUMENT, nothing written, when dest is smaller than the payload.
