@@ -716,6 +716,13 @@ absl::Status ShmRegions::Unregister(const std::string& tenant, uint64_t id) {
 absl::StatusOr<RegionBytes> ShmRegions::Resolve(const std::string& tenant, uint64_t id,
                                                 uint64_t offset, uint64_t length,
                                                 absl::string_view field) const {
+  return ResolveSpan(tenant, id, offset, length, field, /*check_allocated=*/true);
+}
+
+absl::StatusOr<RegionBytes> ShmRegions::ResolveSpan(const std::string& tenant, uint64_t id,
+                                                    uint64_t offset, uint64_t length,
+                                                    absl::string_view field,
+                                                    bool check_allocated) const {
   if (id == 0) return absl::InvalidArgumentError(absl::StrCat(field, ".region_id is 0 (unset)"));
   std::shared_ptr<ShmMapping> mapping;
   {
@@ -734,7 +741,7 @@ absl::StatusOr<RegionBytes> ShmRegions::Resolve(const std::string& tenant, uint6
                                                    " bytes"));
   }
   absl::Status s = mapping->CheckIntact();
-  if (s.ok()) s = mapping->CheckAllocated(offset, length);
+  if (s.ok() && check_allocated) s = mapping->CheckAllocated(offset, length);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
   RegionBytes out;
   out.bytes = absl::MakeSpan(mapping->data() + offset, length);
@@ -768,10 +775,28 @@ absl::StatusOr<RegionRuns> ShmRegions::ResolveRuns(const std::string& tenant, ui
                                                      " bytes overlap"));
     }
   }
-  // One check for the span the runs lie in (bounds, tenancy, the file whole, its pages there).
-  auto span = Resolve(tenant, id, offset + sorted.front(),
-                      sorted.back() + run_bytes - sorted.front(), field);
+  // One check for the span the runs lie in (bounds, tenancy, the file whole) ...
+  auto span = ResolveSpan(tenant, id, offset + sorted.front(),
+                          sorted.back() + run_bytes - sorted.front(), field,
+                          /*check_allocated=*/false);
   if (!span.ok()) return span.status();
+  // ... and its pages where the runs are, runs less than kRunCheckGap apart checked as one
+  // extent. NOTE: not the whole span: an engine's runs (each layer's K and V of its pages) can
+  // lie across all of a large host pool, and mincore over pages kvbankd never mapped looks
+  // each up in the page cache (a fifth of a 64 MiB fetch's time, measured, when the span was
+  // four times the runs' bytes).
+  const ShmMapping& mapping = *span->mapping;
+  uint64_t begin = sorted.front(), end = sorted.front() + run_bytes;
+  for (size_t i = 1; i <= sorted.size(); ++i) {
+    if (i < sorted.size() && sorted[i] - end <= kRunCheckGap) {
+      end = sorted[i] + run_bytes;
+      continue;
+    }
+    if (absl::Status s = mapping.CheckAllocated(offset + begin, end - begin); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+    }
+    if (i < sorted.size()) begin = sorted[i], end = sorted[i] + run_bytes;
+  }
   RegionRuns out;
   out.run_bytes = run_bytes;
   out.runs.reserve(run_offsets.size());

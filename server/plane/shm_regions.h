@@ -214,10 +214,12 @@ class ShmRegions {
   // punched out (ShmMapping::CheckAllocated).
   absl::StatusOr<RegionBytes> Resolve(const std::string& tenant, uint64_t id, uint64_t offset,
                                       uint64_t length, absl::string_view field) const;
+  static constexpr uint64_t kRunCheckGap = uint64_t{64} << 10;
   // The runs of a scattered slice (v1::RegionSlice's run_bytes / run_offsets): run r at
   // offset + run_offsets[r]. Resolve's errors for the span from the first run's start to the
-  // last one's end, and INVALID_ARGUMENT naming `field` for no runs or more than
-  // kMaxRegionRuns, run_bytes 0, an offset that overflows or runs that overlap.
+  // last one's end (the punched-out page check covers the runs and gaps between them of up to
+  // kRunCheckGap bytes, not the whole span), and INVALID_ARGUMENT naming `field` for no runs or
+  // more than kMaxRegionRuns, run_bytes 0, an offset that overflows or runs that overlap.
   absl::StatusOr<RegionRuns> ResolveRuns(const std::string& tenant, uint64_t id, uint64_t offset,
                                          uint64_t run_bytes, absl::Span<const uint64_t> run_offsets,
                                          absl::string_view field) const;
@@ -236,6 +238,11 @@ class ShmRegions {
   size_t num_connections() const;  // open socket connections
 
  private:
+  // Resolve, with the punched-out page check only when check_allocated.
+  absl::StatusOr<RegionBytes> ResolveSpan(const std::string& tenant, uint64_t id, uint64_t offset,
+                                          uint64_t length, absl::string_view field,
+                                          bool check_allocated) const;
+
   struct Conn {
     enum class State { kHello, kPending, kClaimed } state = State::kHello;
     absl::Time opened;

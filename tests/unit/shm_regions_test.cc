@@ -281,6 +281,34 @@ TEST_F(ShmRegionsTest, RefusesSparseHugetlbAndPunchedRegions) {
   EXPECT_TRUE(regions_->Resolve("t", claimed->region_id, 36864, 28672, "dest").ok());
 }
 
+// Scattered runs are checked for punched-out pages where they are (and in gaps of up to
+// kRunCheckGap between them), not across the whole span they lie in.
+TEST_F(ShmRegionsTest, RunsAreCheckedForHolesWhereTheyAre) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  int memfd = -1;
+  auto good = HandOver(512 << 10, &memfd);
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto claimed = regions_->Claim("t", good->handle);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  const uint64_t id = claimed->region_id;
+  ASSERT_EQ(fallocate(memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 256 << 10, 4096), 0);
+  const std::vector<uint64_t> apart = {448 << 10, 0};  // the hole 188 KiB from either run
+  auto runs = regions_->ResolveRuns("t", id, 0, 4096, apart, "dest");
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  EXPECT_EQ(runs->size(), 8192u);
+  EXPECT_EQ(runs->runs[0].data(), runs->runs[1].data() + (448 << 10)) << "payload order kept";
+  const std::vector<uint64_t> on_hole = {0, (256 << 10) - 1024};
+  auto bad = regions_->ResolveRuns("t", id, 0, 2048, on_hole, "dest");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(),
+                                "dest: the region has no page written at byte 262144"))
+      << bad.status();
+  const std::vector<uint64_t> close_by = {(256 << 10) - 8192, (256 << 10) + 8192};
+  auto near = regions_->ResolveRuns("t", id, 0, 4096, close_by, "dest");
+  EXPECT_EQ(near.status().code(), absl::StatusCode::kFailedPrecondition)
+      << "a hole in a gap under kRunCheckGap is checked as the runs are: " << near.status();
+}
+
 // A memfd that cannot be sealed (made without MFD_ALLOW_SEALING, as engines make their host pools)
 // or is not sealed against shrinking is taken, guarded: once its owner truncates it, transfers
 // over it fail (before the copy when the file is shorter, after it when it shrank during the
