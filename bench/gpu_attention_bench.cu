@@ -11,7 +11,8 @@
 // Baseline: a grid-stride sum of uint4 loads over the same number of contiguous pool bytes.
 // Timing: CUDA events around each launch, a warm-up pair first, then `reps` pairs (decode,
 // stream) back to back; the L2 is flushed (a 256 MiB memset, untimed) before every timed launch
-// so that small shapes are not served from the 50 MB L2. ratio = the median of per-pair ratios of
+// so that small shapes are not served from the 50 MB L2; the floor of this method (an empty launch
+// timed the same way) is printed first. ratio = the median of per-pair ratios of
 // decode GB/s to stream GB/s. Then, per shape, the int8 / fp8 speedup over fp16 (time ratio)
 // divided by the byte saving (fp16 bytes / quantized bytes): 1.0 means the format turns all of
 // its byte saving into speed.
@@ -72,6 +73,31 @@ __global__ void StreamKernel(const uint4* __restrict__ src, size_t n, uint32_t* 
   }
   for (int off = 16; off > 0; off >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, off);
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;  // practically never; keeps the loads live
+}
+
+__global__ void EmptyKernel() {}
+
+// The floor of the timing method: an empty launch between the same events, after the same flush.
+// No decode time below can be shorter.
+double EmptyLaunchMs(int reps, void* flush) {
+  cudaEvent_t e0, e1;
+  Check(cudaEventCreate(&e0), "cudaEventCreate");
+  Check(cudaEventCreate(&e1), "cudaEventCreate");
+  std::vector<double> t;
+  for (int r = -1; r < reps; ++r) {
+    Check(cudaMemsetAsync(flush, r & 0xff, kFlushBytes, 0), "flush");
+    Check(cudaEventRecord(e0, 0), "event");
+    EmptyKernel<<<1, 32>>>();
+    Check(cudaGetLastError(), "EmptyKernel");
+    Check(cudaEventRecord(e1, 0), "event");
+    Check(cudaEventSynchronize(e1), "sync");
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    if (r >= 0) t.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return Median(t);
 }
 
 BlockLayout LayerLayout(DType storage, uint32_t kv_heads) {
@@ -315,6 +341,9 @@ int main(int argc, char** argv) {
                  "dtype,batch,context,num_q_heads,num_kv_heads,head_dim,block_tokens,kv_bytes,"
                  "decode_ms,stream_ms,decode_gbs,stream_gbs,ratio\n");
   }
+
+  std::printf("timing floor: an empty launch between the events, after a flush: %.4f ms\n",
+              EmptyLaunchMs(reps, flush));
 
   std::mt19937_64 rng(kSeed);
   std::map<std::tuple<DType, uint32_t, uint32_t, uint32_t>, Row> rows;

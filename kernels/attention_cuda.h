@@ -3,10 +3,12 @@
 //
 // Flash-decoding: the attended tokens of each (item, kv head) are split over several CUDA blocks
 // when the batch alone does not fill the GPU; each block keeps an online softmax for up to 8 q
-// heads of its kv head's group (each K/V row is decoded once for all of them) and writes a
-// partial (max, sum, unnormalised output) to the workspace; a merge kernel combines the splits
-// of each (item, q head) by log-sum-exp and writes out and lse. When token_probs is set, a third
-// kernel recomputes the scores and writes the per-token probability sums.
+// heads of its kv head's group (each K/V row is loaded with vector loads and decoded once for all
+// of them, by a group of lanes that keeps its own running max, sum and output in registers) and
+// writes a partial (max, sum, unnormalised output) to the workspace; a merge kernel combines the
+// splits of each (item, q head) by log-sum-exp and writes out and lse. With one split the split
+// kernel writes out and lse itself and the merge is not launched. When token_probs is set, a
+// third kernel recomputes the scores and writes the per-token probability sums.
 //
 // Launchers return cudaError_t (the launch status; faults surface at the next sync) and take the
 // stream last. Nothing is allocated: the caller passes a workspace of at least

@@ -1,7 +1,8 @@
 // CUDA decode attention against the CPU reference on the cases of the CPU test: every storage
 // dtype, odd block sizes, GQA / MQA / MLA, odd and long lengths (the split and merge path),
 // mixed-dtype batches with empty items, sliding windows with sinks, and the per-token probability
-// sums. Skips itself where no CUDA device is present. Needs neither Abseil nor the core.
+// sums; then the kernel's own paths (one split, wide GQA groups, odd and wide head dims). Skips
+// itself where no CUDA device is present. Needs neither Abseil nor the core.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -156,6 +157,43 @@ TEST_F(GpuAttentionTest, SlidingWindowMixedAndEmpty) {
   c.lengths = {0, 1000, 17, 0, 3};
   c.block_tokens = 17;
   CheckCase(c, ++seed);
+}
+
+// The cases that pick the kernel's other paths: one split (the split kernel writes out and lse
+// itself), GQA groups wider than a block's 8 q heads, head dims whose rows are not whole 16-byte
+// chunks (byte loads), a V row wider than 512 (one q head per block), and lengths around the
+// split and lane-group boundaries.
+TEST_F(GpuAttentionTest, OneSplitWideGroupsOddDims) {
+  uint64_t seed = kSeed + 4000;
+  for (DType d : kAll) {
+    AttnCase c;
+    c.dtype = d;
+    c.lengths = {0, 1, 5, 33, 64};  // max 64: one split
+    CheckCase(c, ++seed);
+    if (HasFatalFailure()) return;
+    c.num_q_heads = 64;  // group 16: two q-head tiles
+    c.num_kv_heads = 4;
+    c.block_tokens = 7;
+    c.lengths = {63, 64, 65, 127, 129, 2047};
+    CheckCase(c, ++seed);
+    if (HasFatalFailure()) return;
+    for (uint32_t dim : {1u, 12u, 36u, 100u, 200u}) {
+      c.head_dim = c.head_dim_v = dim;
+      c.num_q_heads = 6;
+      c.num_kv_heads = 2;
+      c.block_tokens = 3;
+      c.lengths = {1, 31, 200};
+      CheckCase(c, ++seed);
+      if (HasFatalFailure()) return;
+    }
+    c.head_dim = c.head_dim_v = 1024;
+    c.num_q_heads = 3;
+    c.num_kv_heads = 1;
+    c.block_tokens = 5;
+    c.lengths = {1, 90};
+    CheckCase(c, ++seed);
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST_F(GpuAttentionTest, RejectsBadScalars) {
