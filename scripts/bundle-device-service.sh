@@ -3,9 +3,10 @@
 # gRPC, protobuf or Abseil, so that the service itself runs there, not only the kernels and the
 # core: kvbankd, every test labelled gpu (the kernel and core tests and the integration tests
 # that start kvbankd on cuda:0), the integration suites that move KV bytes, run again there with
-# their pools on cuda:0, and the benchmarks that tests/gpu/run_prebuilt_on_device.sh runs. Stripped, with the shared libraries they load that such a
+# their pools on cuda:0, and the benchmarks that tests/gpu/run_prebuilt_on_device.sh runs. Their
+# debug information stripped (symbols kept), with the shared libraries they load that such a
 # machine lacks (gRPC, protobuf, Abseil, c-ares, RE2, OpenSSL, ...; not glibc, libstdc++, the
-# CUDA driver or NCCL, which it has), into .svc/ (git-ignored), compressed to about 11 MiB so
+# CUDA driver or NCCL, which it has), into .svc/ (git-ignored), compressed to about 15 MiB so
 # that it travels with the working tree:
 #
 #   .svc/bundle.tar.xz   bin/ (the binaries) and lib/ (the libraries, for LD_LIBRARY_PATH)
@@ -59,7 +60,7 @@ rm .svc/gpu-tests.json
 mapfile -t binaries < <(cut -f 3 .svc/tests.tsv | sort -u)
 binaries+=(kvbankd shm_bench pool_bench gpu_attention_bench)
 for b in "${binaries[@]}"; do
-  strip -o "$stage/bin/$b" "$build/bin/$b"
+  strip --strip-debug -o "$stage/bin/$b" "$build/bin/$b"  # symbols kept: readable stacks
 done
 
 # The libraries they load, less what every Linux machine with CUDA has.

@@ -60,6 +60,9 @@ class Comm {
 
   uint64_t id() const { return id_; }
   const std::string& tenant() const { return tenant_; }
+  // Gives its place in the tenant's share back. Called by the plane, under its lock, as it drops
+  // the communicator; idempotent.
+  void ReleaseShare() { claim_.Release(); }
   int nranks() const { return nranks_; }
   int rank() const { return rank_; }
 
@@ -202,10 +205,10 @@ class Comm {
     absl::Status init = Init(uid, init_timeout);
     if (!init.ok()) {
       {
+        // Replaces what Abort recorded: the call that finds it must learn the join failed.
         absl::MutexLock lock(&mu_);
-        if (failed_.ok())
-          failed_ = absl::FailedPreconditionError(
-              absl::StrCat("NCCL communicator ", id_, " did not form: ", init.message()));
+        failed_ = absl::FailedPreconditionError(
+            absl::StrCat("NCCL communicator ", id_, " did not form: ", init.message()));
       }
       on_failed_();  // the plane lets it go now, not at its idle timeout
     }
@@ -256,7 +259,9 @@ class Comm {
   const int nranks_;
   const int rank_;
   const int device_;
-  const LedgerClaim claim_;  // its place in the tenant's share of communicators
+  // Its place in the tenant's share of communicators: given back when the plane drops it (under
+  // the plane's lock), not when its thread is joined, so that a Disconnect frees it at once.
+  LedgerClaim claim_;
   const std::function<void()> on_failed_;
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
@@ -341,6 +346,7 @@ class NcclPlaneImpl final : public NcclPlane {
       }
       comm = std::move(it->second);
       comms_.erase(it);
+      comm->ReleaseShare();
       closing_.push_back(comm);  // the reaper joins it: this caller may be a reaction
     }
     return absl::OkStatus();
@@ -489,6 +495,7 @@ class NcclPlaneImpl final : public NcclPlane {
                 failed_order_.pop_front();
               }
             }
+            it->second->ReleaseShare();
             closing_.push_back(std::move(it->second));
             comms_.erase(it);
           }

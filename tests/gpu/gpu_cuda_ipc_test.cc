@@ -44,7 +44,9 @@ std::vector<uint8_t> Payload(uint64_t bytes, uint64_t seed) {
     x ^= x << 13;
     x ^= x >> 7;
     x ^= x << 17;
-    const uint16_t h = static_cast<uint16_t>((x & 0x83ff) | ((x >> 16) % 0x3b) << 10);
+    // Sign and mantissa from x, an exponent of 0..14: finite and below 1 (an exponent of 31
+    // would be Inf or NaN, which a converted append refuses).
+    const uint16_t h = static_cast<uint16_t>((x & 0x83ff) | ((x >> 16) % 15) << 10);
     std::memcpy(&p[i], &h, 2);
   }
   return p;
@@ -72,6 +74,7 @@ TEST(CudaIpcChild, Export) {
   const std::vector<uint8_t> p = Payload(bytes, seed);
   ASSERT_EQ(cudaMemcpy(src, p.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemset(dst, 0, bytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // landed before the parent's streams read it
   cudaIpcMemHandle_t h[2];
   ASSERT_EQ(cudaIpcGetMemHandle(&h[0], src), cudaSuccess);
   ASSERT_EQ(cudaIpcGetMemHandle(&h[1], dst), cudaSuccess);
@@ -107,6 +110,10 @@ void Spawn(uint64_t bytes, Child* c) {
   c->pid = fork();
   ASSERT_GE(c->pid, 0);
   if (c->pid == 0) {
+    // The child keeps only its ends: holding the write end of its own pipe, it would never see
+    // the parent close it, and never exit.
+    close(up[0]);
+    close(down[1]);
     // A fresh process image: CUDA state does not survive fork.
     setenv(kChildEnv, env.c_str(), 1);
     execl("/proc/self/exe", "gpu_cuda_ipc_test", "--gtest_filter=CudaIpcChild.Export",
@@ -164,7 +171,8 @@ TEST_P(CudaIpcTest, AppendFromAndFetchIntoAnotherProcessesBuffersEqualTheHostPat
   ASSERT_TRUE(probe.ok()) << probe.status();
   const uint64_t bytes = (*probe)->payload_bytes();
   const std::vector<uint8_t> payload = Payload(bytes, kSeed);
-  ASSERT_TRUE((*probe)->Write(payload).ok());
+  const absl::Status written = (*probe)->Write(payload);
+  ASSERT_TRUE(written.ok()) << written;
   ASSERT_TRUE((*probe)->Commit().ok());
 
   Child child;
@@ -210,6 +218,7 @@ TEST_P(CudaIpcTest, AppendFromAndFetchIntoAnotherProcessesBuffersEqualTheHostPat
   if (storage != DType::kFp16) {
     const uint16_t nan = 0x7e00;
     ASSERT_EQ(cudaMemcpy(in->data + 2 * 101, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     auto bad_seq = store->Create(WithLease(std::nullopt));
     spec.sequence_id = bad_seq->id;
     auto bad = store->BeginAppend(spec);

@@ -75,6 +75,9 @@ class GpuDevicePayloadTest : public ::testing::TestWithParam<DType> {
                                                    uint64_t tokens) {
     uint8_t* d = Device(payload.size());
     EXPECT_EQ(cudaMemcpy(d, payload.data(), payload.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    // The store reads on its own non-blocking stream: the copy (pageable: its DMA may still be
+    // running when cudaMemcpy returns) must have landed.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     auto gt = gpu_->BeginAppend(Spec(g, tokens));
     auto ht = host_->BeginAppend(Spec(h, tokens));
     EXPECT_TRUE(gt.ok() && ht.ok());
@@ -95,6 +98,7 @@ class GpuDevicePayloadTest : public ::testing::TestWithParam<DType> {
     const uint64_t n = (*r)->payload_bytes();
     uint8_t* d = Device(n);
     EXPECT_EQ(cudaMemset(d, 0xa5, n), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the store's stream writes d
     const absl::Status s = (*r)->ReadToDevice(d);
     EXPECT_TRUE(s.ok()) << s;
     std::vector<uint8_t> out(n);

@@ -89,7 +89,14 @@ class NcclPlaneTest : public ::testing::Test {
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = *std::move(store);
   }
-  uint64_t NewSeq() { return store_testing::NewSequence(*store_); }
+  // A sequence of tenant "t", whose appends and fetches these are.
+  uint64_t NewSeq() {
+    CreateOptions o = WithLease(absl::ZeroDuration());
+    o.tenant = "t";
+    auto seq = store_->Create(o);
+    EXPECT_TRUE(seq.ok()) << seq.status();
+    return seq.ok() ? seq->id : 0;
+  }
   AppendSpec Spec(uint64_t id, uint64_t tokens) {
     AppendSpec a;
     a.tenant = "t";
@@ -113,8 +120,10 @@ class NcclPlaneTest : public ::testing::Test {
                               uint64_t tokens) {
     DeviceBuffer src(payload.size());
     if (!src.ok) return absl::InternalError("cudaMalloc");
+    // The plane's stream sends it: the copy (its DMA may outlast cudaMemcpy) must have landed.
     if (cudaMemcpy(src.data, payload.data(), payload.size(), cudaMemcpyHostToDevice) !=
-        cudaSuccess) {
+            cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess) {
       return absl::InternalError("cudaMemcpy");
     }
     auto txn = store_->BeginAppend(Spec(seq, tokens));
@@ -344,6 +353,7 @@ TEST_F(NcclPlaneTest, TwoRanksOnTwoGpus) {
   CUDA_OK(cudaMalloc(&src, bytes));
   CUDA_OK(cudaMalloc(&dst, bytes));
   CUDA_OK(cudaMemcpy(src, payload.data(), bytes, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaDeviceSynchronize());
   ncclResult_t sent = ncclInternalError;
   std::thread sender([&] {
     cudaSetDevice(1);

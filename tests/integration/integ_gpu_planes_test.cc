@@ -31,6 +31,7 @@ class DeviceBuffer {
   bool Allocate(uint64_t bytes, std::string* why) {
     cudaError_t e = cudaMalloc(&ptr_, bytes);
     if (e == cudaSuccess) e = cudaMemset(ptr_, 0xa5, bytes);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (e == cudaSuccess) e = cudaIpcGetMemHandle(&handle_, ptr_);
     if (e != cudaSuccess) {
       *why = cudaGetErrorString(e);
@@ -43,9 +44,14 @@ class DeviceBuffer {
     return {reinterpret_cast<const uint8_t*>(&handle_), sizeof(handle_)};
   }
   uint64_t size() const { return size_; }
+  // NOTE: kvbankd reads and writes the buffer on its own streams, in another process: what this
+  // process wrote must have landed first. A copy from pageable memory may return before its DMA
+  // is done, and a memset is asynchronous, so each ends with a device synchronization (an
+  // engine synchronizes the stream that produced its KV before it asks for an append).
   bool Write(uint64_t offset, const std::vector<uint8_t>& bytes) {
     return cudaMemcpy(static_cast<uint8_t*>(ptr_) + offset, bytes.data(), bytes.size(),
-                      cudaMemcpyHostToDevice) == cudaSuccess;
+                      cudaMemcpyHostToDevice) == cudaSuccess &&
+           cudaDeviceSynchronize() == cudaSuccess;
   }
   std::vector<uint8_t> Read(uint64_t offset, uint64_t n) {
     std::vector<uint8_t> out(n);
@@ -54,7 +60,10 @@ class DeviceBuffer {
         cudaSuccess);
     return out;
   }
-  void Fill(uint8_t value) { ASSERT_EQ(cudaMemset(ptr_, value, size_), cudaSuccess); }
+  void Fill(uint8_t value) {
+    ASSERT_EQ(cudaMemset(ptr_, value, size_), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
 
  private:
   void* ptr_ = nullptr;
@@ -309,10 +318,21 @@ TEST_F(GpuPlanesTest, ConcurrentTransfersStayExact) {
         if (!buffer_.Write(base, payload)) ++bad;
         Client::AppendArgs args;
         args.num_tokens = n;
-        if (!c->AppendFromDevice("m", seq->id, args, {region_, base, payload.size()}).ok()) ++bad;
+        auto a = c->AppendFromDevice("m", seq->id, args, {region_, base, payload.size()});
+        if (!a.ok()) {
+          ADD_FAILURE() << "thread " << t << " round " << round << ": append: " << a.status();
+          ++bad;
+        }
         const uint64_t back = base + kRegionBytes / kThreads / 2;
         auto f = c->FetchToDevice("m", seq->id, {}, {region_, back, payload.size()});
-        if (!f.ok() || buffer_.Read(back, payload.size()) != payload) ++bad;
+        if (!f.ok()) {
+          ADD_FAILURE() << "thread " << t << " round " << round << ": fetch: " << f.status();
+          ++bad;
+        } else if (buffer_.Read(back, payload.size()) != payload) {
+          ADD_FAILURE() << "thread " << t << " round " << round << ": " << n
+                        << " tokens came back different";
+          ++bad;
+        }
         if (!c->Free("m", seq->id).ok()) ++bad;
       }
     });

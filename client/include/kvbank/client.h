@@ -417,6 +417,10 @@ class Client {
   absl::Status UnregisterDeviceRegion(uint64_t region_id);
   // Append whose payload is `source` in a device region (fp32 / fp16 / bf16: converted on the
   // device); Fetch written into `dest` in a device region. As AppendFromRegion / FetchToRegion.
+  // NOTE: kvbankd reads and writes the region on its own streams, in its own process: the
+  // source's bytes must have landed before the call (synchronize the stream or device that wrote
+  // them; a cudaMemcpy from pageable memory or a cudaMemset may still be running when it
+  // returns), and nothing may write dest until the fetch returns, when its bytes are in place.
   absl::StatusOr<SequenceInfo> AppendFromDevice(const std::string& model, uint64_t id,
                                                 const AppendArgs& args, const RegionSlice& source);
   absl::StatusOr<FetchResult> FetchToDevice(const std::string& model, uint64_t id,
