@@ -173,6 +173,18 @@ class AppendTxn {
   // of the block to rescale and the pool or the tenant's quota has no block for it. The
   // transaction must then be dropped (it undoes everything).
   absl::Status Write(absl::Span<const uint8_t> data);
+  // The payload written by ranges from several threads at once (PayloadWriter::WriteRange; host
+  // memory and a payload stored as it is): WriteRange for disjoint ranges of the next n bytes,
+  // then Advance(n).
+  bool ConcurrentWrites() const { return !done_ && writer_->ConcurrentWrites(); }
+  absl::Status WriteRange(uint64_t offset, absl::Span<const uint8_t> data) {
+    if (done_) return absl::FailedPreconditionError("append already finished");
+    return writer_->WriteRange(offset, data);
+  }
+  absl::Status Advance(uint64_t n) {
+    if (done_) return absl::FailedPreconditionError("append already finished");
+    return writer_->Advance(n);
+  }
   // The whole payload at once from device memory on the pool's device
   // (PayloadWriter::WriteFromDevice: the kernels read it in place; FAILED_PRECONDITION unless
   // the pool is cuda:N, or for a storage-format payload). Then Commit, as after Write.

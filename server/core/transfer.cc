@@ -51,6 +51,32 @@ absl::Status PayloadWriter::Write(absl::Span<const uint8_t> data) {
   return absl::OkStatus();
 }
 
+absl::Status PayloadWriter::WriteRange(uint64_t offset, absl::Span<const uint8_t> data) {
+  if (!ConcurrentWrites()) {
+    return absl::FailedPreconditionError("this payload is written in order (Write), not by range");
+  }
+  const uint64_t total = spec_.payload.total_bytes;
+  if (offset < written_ || offset > total || data.size() > total - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("payload bytes [", offset, ", +", data.size(),
+                                                   ") are outside [", written_, ", ", total, ")"));
+  }
+  if (data.empty()) return absl::OkStatus();
+  return WriteRangeAt(offset, data);
+}
+
+absl::Status PayloadWriter::Advance(uint64_t n) {
+  if (n > spec_.payload.total_bytes - written_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("advancing ", n, " bytes past the payload's ", spec_.payload.total_bytes));
+  }
+  written_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status PayloadWriter::WriteRangeAt(uint64_t, absl::Span<const uint8_t>) {
+  return absl::FailedPreconditionError("this payload is written in order (Write), not by range");
+}
+
 absl::Status PayloadWriter::WriteFromDevice(const uint8_t* device_payload) {
   CheckNoCoreLock("a payload write");
   if (written_ != 0) {
@@ -182,11 +208,15 @@ class StreamingWriter final : public PayloadWriter {
  private:
   absl::Status WriteAt(absl::Span<const uint8_t> data) override {
     if (codec_ != nullptr) return codec_->Write(written_, data);
+    return WriteRangeAt(written_, data);
+  }
+  // Copied as it is (no codec): PayloadCopyCpu and ScaleCopyCpu place each byte by its offset.
+  bool ConcurrentWrites() const override { return codec_ == nullptr; }
+  absl::Status WriteRangeAt(uint64_t offset, absl::Span<const uint8_t> data) override {
     uint8_t* bytes = const_cast<uint8_t*>(data.data());  // read, never written
-    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_, bytes,
+    kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, offset, bytes,
                             data.size());
-    kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, written_, bytes,
-                          data.size());
+    kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, offset, bytes, data.size());
     return absl::OkStatus();
   }
 

@@ -94,6 +94,17 @@ class PayloadWriter {
   // bytes were written already, or for a storage-format payload (its scales are checked on the
   // host: send it as bytes); INTERNAL when the device fails. Finish() follows as after Write.
   absl::Status WriteFromDevice(const uint8_t* device_payload);
+  // Whether WriteRange may run on several threads at once over disjoint ranges (host memory and
+  // a payload copied as it is: each byte's place in the pool depends on its offset alone).
+  virtual bool ConcurrentWrites() const { return false; }
+  // Payload bytes [offset, offset + data.size()), within [written(), payload end), in any order
+  // and, when ConcurrentWrites(), from several threads at once over disjoint ranges. written()
+  // does not move: Advance counts the bytes once every range of them is written. INVALID_ARGUMENT
+  // outside that span; FAILED_PRECONDITION unless ConcurrentWrites().
+  absl::Status WriteRange(uint64_t offset, absl::Span<const uint8_t> data);
+  // Counts the next n bytes written (by WriteRange calls that covered them all). INVALID_ARGUMENT
+  // past the payload.
+  absl::Status Advance(uint64_t n);
   // After the last byte: whatever is still to move and the checks that need the whole payload
   // (a storage-format payload's scales and codes). INVALID_ARGUMENT naming the first bad value.
   // REQUIRES: written() == spec().payload.total_bytes.
@@ -107,6 +118,8 @@ class PayloadWriter {
   // The whole payload from device memory (WriteFromDevice, which checked written() == 0).
   // Default: FAILED_PRECONDITION (host memory).
   virtual absl::Status WriteDeviceAt(const uint8_t* device_payload);
+  // Payload bytes at `offset` (WriteRange, ConcurrentWrites() only). Default: FAILED_PRECONDITION.
+  virtual absl::Status WriteRangeAt(uint64_t offset, absl::Span<const uint8_t> data);
   // make_private_ for logical block `index`, the answer written into the table.
   absl::Status Privatize(uint64_t index);
 

@@ -24,8 +24,9 @@ namespace {
 // A fetch into a region is copied in pieces of this many bytes (the call's end is checked
 // between them).
 constexpr uint64_t kRegionCopyPiece = uint64_t{4} << 20;
-// On host memory, a payload of at least this many bytes is copied by several threads (the
-// service's region_copy_helpers), each taking pieces of kRegionCopySplitPiece.
+// On host memory, a payload of at least this many bytes, fetched into a region or appended from
+// one, is copied by several threads (the service's region_copy_helpers), each taking pieces of
+// kRegionCopySplitPiece.
 constexpr uint64_t kSplitRegionCopyBytes = uint64_t{1} << 20;
 constexpr uint64_t kRegionCopySplitPiece = uint64_t{256} << 10;
 }  // namespace
@@ -90,6 +91,29 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
   const bool plain =
       std::all_of(stored.begin(), stored.end(), [&](DType d) { return d == txn->dtype(); });
   if (plain) {
+    const uint64_t n = runs->size();
+    if (n >= kSplitRegionCopyBytes && options_.region_copy_helpers > 0 && txn->ConcurrentWrites()) {
+      // As a large fetch: pieces taken by this thread and by helper workers, then counted.
+      SplitCopyOptions split;
+      split.piece_bytes = kRegionCopySplitPiece;
+      split.max_helpers = options_.region_copy_helpers;
+      const uint64_t base = txn->bytes_written();
+      const std::atomic<bool> never_ended{false};
+      absl::Status s = SplitCopy(
+          n, split,
+          [&](uint64_t at, uint64_t len) {
+            return runs->ForEachPiece(at, len, [&](uint64_t p, absl::Span<uint8_t> from) {
+              return txn->WriteRange(base + p, from);
+            });
+          },
+          never_ended,
+          [this, &tenant](std::function<void()> task) {
+            device_work_->Continue(tenant, std::move(task));
+          });
+      if (s.ok()) s = txn->Advance(n);
+      if (!s.ok()) return s;
+      return intact();
+    }
     for (absl::Span<uint8_t> run : runs->runs) {
       if (absl::Status s = txn->Write(run); !s.ok()) return s;
     }

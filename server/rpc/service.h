@@ -37,9 +37,9 @@ struct ServiceOptions {
   // reads, and forks there, run on this many worker threads (FairWork: fair across tenants,
   // foreground before background), so that no gRPC reaction waits on a device copy.
   uint32_t device_workers = 4;
-  // A fetch into a shared-memory region of at least 1 MiB is copied by the worker that runs it
-  // and up to this many more (server/rpc/split_copy.h; helpers the other workers do not pick up
-  // in time are not waited for). 0: one thread a copy.
+  // A fetch into, or a plain append from, a shared-memory region of at least 1 MiB is copied by
+  // the worker that runs it and up to this many more (server/rpc/split_copy.h; helpers the other
+  // workers do not pick up in time are not waited for). 0: one thread a copy.
   uint32_t region_copy_helpers = 1;
   // What each tenant holds of the server-wide caps (queued work, waits, streams, regions, ...).
   // Null: the service makes one with DefaultLedger's caps and a single tenant's shares.
