@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Optional, TypeVar, Union, overload
 import numpy as np
 
 from ._client import Client, ExtraKeys
+from ._errors import Error
 from ._types import (
     Blocks,
     DeviceRegion,
@@ -345,6 +346,15 @@ class AsyncClient:
             self.client.append_runs, model, seq_id, region, run_offsets, run_bytes,
             num_tokens=num_tokens, layer_begin=layer_begin, layer_end=layer_end, dtype=dtype,
             token_ids=token_ids, kv_head_begin=kv_head_begin, kv_head_end=kv_head_end)
+
+    async def put_pages_runs(self, model: str, region: np.ndarray,
+                             pages: Sequence[tuple[ExtraKeys, Union[Sequence[int], np.ndarray]]],
+                             run_bytes: int, *, num_tokens: int, lease_s: Optional[float] = None,
+                             parallel: int = 2) -> list[Optional[Error]]:
+        """Client.put_pages_runs, awaited."""
+        return await self._call(
+            self.client.put_pages_runs, model, region, pages, run_bytes, num_tokens=num_tokens,
+            lease_s=lease_s, parallel=parallel)
 
     async def fetch_blocks_into(self, model: str, hashes: Sequence[bytes], out: Any, *,
                                 layer_begin: int = 0, layer_end: Optional[int] = None,
