@@ -147,8 +147,9 @@ def _region_of(array: np.ndarray) -> tuple[Any, int]:
         base = base.base if isinstance(base, np.ndarray) else base.obj
     if not isinstance(base, _kvbank.Region):
         raise InvalidArgumentError("not an array from register_region or register_region_fd")
-    start = np.frombuffer(base, dtype=np.uint8).ctypes.data
-    return base, int(np.asarray(array).ctypes.data) - int(start)
+    # __array_interface__, not .ctypes: that one runs Python code of numpy's on every call.
+    start = np.frombuffer(base, dtype=np.uint8).__array_interface__["data"][0]
+    return base, np.asarray(array).__array_interface__["data"][0] - start
 
 
 class Client:

@@ -93,45 +93,52 @@ class PageLayout:
         """Bytes of one (layer, K or V) of a page."""
         return self.tokens * self.heads * self.dim * self.host.kv_buffer.element_size()
 
+    def _runs_of_slot0(self) -> np.ndarray:
+        """Run offsets of the page at slot 0, (layer, K or V) in a FetchBlocks' order."""
+        if self._first_page_runs is None:
+            t, rb = self.tokens, self.run_bytes
+            layer = np.arange(self.layers, dtype=np.uint64)[:, None]
+            kv = np.arange(2, dtype=np.uint64)[None, :]
+            if self.layout == "layer_first":  # [2][layers][size][heads][dim]
+                at = (kv * self.layers + layer) * self.size * (rb // t)
+            else:  # page_first_direct: [2][pages][layers][tokens][heads][dim]
+                at = (kv * (self.size // t) * self.layers + layer) * rb
+            self._first_page_runs = at.reshape(-1)
+        return self._first_page_runs
+
+    def _shift(self, start: int) -> int:
+        """How far the page at token slot `start` lies from slot 0's, in bytes."""
+        if self.layout == "layer_first":
+            return start * (self.run_bytes // self.tokens)
+        return (start // self.tokens) * self.layers * self.run_bytes
+
     def fetch_runs(self, starts: list[int], base: int = 0) -> np.ndarray:
         """Run offsets (uint64, from byte `base` of the host buffer) of a FetchBlocks of these
         pages (in this order) under the zero-copy mapping: its payload is, per layer, K of every
-        page then V of every page. Computed as arrays: a batch has 2 x layers x pages runs."""
-        t, rb = self.tokens, self.run_bytes
-        s = np.asarray(starts, dtype=np.uint64)
-        layer = np.arange(self.layers, dtype=np.uint64)[:, None, None]
-        kv = np.arange(2, dtype=np.uint64)[None, :, None]
-        if self.layout == "layer_first":  # [2][layers][size][heads][dim]
-            at = ((kv * self.layers + layer) * self.size + s[None, None, :]) * (rb // t)
-        else:  # page_first_direct: [2][pages][layers][tokens][heads][dim]
-            pages = self.size // t
-            at = ((kv * pages + (s // t)[None, None, :]) * self.layers + layer) * rb
-        return (at + np.uint64(base)).reshape(-1)
+        page then V of every page, so run (layer, kv, page) = slot 0's run (layer, kv) + the
+        page's shift: one outer sum (few array calls: this is timed into every load)."""
+        shifts = np.array([self._shift(s) + base for s in starts], dtype=np.uint64)
+        return np.add.outer(self._runs_of_slot0(), shifts).reshape(-1)
 
     def page_runs(self, start: int, base: int = 0) -> np.ndarray:
-        """Run offsets of one page's block (an append's payload): the first page's, moved."""
-        if self._first_page_runs is None:
-            self._first_page_runs = self.fetch_runs([0])
-        t = self.tokens
-        if self.layout == "layer_first":
-            shift = start * (self.run_bytes // t)
-        else:
-            shift = (start // t) * self.layers * self.run_bytes
-        return self._first_page_runs + np.uint64(base + shift)
+        """Run offsets of one page's block (an append's payload): slot 0's, moved."""
+        return self._runs_of_slot0() + np.uint64(base + self._shift(start))
 
-    def page_start(self, host_indices: torch.Tensor, i: int) -> int:
-        """The first token slot of page i of a v1 call's host_indices (page_size slots a page),
-        or -1 when it is not a whole, aligned page inside the pool: nothing is read or written
-        there then."""
-        t = self.tokens
-        if host_indices.numel() < (i + 1) * t:
-            return -1
-        start = int(host_indices[i * t])
-        if start < 0 or start % t or start + t > self.size:
-            return -1
-        if t > 1 and int(host_indices[i * t + t - 1]) != start + t - 1:
-            return -1
-        return start
+    def page_starts(self, host_indices: torch.Tensor, n: int) -> list[int]:
+        """page_start of pages 0 .. n-1 at once, each -1 where it is not a whole, aligned page
+        inside the pool. One tolist() and plain ints: the call is timed into every load, and
+        right after a large transfer the caches are cold, where a few numpy or torch calls
+        per page cost more than the arithmetic."""
+        t, size = self.tokens, self.size
+        whole = min(n, int(host_indices.numel()) // t)
+        idx = host_indices.reshape(-1)[:whole * t].tolist() if whole > 0 else []
+        out = [-1] * n
+        for i in range(whole):
+            start = idx[i * t]
+            if 0 <= start and start % t == 0 and start + t <= size and \
+                    idx[i * t + t - 1] == start + t - 1:
+                out[i] = start
+        return out
 
     def host_page(self, start: int) -> torch.Tensor:
         """The page at token slot `start` of the pool, as a [2][layers][tokens][heads][dim]

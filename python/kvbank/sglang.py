@@ -92,6 +92,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 import kvbank
 
+from . import _kvbank
 from ._connector_config import client_settings
 from ._sglang_pages import PageLayout
 
@@ -335,22 +336,19 @@ class KvbankHiCacheStorage(HiCacheStorage):
 
     # ---- names ------------------------------------------------------------------------------
 
-    def _hash(self, conn: _Conn, key: Any) -> bytes | None:
-        value = page_key_value(key)
-        if value is None:
-            return None
-        assert self.pages is not None
-        return kvbank.chain_hash(conn.root, [0] * self.pages.tokens, [("custom", value)],
-                                 algorithm=conn.algorithm)
-
     def _hashes(self, conn: _Conn, keys: Sequence[Any]) -> list[bytes]:
-        """The hashes of the leading keys that are keys (a bad key ends the run)."""
+        """The hashes of the leading keys that are keys (a bad key ends the run): each page's
+        block is kvbank.chain_hash(root, [0] * page_size, [("custom", page_key_value(key))]),
+        computed here without that wrapper's per-call argument checks."""
+        assert self.pages is not None
+        zeros = [0] * self.pages.tokens
         out = []
         for key in keys:
-            h = self._hash(conn, key)
-            if h is None:
+            value = page_key_value(key)
+            if value is None:
                 break
-            out.append(h)
+            out.append(_kvbank.chain_hash(conn.algorithm, conn.root, zeros,
+                                          [("custom", value.encode())]))
         return out
 
     # ---- lookups ----------------------------------------------------------------------------
@@ -415,12 +413,9 @@ class KvbankHiCacheStorage(HiCacheStorage):
             return results
         pages = self.pages
         assert pages is not None
-        starts = []
-        for i in range(len(keys)):
-            s = pages.page_start(host_indices, i)
-            if s < 0:
-                break
-            starts.append(s)
+        starts = pages.page_starts(host_indices, len(keys))
+        if -1 in starts:
+            starts = starts[:starts.index(-1)]
         try:
             hashes = self._hashes(conn, keys[:len(starts)])
             if conn.host_region is not None:
@@ -585,7 +580,7 @@ class KvbankHiCacheStorage(HiCacheStorage):
         pages = self.pages
         assert pages is not None
         try:
-            starts = [pages.page_start(host_indices, i) for i in range(len(keys))]
+            starts = pages.page_starts(host_indices, len(keys))
             values = [page_key_value(k) if s >= 0 else None for k, s in zip(keys, starts)]
             if conn.host_region is not None:
                 return self._store_runs(conn, values, starts)
