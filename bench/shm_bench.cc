@@ -4,6 +4,8 @@
 //   shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] [--in-flight-iters N]
 //             [--server-arg FLAG]...   (each FLAG is passed on to kvbankd)
 //             [--small-only N]         (only the 4 KiB rows, N calls each)
+//             [--client-spin-us N]     (ClientOptions::shm_control_spin; kvbankd's is
+//                                       --server-arg --shm-control-spin-us=N)
 //
 // kvbankd (this build's, or --kvbankd) runs with --device=host, a 1 GiB llama-3.1-8b pool (bf16,
 // 128 KiB of payload per token) and --shm-socket in a temp dir; this process is the client
@@ -30,8 +32,10 @@
 // fetch reads other pool blocks).
 // Last, 4 KiB transfers (SmallTransfers): p50 of a region fetch and append asked for with a
 // control frame on the shm socket, and the same asked by gRPC, against a Unix-socket ping-pong
-// between two processes measured in the same rounds.
+// between two processes measured in the same rounds (and, beside it, the same ping-pong with
+// both ends waiting on the CPU, as the SDK and kvbankd wait for small transfers).
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -130,16 +134,22 @@ double TimedThreads(int threads, F body) {
 
 // Microseconds of `n` round trips of a 64-byte message between this process and a child that
 // echoes it over a Unix socket pair (blocking reads and writes): what one request and its
-// answer cost between two processes, with no server work.
-std::vector<double> UnixPingPong(int n) {
+// answer cost between two processes, with no server work. spin: both ends read without
+// blocking, yielding the CPU between tries (as the SDK and kvbankd wait for small transfers),
+// the floor of that way of waiting.
+std::vector<double> UnixPingPong(int n, bool spin = false) {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) Die("socketpair");
   const pid_t child = fork();
   if (child < 0) Die("fork");
   char msg[64] = {};
-  auto full = [](int fd, char* p, size_t len, bool reading) {
+  auto full = [spin](int fd, char* p, size_t len, bool reading) {
     while (len > 0) {
-      const ssize_t k = reading ? read(fd, p, len) : write(fd, p, len);
+      const ssize_t k = reading ? recv(fd, p, len, spin ? MSG_DONTWAIT : 0) : write(fd, p, len);
+      if (k < 0 && spin && reading && errno == EAGAIN) {
+        sched_yield();
+        continue;
+      }
       if (k <= 0) return false;
       p += k;
       len -= size_t(k);
@@ -186,13 +196,14 @@ void SmallTransfers(Client* frames, const std::string& target, const std::string
   auto grpc = Check(Client::Connect(target, o), "Connect (gRPC control)");
   constexpr uint64_t kSmall = 4096;
   const uint32_t layers = 32;
-  std::vector<double> ping, fetch[2], append[2];  // [0]: frames, [1]: gRPC
+  std::vector<double> ping, spin_ping, fetch[2], append[2];  // [0]: frames, [1]: gRPC
   Client* clients[2] = {frames, grpc.get()};
   const uint64_t before = frames->ShmControlRequests();
   const int rounds = 10;
   for (int round = 0; round < rounds; ++round) {
     const int per = n / rounds;
     for (double us : UnixPingPong(per)) ping.push_back(us);
+    for (double us : UnixPingPong(per, /*spin=*/true)) spin_ping.push_back(us);
     for (int c = 0; c < 2; ++c) {
       // Appends: one token a layer, layer by layer, into a fresh sequence every 32.
       uint64_t seq = 0;
@@ -235,6 +246,9 @@ void SmallTransfers(Client* frames, const std::string& target, const std::string
       "Unix-socket ping-pong's p50):\n",
       (n / rounds) * rounds);
   std::printf("  unix ping-pong (64 B)  %7.1f / %7.1f\n", floor, Percentile(ping, 0.9));
+  std::printf("  the same, both ends spinning  %7.1f / %7.1f  ratio %5.2f\n",
+              Percentile(spin_ping, 0.5), Percentile(spin_ping, 0.9),
+              Percentile(spin_ping, 0.5) / floor);
   const char* names[2] = {"frames", "gRPC  "};
   for (int c = 0; c < 2; ++c) {
     std::printf("  fetch  control %s   %7.1f / %7.1f  ratio %5.2f\n", names[c],
@@ -352,6 +366,7 @@ int Main(int argc, char** argv) {
   std::string kvbankd = KVBANK_KVBANKD_PATH;
   std::vector<std::string> server_args;  // --server-arg: passed on to kvbankd
   int small_only = 0;                    // --small-only N: the 4 KiB rows alone, N calls each
+  absl::Duration client_spin = ClientOptions().shm_control_spin;  // --client-spin-us N
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
@@ -370,9 +385,11 @@ int Main(int argc, char** argv) {
       small_only = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--server-arg" && i + 1 < argc) {
       server_args.push_back(argv[++i]);
+    } else if (a == "--client-spin-us" && i + 1 < argc) {
+      client_spin = absl::Microseconds(std::max(0, std::atoi(argv[++i])));
     } else {
       Die("usage: shm_bench [--quick] [--reps N] [--kvbankd PATH] [--mib N] [--in-flight N] "
-          "[--in-flight-iters N] [--server-arg FLAG]... [--small-only N]");
+          "[--in-flight-iters N] [--server-arg FLAG]... [--small-only N] [--client-spin-us N]");
     }
   }
   if (quick) {
@@ -400,6 +417,7 @@ int Main(int argc, char** argv) {
   const int port = WaitForPortFile(server, port_file, log);
   ClientOptions options;
   options.shm_socket = socket;
+  options.shm_control_spin = client_spin;
   auto client = Check(Client::Connect("127.0.0.1:" + std::to_string(port), options), "Connect");
   if (absl::Status s = client->CheckServing(absl::Seconds(10)); !s.ok()) Die(s.ToString());
   const Client::ModelInfo model = Check(client->GetModel(kModel), "GetModel");

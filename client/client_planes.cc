@@ -100,10 +100,10 @@ namespace {
 // reached the server (it may go by gRPC then).
 template <typename Answer, typename Body>
 std::optional<absl::StatusOr<Answer>> AskOverSocket(internal::ShmControlChannel& channel, Body body,
-                                                    absl::Time deadline) {
+                                                    absl::Time deadline, absl::Duration spin) {
   proto::ShmControlRequest request;
   request.body = std::move(body);
-  internal::ShmControlChannel::Outcome out = channel.Call(std::move(request), deadline);
+  internal::ShmControlChannel::Outcome out = channel.Call(std::move(request), deadline, spin);
   if (!out.reply.ok()) {
     if (!out.sent) return std::nullopt;
     return out.reply.status();
@@ -116,13 +116,17 @@ std::optional<absl::StatusOr<Answer>> AskOverSocket(internal::ShmControlChannel&
 
 }  // namespace
 
+absl::Duration Client::Impl::SpinFor(uint64_t bytes) const {
+  return bytes <= kShmControlSpinBytes ? options.shm_control_spin : absl::ZeroDuration();
+}
+
 template <typename Request>
 absl::StatusOr<Client::FetchResult> Client::Impl::FetchToSlice(Request req, const RegionSlice& dest,
                                                                bool device) {
   SetSlice(dest, device ? req.mutable_device_dest() : req.mutable_dest());
   if (std::shared_ptr<internal::ShmControlChannel> channel = Control()) {
-    auto answer =
-        AskOverSocket<v1::FetchResponse>(*channel, req, absl::Now() + options.stream_deadline);
+    auto answer = AskOverSocket<v1::FetchResponse>(
+        *channel, req, absl::Now() + options.stream_deadline, SpinFor(dest.bytes()));
     if (answer.has_value()) {
       control_requests.fetch_add(1, std::memory_order_relaxed);
       if (!answer->ok()) return answer->status();
@@ -141,8 +145,8 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::AppendFromSlice(v1::AppendHea
   // payload_bytes 0: the server checks source.length against the payload and names that field.
   SetSlice(source, device ? header.mutable_device_source() : header.mutable_source());
   if (std::shared_ptr<internal::ShmControlChannel> channel = Control()) {
-    auto answer =
-        AskOverSocket<v1::AppendResponse>(*channel, header, absl::Now() + options.stream_deadline);
+    auto answer = AskOverSocket<v1::AppendResponse>(
+        *channel, header, absl::Now() + options.stream_deadline, SpinFor(source.bytes()));
     if (answer.has_value()) {
       control_requests.fetch_add(1, std::memory_order_relaxed);
       if (!answer->ok()) return answer->status();

@@ -36,16 +36,20 @@ class ShmControlChannel {
     // the caller may ask again another way.
     bool sent = false;
   };
-  // Sends `request` (its request_id and timeout_ms are set here) and waits for its reply.
-  Outcome Call(proto::ShmControlRequest request, absl::Time deadline);
+  // Sends `request` (its request_id and timeout_ms are set here) and waits for its reply; the
+  // waiter that reads the socket first reads it without blocking for up to `spin` (the reply
+  // of a small transfer is that close), then sleeps in poll.
+  Outcome Call(proto::ShmControlRequest request, absl::Time deadline,
+               absl::Duration spin = absl::ZeroDuration());
 
   // The connection broke (the server went away, or answered a frame it could not take).
   bool broken() const;
 
  private:
-  // Reads what the socket has (waiting until `deadline`), and files the whole replies.
+  // Reads what the socket has (waiting until `deadline`: on the CPU until `spin_until`, then
+  // in poll), and files the whole replies.
   // REQUIRES: reading_ was set by this thread; mu_ not held.
-  void ReadSome(absl::Time deadline);
+  void ReadSome(absl::Time deadline, absl::Time spin_until);
 
   const std::unique_ptr<ShmRegion> region_;
   const int conn_;

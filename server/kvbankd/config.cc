@@ -304,6 +304,7 @@ absl::Status ConfigureService(const DeviceSpec& device, const rpc::Authenticator
     }
     shm.max_region_bytes = *max_region;
     shm.max_regions = absl::GetFlag(FLAGS_shm_max_regions);
+    shm.spin = absl::Microseconds(absl::GetFlag(FLAGS_shm_control_spin_us));
     auto regions = plane::ShmRegions::Start(shm);
     if (!regions.ok()) return regions.status();
     options->shm_regions = *std::move(regions);

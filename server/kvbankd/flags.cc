@@ -102,6 +102,11 @@ ABSL_FLAG(std::string, shm_max_region_bytes, "64GiB",
           "largest shared-memory region a client may register");
 ABSL_FLAG(uint32_t, shm_max_regions, 256,
           "most shared-memory regions (each one socket connection) registered or pending at once");
+ABSL_FLAG(uint32_t, shm_control_spin_us, 50,
+          "after a round of control frames it answered itself (small transfers), the "
+          "shared-memory listener looks for the next frame this many microseconds without "
+          "sleeping, so that back-to-back small transfers find it awake (that much CPU time at "
+          "most after such a round; 0: always sleep)");
 ABSL_FLAG(
     uint32_t, cuda_ipc_lease_ms, 60000,
     "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "

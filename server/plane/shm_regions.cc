@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -387,6 +388,7 @@ ShmRegions::~ShmRegions() {
 
 void ShmRegions::Loop() {
   std::vector<pollfd> polled;
+  absl::Time spin_until;  // no sleeping in poll before then (ShmOptions::spin)
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
@@ -407,10 +409,18 @@ void ShmRegions::Loop() {
         polled.push_back({fd, events, 0});
       }
     }
-    // A bounded wait, so that claim timeouts are enforced without a timer per connection.
-    const int n = poll(polled.data(), polled.size(), 200);
+    // A bounded wait, so that claim timeouts are enforced without a timer per connection;
+    // none while the spin after a round of small transfers lasts.
+    const bool spinning = spin_until > absl::Time() && absl::Now() < spin_until;
+    const int n = poll(polled.data(), polled.size(), spinning ? 0 : 200);
     HandleEvents(polled, n);
-    Dispatch();
+    if (Dispatch()) {
+      spin_until = absl::Now() + options_.spin;
+    } else if (n != 0) {
+      spin_until = absl::Time();  // other work (a hello, a close, a copy handed over)
+    } else if (spinning) {
+      sched_yield();  // a client on this CPU goes first: its next frame is what is awaited
+    }
   }
 }
 
@@ -446,7 +456,7 @@ void ShmRegions::HandleEvents(const std::vector<pollfd>& polled, int n) {
   Expire(absl::Now());
 }
 
-void ShmRegions::Dispatch() {
+bool ShmRegions::Dispatch() {
   std::vector<std::shared_ptr<ShmControlCall>> calls, ending;
   {
     absl::MutexLock lock(&mu_);
@@ -454,15 +464,16 @@ void ShmRegions::Dispatch() {
     ending.swap(ending_);
   }
   for (const auto& c : ending) c->End();
-  if (calls.empty()) return;
+  if (calls.empty()) return false;
   absl::ReaderMutexLock lock(&handler_mu_);
   for (auto& c : calls) {
     if (handler_ == nullptr) {
       c->Reply(absl::UnavailableError("kvbankd is not serving region transfers (stopping)"));
     } else {
-      handler_(std::move(c));
+      handler_(c);
     }
   }
+  return std::all_of(calls.begin(), calls.end(), [](const auto& c) { return c->replied(); });
 }
 
 void ShmRegions::SetControlHandler(ControlHandler handler) {

@@ -73,6 +73,12 @@ struct ShmOptions {
   // A connection that sends no region, or a handle that RegisterRegion does not claim, within
   // this long is dropped.
   absl::Duration claim_timeout = absl::Seconds(10);
+  // After a round in which the listener answered every frame it took itself (small copies on
+  // host memory run on it), it looks at its connections without sleeping for this long before
+  // it waits in poll: a client sending small transfers one after another then finds it awake
+  // instead of paying its wake-up. It costs up to that much CPU time after such a round. Zero:
+  // always sleep.
+  absl::Duration spin = absl::Microseconds(50);
 };
 
 // One mapped memfd; unmapped when the last holder lets go. Thread-safe (immutable).
@@ -168,6 +174,8 @@ class ShmControlCall {
   // Answers the request (AppendResponse for an append, else FetchResponse) or its error; only the
   // first answer is sent. A connection that cannot take the reply at once is closed.
   void Reply(const absl::StatusOr<proto::ShmControlAnswer>& answer);
+  // Whether Reply was called.
+  bool replied() const { return replied_.load(std::memory_order_acquire); }
 
  private:
   const std::string tenant_;
@@ -275,7 +283,9 @@ class ShmRegions {
   // Decodes the whole frames in connection fd's buffer while it has room for more calls.
   void TakeFrames(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hands dispatch_ to the control handler, and runs the ends of calls whose connection closed.
-  void Dispatch() ABSL_LOCKS_EXCLUDED(mu_);
+  // Hands the frames taken to the handler; true when there were some and every one was
+  // answered before it returned (the listener copied them itself).
+  bool Dispatch() ABSL_LOCKS_EXCLUDED(mu_);
   // Closes connection `fd` and drops what came on it.
   void Close(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Expire(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

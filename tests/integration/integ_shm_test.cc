@@ -815,6 +815,62 @@ TEST_F(ShmTest, AFetchIntoARegionWaitsForItsTokens) {
   EXPECT_EQ(std::memcmp((*region)->data(), payload.data(), bytes), 0);
 }
 
+// A client that waits for small replies on the CPU (shm_control_spin) stops at its call's
+// deadline however long its spin, and still takes a reply that comes after the spin.
+TEST_F(ShmTest, ASpinningWaiterKeepsItsDeadlineAndTakesLateReplies) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::unique_ptr<Client> c = Shm();
+  const ModelLayout layout = SmallLayout("m");
+  auto model = c->EnsureModel(layout, 64 * BlockBytes(layout));
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto seq = c->CreateSequence("m");
+  ASSERT_TRUE(seq.ok());
+  const uint64_t bytes = 4 * model->payload_bytes_per_token;
+  ASSERT_LE(bytes, kShmControlSpinBytes);  // a transfer that spins
+  auto region = c->RegisterRegion(bytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  Client::FetchArgs wait;
+  wait.token_end = 4;
+  wait.wait = absl::Seconds(30);
+
+  ClientOptions o;
+  o.shm_socket = socket_;
+  o.shm_control = Frames();
+  o.shm_control_spin = absl::Seconds(5);
+  o.stream_deadline = absl::Milliseconds(300);
+  std::unique_ptr<Client> short_deadline = NewClient(o);
+  const absl::Time t0 = absl::Now();
+  auto late = short_deadline->FetchToRegion("m", seq->id, wait, (*region)->Slice(0, bytes));
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_LT(took, absl::Seconds(3)) << "the spin outlasted the call's deadline";
+
+  // A reply that comes well after a short spin: the waiter sleeps in poll and still takes it.
+  o.shm_control_spin = absl::Microseconds(20);
+  o.stream_deadline = absl::Seconds(30);
+  std::unique_ptr<Client> decode = NewClient(o);
+  auto pulled = std::async(std::launch::async, [&] {
+    return decode->FetchToRegion("m", seq->id, wait, (*region)->Slice(0, bytes));
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (;;) {
+    auto st = c->GetStats("m");
+    ASSERT_TRUE(st.ok()) << st.status();
+    if (st->at(0).fetches_waiting == 1) break;
+    ASSERT_LT(absl::Now(), deadline) << "the fetch never waited";
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  std::vector<uint8_t> payload(bytes);
+  for (size_t i = 0; i < bytes; ++i) payload[i] = static_cast<uint8_t>(i * 13 + 1);
+  Client::AppendArgs args;
+  args.num_tokens = 4;
+  ASSERT_TRUE(c->Append("m", seq->id, args, payload).ok());
+  auto got = pulled.get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->payload_bytes, bytes);
+  EXPECT_EQ(std::memcmp((*region)->data(), payload.data(), bytes), 0);
+}
+
 // GetServerInfo names the socket, so a client can find the plane without being told the path.
 TEST_F(ShmTest, ServerInfoNamesTheSocket) {
   ASSERT_NO_FATAL_FAILURE(Start());

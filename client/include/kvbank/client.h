@@ -71,7 +71,18 @@ struct ClientOptions {
   // gRPC call, when the server takes them: one Unix-socket round trip. The first such transfer
   // registers a one-page region whose connection carries the frames. false: gRPC always.
   bool shm_control = true;
+  // How long a control-frame transfer of at most kShmControlSpinBytes waits for its reply on
+  // the CPU (reading the socket without blocking) before it sleeps in poll. A small transfer's
+  // reply comes back within tens of microseconds, and a thread that sleeps for it pays a
+  // wake-up on top (on a VM, a halted vCPU's: as much as the round trip itself). The cost is
+  // that much CPU time a call at most; larger transfers always sleep, leaving the cores to
+  // kvbankd's copy. Zero: always sleep.
+  absl::Duration shm_control_spin = absl::Microseconds(50);
 };
+
+// The largest region transfer that waits for its control-frame reply on the CPU
+// (ClientOptions::shm_control_spin): about what kvbankd copies in those 50 microseconds.
+inline constexpr uint64_t kShmControlSpinBytes = 256 << 10;
 
 // Bytes [offset, offset + length) of a shared-memory region registered with kvbankd.
 struct RegionSlice {
