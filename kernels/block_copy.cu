@@ -8,57 +8,81 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One CUDA block per payload row (one token of one head of K or V of one layer); the row's
-// bytes that fall in [offset, offset + len) are copied, 16 bytes at a time where both sides
-// are aligned and the row lies wholly inside the window.
-// NOTE: mapping a row to its layer scans the layers (O(layers) per row); fine for the copy
-// sizes of appends and fetches, revisit if a profile shows it.
+// n bytes from src to dst by the 32 lanes of a warp, four 16-byte words in flight a lane where
+// both sides are 16-byte aligned (else 4-byte words, else bytes); any tail byte by byte.
+__device__ inline void WarpCopySpan(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
+                                    uint64_t n, unsigned lane) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+  uint64_t done = 0;
+  if ((align & 15) == 0) {
+    const uint64_t words = n / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    uint64_t i = lane;
+    for (; i + 96 < words; i += 128) {  // loads before stores: four requests in flight a lane
+      const uint4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+      d[i] = a;
+      d[i + 32] = b;
+      d[i + 64] = c;
+      d[i + 96] = e;
+    }
+    for (; i < words; i += 32) d[i] = s[i];
+    done = words * 16;
+  } else if ((align & 3) == 0) {
+    const uint64_t words = n / 4;
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (uint64_t i = lane; i < words; i += 32) d[i] = s[i];
+    done = words * 4;
+  }
+  for (uint64_t i = done + lane; i < n; i += 32) dst[i] = src[i];
+}
+
+// The payload moved as segments that are contiguous on both sides: the rows of one (layer, K or
+// V, head) whose tokens fall in one pool block (the block keeps a head's rows of consecutive
+// tokens together, [heads][block_tokens][dim], as the payload does). A warp a segment (up to
+// block_tokens rows, 4 KiB for 16 tokens of 128 bf16), the segments of layer blockIdx.y (and
+// every gridDim.y-th after it) strided over the warps of the grid's x; only the bytes of a
+// segment inside [offset, offset + len) move.
 __global__ void PayloadCopyKernel(PayloadMap m, CopyDirection dir, uint64_t offset, uint8_t* buf,
                                   uint64_t len) {
-  // Walk rows with a grid-stride loop. Row ids are global over all layers in the map.
-  uint64_t total_rows = 0;
-  for (uint32_t l = 0; l < m.num_layers; ++l) {
-    total_rows += uint64_t{m.layers[l].num_kv_heads} * m.num_tokens * m.layers[l].KvParts();
-  }
-  for (uint64_t r = blockIdx.x; r < total_rows; r += gridDim.x) {
-    // Map global row r to (layer, part, head, token).
-    uint64_t rem = r;
-    uint32_t l = 0;
-    for (; l < m.num_layers; ++l) {
-      const uint64_t rows =
-          uint64_t{m.layers[l].num_kv_heads} * m.num_tokens * m.layers[l].KvParts();
-      if (rem < rows) break;
-      rem -= rows;
-    }
-    const LayerView& v = m.layers[l];
-    const uint64_t k_rows = uint64_t{v.num_kv_heads} * m.num_tokens;
-    const uint32_t part = rem < k_rows ? 0 : 1;
-    if (part) rem -= k_rows;
-    const uint32_t h = static_cast<uint32_t>(rem / m.num_tokens);
-    const uint64_t t = rem % m.num_tokens;
-    const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
-    const uint64_t row_begin =
-        v.PayloadRow(m.layer_offset[l], m.num_tokens, v.elem_bytes, part, h, t);
-    const uint64_t lo = row_begin > offset ? row_begin : offset;
-    const uint64_t row_end = row_begin + row_bytes;
-    const uint64_t hi = row_end < offset + len ? row_end : offset + len;
-    if (lo >= hi) continue;
-    const uint64_t pos = m.token_begin + t;
-    uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
-    const uint32_t brow = static_cast<uint32_t>(pos % v.block_tokens);
-    uint8_t* pool_at = block + (part == 0 ? v.KRow(h, brow) : v.VRow(h, brow)) + (lo - row_begin);
-    uint8_t* buf_at = buf + (lo - offset);
-    uint8_t* dst = dir == CopyDirection::kPayloadToPool ? pool_at : buf_at;
-    const uint8_t* src = dir == CopyDirection::kPayloadToPool ? buf_at : pool_at;
-    const uint64_t n = hi - lo;
-    const bool vec =
-        ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) & 15) == 0;
-    if (vec) {
-      for (uint64_t i = threadIdx.x * 16; i < n; i += blockDim.x * 16) {
-        *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+  const unsigned lane = threadIdx.x & 31u;
+  const uint64_t warps_per_block = blockDim.x / 32;
+  const uint64_t warp = blockIdx.x * warps_per_block + threadIdx.x / 32;
+  const uint64_t warps = uint64_t{gridDim.x} * warps_per_block;
+  const uint64_t end = offset + len;
+  for (uint32_t l = blockIdx.y; l < m.num_layers; l += gridDim.y) {
+    const LayerView v = m.layers[l];
+    const uint64_t bt = v.block_tokens;
+    const uint64_t first = m.token_begin / bt;
+    const uint64_t blocks = BlocksTouched(m.token_begin, m.num_tokens, bt);
+    const uint64_t per_part = uint64_t{v.num_kv_heads} * blocks;
+    const uint64_t segments = per_part * v.KvParts();
+    for (uint64_t sgm = warp; sgm < segments; sgm += warps) {
+      const uint32_t part = sgm < per_part ? 0u : 1u;
+      const uint64_t r = sgm - part * per_part;
+      const uint32_t h = static_cast<uint32_t>(r / blocks);
+      const uint64_t b = first + r % blocks;  // the block's index in the table
+      const uint64_t pos_lo = b * bt > m.token_begin ? b * bt : m.token_begin;
+      const uint64_t block_end = (b + 1) * bt;
+      const uint64_t pos_hi =
+          block_end < m.token_begin + m.num_tokens ? block_end : m.token_begin + m.num_tokens;
+      const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
+      const uint64_t seg_begin = v.PayloadRow(m.layer_offset[l], m.num_tokens, v.elem_bytes, part,
+                                              h, pos_lo - m.token_begin);
+      const uint64_t seg_end = seg_begin + (pos_hi - pos_lo) * row_bytes;
+      const uint64_t lo = seg_begin > offset ? seg_begin : offset;
+      const uint64_t hi = seg_end < end ? seg_end : end;
+      if (lo >= hi) continue;
+      const uint32_t brow = static_cast<uint32_t>(pos_lo - b * bt);
+      uint8_t* pool_at = m.pool + uint64_t(m.block_table[b]) * m.block_bytes +
+                         (part == 0 ? v.KRow(h, brow) : v.VRow(h, brow)) + (lo - seg_begin);
+      uint8_t* buf_at = buf + (lo - offset);
+      if (dir == CopyDirection::kPayloadToPool) {
+        WarpCopySpan(pool_at, buf_at, hi - lo, lane);
+      } else {
+        WarpCopySpan(buf_at, pool_at, hi - lo, lane);
       }
-    } else {
-      for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
     }
   }
 }
@@ -190,8 +214,14 @@ __global__ void CopyRowsKernel(uint8_t* pool, uint64_t block_bytes, const LayerV
 cudaError_t PayloadCopyCuda(const PayloadMap& map, CopyDirection dir, uint64_t offset, uint8_t* buf,
                             uint64_t len, cudaStream_t stream) {
   if (len == 0 || map.num_tokens == 0) return cudaSuccess;
-  // Rows are at most a few KiB; a fixed grid with a stride loop covers any payload.
-  PayloadCopyKernel<<<4096, kThreads / 2, 0, stream>>>(map, dir, offset, buf, len);
+  // Layers on the grid's y; on x, about a warp for every 2 KiB of a layer's share of the
+  // window (segments are up to a block's rows of one head), the rest by the stride loop.
+  const uint64_t layers = map.num_layers == 0 ? 1 : map.num_layers;
+  const uint64_t per_layer = (len + layers - 1) / layers;
+  const uint64_t x = (per_layer + (kThreads / 32) * 2048 - 1) / ((kThreads / 32) * 2048);
+  const dim3 grid(static_cast<unsigned>(x < 1 ? 1 : (x > 1024 ? 1024 : x)),
+                  static_cast<unsigned>(layers < 65535 ? layers : 65535));
+  PayloadCopyKernel<<<grid, kThreads, 0, stream>>>(map, dir, offset, buf, len);
   return cudaGetLastError();
 }
 
