@@ -118,7 +118,8 @@ ABSL_FLAG(uint32_t, device_workers, 4,
           "threads that run device copies, disk reads and region copies (fair across tenants)");
 ABSL_FLAG(uint32_t, region_copy_helpers, 1,
           "device workers that help copy one fetch into, or one append from, a shared-memory "
-          "region of 1 MiB or more (taken only when idle; 0: one thread a copy)");
+          "region of 1 MiB or more, when no other such copy is under way (taken only when "
+          "idle; 0: one thread a copy)");
 ABSL_FLAG(uint64_t, max_queued_work, kvbank::rpc::kDefaultMaxQueuedWork,
           "device-worker tasks queued at once, all tenants together (each tenant gets its share)");
 ABSL_FLAG(uint64_t, max_queued_prefetch, kvbank::rpc::kDefaultMaxQueuedBackground,

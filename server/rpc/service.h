@@ -38,8 +38,9 @@ struct ServiceOptions {
   // foreground before background), so that no gRPC reaction waits on a device copy.
   uint32_t device_workers = 4;
   // A fetch into, or a plain append from, a shared-memory region of at least 1 MiB is copied by
-  // the worker that runs it and up to this many more (server/rpc/split_copy.h; helpers the other
-  // workers do not pick up in time are not waited for). 0: one thread a copy.
+  // the worker that runs it and, when no other such copy is under way, up to this many more
+  // (server/rpc/split_copy.h; helpers the other workers do not pick up in time are not waited
+  // for). 0: one thread a copy.
   uint32_t region_copy_helpers = 1;
   // What each tenant holds of the server-wide caps (queued work, waits, streams, regions, ...).
   // Null: the service makes one with DefaultLedger's caps and a single tenant's shares.
@@ -338,7 +339,10 @@ class KvBankService final : public internal::RawKvBankService {
   const Authenticator auth_;
   const std::shared_ptr<TenantLedger> ledger_;
   std::atomic<bool> draining_{false};  // set under watches_mu_
-  absl::Mutex watches_mu_;             // before any WatchReactor's own lock
+  // Region copies of kSplitRegionCopyBytes or more under way (regions.cc): only one that
+  // starts alone takes region_copy_helpers.
+  mutable std::atomic<uint32_t> region_copies_{0};
+  absl::Mutex watches_mu_;  // before any WatchReactor's own lock
   absl::flat_hash_set<WatchReactor*> watches_ ABSL_GUARDED_BY(watches_mu_);
   StreamWatchdog watchdog_;
   mutable Timers timers_;  // fetches' wait_ms (thread-safe)
