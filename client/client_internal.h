@@ -128,10 +128,10 @@ struct Client::Impl {
                                             absl::Span<const absl::Span<const uint8_t>> pieces);
 
   // The data planes' shared steps (client_planes.cc).
-  // An append whose payload is `source`, a slice of a shared-memory region (device false) or of
-  // a CUDA IPC device region: no payload on gRPC.
   // ClientOptions::shm_control_spin for a control-frame transfer of `bytes`, or zero.
   absl::Duration SpinFor(uint64_t bytes) const;
+  // An append whose payload is `source`, a slice of a shared-memory region (device false) or of
+  // a CUDA IPC device region: no payload on gRPC.
   absl::StatusOr<SequenceInfo> AppendFromSlice(v1::AppendHeader header, const RegionSlice& source,
                                                bool device);
   // A Fetch or FetchBlocks (`Request`) whose payload the server writes into `dest` (a slice as

@@ -97,16 +97,18 @@ ShmControlChannel::Outcome ShmControlChannel::Call(proto::ShmControlRequest requ
 void ShmControlChannel::ReadSome(absl::Time deadline, absl::Time spin_until) {
   char buf[16 << 10];
   ssize_t n = -1;
-  errno = EAGAIN;
+  int err = EAGAIN;  // recv's errno, kept before anything else can change it
+  auto again = [&] { return n < 0 && (err == EAGAIN || err == EINTR); };
   // On the CPU first while the spin lasts (and the deadline has not passed): each try is one
   // non-blocking recv, so the reply is taken the moment it lands, with no wake-up to pay.
   for (absl::Time now = absl::Now(); now < spin_until && now < deadline; now = absl::Now()) {
     n = recv(conn_, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n >= 0 || (errno != EAGAIN && errno != EINTR)) break;
+    err = n < 0 ? errno : 0;
+    if (!again()) break;
     // Whoever else this CPU has goes first: kvbankd's listener may be waiting for it.
     sched_yield();
   }
-  if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+  if (again()) {
     // Wait for bytes, at most until this waiter's deadline; a short wait each time, so that a
     // waiter with an earlier deadline that is not reading is not kept past it by this one.
     const absl::Duration left = std::min(deadline - absl::Now(), absl::Milliseconds(50));
@@ -114,14 +116,15 @@ void ShmControlChannel::ReadSome(absl::Time deadline, absl::Time spin_until) {
     const int ready = poll(&p, 1, int(std::max<int64_t>(0, absl::ToInt64Milliseconds(left))));
     if (ready == 0) return;
     n = ready < 0 ? -1 : recv(conn_, buf, sizeof(buf), MSG_DONTWAIT);
+    err = n < 0 ? errno : 0;
   }
   absl::MutexLock lock(&mu_);
-  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (again()) return;
   if (n <= 0) {
     broken_ = absl::UnavailableError(
         n == 0 ? "kvbankd closed the shm socket connection (it stopped, or took a frame it "
                  "refused)"
-               : absl::StrCat("kvbankd's shm socket broke: ", std::strerror(errno)));
+               : absl::StrCat("kvbankd's shm socket broke: ", std::strerror(err)));
     return;
   }
   in_.append(buf, size_t(n));
