@@ -134,7 +134,7 @@ class PageLayout:
         idx = host_indices.reshape(-1)[:whole * t].tolist() if whole > 0 else []
         out = [-1] * n
         for i in range(whole):
-            start = idx[i * t]
+            start = int(idx[i * t])
             if 0 <= start and start % t == 0 and start + t <= size and \
                     idx[i * t + t - 1] == start + t - 1:
                 out[i] = start

@@ -163,6 +163,28 @@ def test_second_process_finds_pages(server, client, tmp_path):
         assert_same(out["pages"][i], page, f"page {i} in the second instance")
 
 
+def test_page_starts_checks_every_page():
+    """Each page of a v1 call's host_indices on its own: whole, aligned, inside the pool and
+    contiguous from its first slot to its last; a short tail is no page."""
+    from types import SimpleNamespace
+
+    from kvbank.sglang import PageLayout
+    host = SimpleNamespace(layout="layer_first", head_num=1, head_dim=4, layer_num=1, page_size=4,
+                           size=64, dtype=torch.bfloat16,
+                           kv_buffer=torch.zeros(2, 1, 64, 1, 4, dtype=torch.bfloat16))
+    pages = PageLayout(host)
+    idx = torch.tensor([8, 9, 10, 11,  # a page
+                        0, 1, 2, 3,  # a page
+                        5, 6, 7, 8,  # misaligned
+                        12, 13, 14, 99,  # not contiguous to its last slot
+                        60, 61, 62, 63,  # the pool's last page
+                        64, 65, 66, 67,  # past the pool
+                        -4, -3, -2, -1,  # negative
+                        20, 21], dtype=torch.int64)  # short
+    assert pages.page_starts(idx, 9) == [8, 0, -1, -1, 60, -1, -1, -1, -1]
+    assert pages.page_starts(idx[:0], 2) == [-1, -1]
+
+
 def test_bad_keys_and_slots(server, client):
     rig = Rig(server.target, model_name="bad-keys")
     try:
