@@ -66,6 +66,14 @@ ShmControlChannel::Outcome ShmControlChannel::Call(proto::ShmControlRequest requ
     if (it->second.has_value()) {
       Outcome out{*std::move(it->second), true};
       waiting_.erase(it);
+      // kvbankd ends a request at its frame's timeout as a cancel, and that timeout is this
+      // caller's deadline rounded up: a cancel that comes once the deadline has passed is the
+      // deadline's doing, and is answered as gRPC answers a call past its deadline.
+      if (out.reply.ok() && out.reply->status.code() == absl::StatusCode::kCancelled &&
+          absl::Now() >= deadline) {
+        out.reply->status = absl::DeadlineExceededError(
+            absl::StrCat("the call's deadline passed: ", out.reply->status.message()));
+      }
       return out;
     }
     if (!broken_.ok()) {
