@@ -112,27 +112,18 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
       std::all_of(stored.begin(), stored.end(), [&](DType d) { return d == txn->dtype(); });
   if (plain) {
     const uint64_t n = runs->size();
-    std::optional<LargeRegionCopy> large;
-    if (n >= kSplitRegionCopyBytes) large.emplace(region_copies_);
-    if (large.has_value() && large->alone() && options_.region_copy_helpers > 0 &&
-        txn->ConcurrentWrites()) {
-      // As a large fetch: pieces taken by this thread and by helper workers, then counted.
-      SplitCopyOptions split;
-      split.piece_bytes = kRegionCopySplitPiece;
-      split.max_helpers = options_.region_copy_helpers;
+    if (n >= kSplitRegionCopyBytes && txn->ConcurrentWrites()) {
+      // As a large fetch: by ranges (maybe on helper workers too), then counted.
       const uint64_t base = txn->bytes_written();
       const std::atomic<bool> never_ended{false};
-      absl::Status s = SplitCopy(
-          n, split,
+      absl::Status s = CopyRegionBytes(
+          tenant, n, /*concurrent=*/true,
           [&](uint64_t at, uint64_t len) {
             return runs->ForEachPiece(at, len, [&](uint64_t p, absl::Span<uint8_t> from) {
               return txn->WriteRange(base + p, from);
             });
           },
-          never_ended,
-          [this, &tenant](std::function<void()> task) {
-            device_work_->Continue(tenant, std::move(task));
-          });
+          never_ended);
       if (s.ok()) s = txn->Advance(n);
       if (!s.ok()) return s;
       return intact();
@@ -297,6 +288,26 @@ std::shared_ptr<KvBankService::RegionFetch> KvBankService::StartRegionFetch(
 
 void KvBankService::EndRegionFetch(RegionFetch& f) { f.End(); }
 
+absl::Status KvBankService::CopyRegionBytes(
+    const std::string& tenant, uint64_t n, bool concurrent,
+    const std::function<absl::Status(uint64_t, uint64_t)>& copy,
+    const std::atomic<bool>& ended) const {
+  SplitCopyOptions split;
+  std::optional<LargeRegionCopy> large;
+  if (n >= kSplitRegionCopyBytes) large.emplace(region_copies_);
+  if (concurrent && large.has_value() && large->alone()) {
+    split.piece_bytes = kRegionCopySplitPiece;
+    split.max_helpers = options_.region_copy_helpers;
+  } else {
+    // In pieces, in order (the cheapest order on staged memory), so that a call that ends
+    // stops the copy within a piece.
+    split.piece_bytes = kRegionCopyPiece;
+  }
+  return SplitCopy(n, split, copy, ended, [this, &tenant](std::function<void()> task) {
+    device_work_->Continue(tenant, std::move(task));
+  });
+}
+
 absl::StatusOr<KvBankService::RegionSink> KvBankService::RegionSinkFor(
     const std::string& tenant, const v1::RegionSlice& dest) const {
   auto regions = ShmPlane();
@@ -315,20 +326,7 @@ absl::StatusOr<KvBankService::RegionSink> KvBankService::RegionSinkFor(
       return region.ForEachPiece(
           at, len, [&](uint64_t p, absl::Span<uint8_t> to) { return reader.Read(p, to); });
     };
-    SplitCopyOptions split;
-    std::optional<LargeRegionCopy> large;
-    if (n >= kSplitRegionCopyBytes) large.emplace(region_copies_);
-    if (large.has_value() && large->alone() && reader.ConcurrentReads()) {
-      split.piece_bytes = kRegionCopySplitPiece;
-      split.max_helpers = options_.region_copy_helpers;
-    } else {
-      // In pieces, in order (the cheapest order on staged memory), so that a call that ends
-      // stops the copy within a piece.
-      split.piece_bytes = kRegionCopyPiece;
-    }
-    absl::Status s = SplitCopy(n, split, copy, ended, [this, &tenant](std::function<void()> task) {
-      device_work_->Continue(tenant, std::move(task));
-    });
+    absl::Status s = CopyRegionBytes(tenant, n, reader.ConcurrentReads(), copy, ended);
     if (!s.ok()) return s;
     // An unsealed region truncated under the copy: the bytes went to throwaway pages.
     s = region.mapping->CheckIntact();

@@ -251,6 +251,13 @@ class KvBankService final : public internal::RawKvBankService {
   absl::StatusOr<RegionSink> RegionSinkFor(const std::string& tenant,
                                            const v1::RegionSlice& dest) const;
   static absl::StatusOr<RegionSink> DeviceSinkFor(absl::StatusOr<plane::DeviceBytes> dest);
+  // The n bytes of a region transfer, by copy(offset, length) (regions.cc): split over this
+  // worker and region_copy_helpers when `concurrent` (copy takes disjoint ranges from several
+  // threads), n is large and no other large region copy is under way; else in order, in
+  // pieces, `ended` checked between them.
+  absl::Status CopyRegionBytes(const std::string& tenant, uint64_t n, bool concurrent,
+                               const std::function<absl::Status(uint64_t, uint64_t)>& copy,
+                               const std::atomic<bool>& ended) const;
 
   class RegionFetch;  // regions.cc
   using FetchDone = std::function<void(const absl::StatusOr<v1::FetchResponse>&)>;
