@@ -78,6 +78,10 @@ def role_main(args):
             if buf[0] != layer:
                 sys.exit("decode: layer %d holds the bytes of layer %d" % (layer, buf[0]))
     print(json.dumps(times), flush=True)
+    if args.role == "prefill":
+        # A prefill worker goes on serving (its client stays open): this one waits for the run to
+        # end before it closes, so that its teardown does not compete with the decode's last pull.
+        sys.stdin.read()
     client.close()
 
 
@@ -89,9 +93,10 @@ def one_run(target, client, tokens, compute_ms):
         procs[role] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--role", role, "--target", target,
              "--seq", str(seq.id), "--tokens", str(tokens), "--start", repr(start),
-             "--compute-ms", str(compute_ms)], stdout=subprocess.PIPE, text=True)
+             "--compute-ms", str(compute_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
     out = {}
-    for role, p in procs.items():
+    for role, p in procs.items():  # decode first: the prefill's stdin closes once it is done
         text, _ = p.communicate(timeout=300)
         if p.returncode != 0:
             sys.exit("%s exited %d" % (role, p.returncode))
@@ -122,6 +127,8 @@ def main():
     ap.add_argument("--target")
     ap.add_argument("--seq", type=int)
     ap.add_argument("--start", type=float)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="a kvbankd flag (repeatable), e.g. --server-arg=--shm-lone-copy-bytes=0")
     args = ap.parse_args()
     if args.role:
         args.compute_ms = float(args.compute_ms)
@@ -129,7 +136,7 @@ def main():
 
     # Room for the sequence twice over (a run's, and the next one's while it is freed).
     pool = max(1 << 30, 2 * LAYERS * layer_bytes(args.tokens) + (256 << 20))
-    server = Server(os.path.join(args.build, "bin", "kvbankd"), pool)
+    server = Server(os.path.join(args.build, "bin", "kvbankd"), pool, args.server_arg)
     try:
         client = kvbank.Client(server.target, deadline_s=120)
         client.ensure_model(layout())

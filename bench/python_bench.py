@@ -36,13 +36,14 @@ MODEL = "bench"
 
 
 class Server:
-    def __init__(self, kvbankd, pool_bytes):
+    def __init__(self, kvbankd, pool_bytes, extra_args=()):
         self.dir = tempfile.mkdtemp(prefix="kvbank-pybench-")
         port_file = os.path.join(self.dir, "port")
         self.log = open(os.path.join(self.dir, "server.log"), "wb")
         self.proc = subprocess.Popen(
             [kvbankd, "--listen=127.0.0.1:0", "--port-file=" + port_file, "--no-auth",
-             "--models=", "--pool-bytes=%d" % pool_bytes, "--max-pool-bytes=%d" % pool_bytes],
+             "--models=", "--pool-bytes=%d" % pool_bytes, "--max-pool-bytes=%d" % pool_bytes,
+             *extra_args],
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         port = 0

@@ -128,8 +128,13 @@ struct Client::Impl {
                                             absl::Span<const absl::Span<const uint8_t>> pieces);
 
   // The data planes' shared steps (client_planes.cc).
-  // ClientOptions::shm_control_spin for a control-frame transfer of `bytes`, or zero.
-  absl::Duration SpinFor(uint64_t bytes) const;
+  // How long a control-frame transfer of `bytes` spins for its reply (ClientOptions::
+  // shm_control_spin, kShmControlLoneSpinBytes); `others` is how many others are in flight.
+  absl::Duration SpinFor(uint64_t bytes, uint64_t others) const;
+  // A region transfer asked for on `channel` (AskOverSocket, counted in control_in_flight).
+  template <typename Answer, typename Body>
+  std::optional<absl::StatusOr<Answer>> AskControl(internal::ShmControlChannel& channel, Body body,
+                                                   uint64_t bytes);
   // An append whose payload is `source`, a slice of a shared-memory region (device false) or of
   // a CUDA IPC device region: no payload on gRPC.
   absl::StatusOr<SequenceInfo> AppendFromSlice(v1::AppendHeader header, const RegionSlice& source,
@@ -145,7 +150,8 @@ struct Client::Impl {
   absl::Mutex control_mu;
   std::shared_ptr<internal::ShmControlChannel> control ABSL_GUARDED_BY(control_mu);
   bool control_off ABSL_GUARDED_BY(control_mu) = false;
-  std::atomic<uint64_t> control_requests{0};  // transfers asked for on the channel
+  std::atomic<uint64_t> control_requests{0};   // transfers asked for on the channel
+  std::atomic<uint64_t> control_in_flight{0};  // transfers waiting for their reply on it
   Client* owner = nullptr;  // the Client this is the Impl of (for Control's own calls)
 
   // Unregister(Device)Region: one request naming the region.

@@ -116,8 +116,25 @@ std::optional<absl::StatusOr<Answer>> AskOverSocket(internal::ShmControlChannel&
 
 }  // namespace
 
-absl::Duration Client::Impl::SpinFor(uint64_t bytes) const {
-  return bytes <= kShmControlSpinBytes ? options.shm_control_spin : absl::ZeroDuration();
+absl::Duration Client::Impl::SpinFor(uint64_t bytes, uint64_t others) const {
+  if (bytes <= kShmControlSpinBytes) return options.shm_control_spin;
+  if (bytes > kShmControlLoneSpinBytes || others != 0 ||
+      options.shm_control_spin <= absl::ZeroDuration()) {
+    return absl::ZeroDuration();
+  }
+  return options.shm_control_spin +
+         absl::Nanoseconds(bytes * 1'000'000'000 / kShmControlSpinBytesPerSecond);
+}
+
+template <typename Answer, typename Body>
+std::optional<absl::StatusOr<Answer>> Client::Impl::AskControl(internal::ShmControlChannel& channel,
+                                                               Body body, uint64_t bytes) {
+  const uint64_t others = control_in_flight.fetch_add(1, std::memory_order_acq_rel);
+  auto answer = AskOverSocket<Answer>(
+      channel, std::move(body), absl::Now() + options.stream_deadline, SpinFor(bytes, others));
+  control_in_flight.fetch_sub(1, std::memory_order_acq_rel);
+  if (answer.has_value()) control_requests.fetch_add(1, std::memory_order_relaxed);
+  return answer;
 }
 
 template <typename Request>
@@ -125,10 +142,8 @@ absl::StatusOr<Client::FetchResult> Client::Impl::FetchToSlice(Request req, cons
                                                                bool device) {
   SetSlice(dest, device ? req.mutable_device_dest() : req.mutable_dest());
   if (std::shared_ptr<internal::ShmControlChannel> channel = Control()) {
-    auto answer = AskOverSocket<v1::FetchResponse>(
-        *channel, req, absl::Now() + options.stream_deadline, SpinFor(dest.bytes()));
+    auto answer = AskControl<v1::FetchResponse>(*channel, req, dest.bytes());
     if (answer.has_value()) {
-      control_requests.fetch_add(1, std::memory_order_relaxed);
       if (!answer->ok()) return answer->status();
       return FetchResultOf(**answer, dest.bytes());
     }
@@ -145,10 +160,8 @@ absl::StatusOr<Client::SequenceInfo> Client::Impl::AppendFromSlice(v1::AppendHea
   // payload_bytes 0: the server checks source.length against the payload and names that field.
   SetSlice(source, device ? header.mutable_device_source() : header.mutable_source());
   if (std::shared_ptr<internal::ShmControlChannel> channel = Control()) {
-    auto answer = AskOverSocket<v1::AppendResponse>(
-        *channel, header, absl::Now() + options.stream_deadline, SpinFor(source.bytes()));
+    auto answer = AskControl<v1::AppendResponse>(*channel, header, source.bytes());
     if (answer.has_value()) {
-      control_requests.fetch_add(1, std::memory_order_relaxed);
       if (!answer->ok()) return answer->status();
       return FromProto((*answer)->sequence());
     }

@@ -268,6 +268,9 @@ absl::Status ConfigureService(const DeviceSpec& device, const rpc::Authenticator
   // its share of each.
   options->device_workers = std::max<uint32_t>(1, absl::GetFlag(FLAGS_device_workers));
   options->region_copy_helpers = absl::GetFlag(FLAGS_region_copy_helpers);
+  auto lone = ParseBytes(absl::GetFlag(FLAGS_shm_lone_copy_bytes));
+  if (!lone.ok()) return absl::InvalidArgumentError("--shm-lone-copy-bytes must be a byte size");
+  options->lone_listener_copy_bytes = *lone;
   options->ledger = rpc::DefaultLedger();
   options->ledger->SetTenants(auth.Tenants());
   options->ledger->SetCap(Resource::kQueuedWork, absl::GetFlag(FLAGS_max_queued_work));

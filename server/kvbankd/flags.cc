@@ -107,6 +107,10 @@ ABSL_FLAG(uint32_t, shm_control_spin_us, 50,
           "shared-memory listener looks for the next frame this many microseconds without "
           "sleeping, so that back-to-back small transfers find it awake (that much CPU time at "
           "most after such a round; 0: always sleep)");
+ABSL_FLAG(std::string, shm_lone_copy_bytes, "4MiB",
+          "a control-frame transfer on host memory of at most this many bytes is copied on the "
+          "shared-memory listener itself when it is the only one under way (no hand-off to a "
+          "device worker, no wake-up); up to 256KiB always are; 0: only those");
 ABSL_FLAG(
     uint32_t, cuda_ipc_lease_ms, 60000,
     "CUDA IPC plane (a cuda:N pool): a device region no Append / Fetch names for this long is "

@@ -54,6 +54,7 @@ ABSL_DECLARE_FLAG(std::string, shm_socket);
 ABSL_DECLARE_FLAG(std::string, shm_max_region_bytes);
 ABSL_DECLARE_FLAG(uint32_t, shm_max_regions);
 ABSL_DECLARE_FLAG(uint32_t, shm_control_spin_us);
+ABSL_DECLARE_FLAG(std::string, shm_lone_copy_bytes);
 ABSL_DECLARE_FLAG(uint32_t, cuda_ipc_lease_ms);
 ABSL_DECLARE_FLAG(uint32_t, cuda_ipc_max_regions);
 ABSL_DECLARE_FLAG(std::string, shm_max_total_bytes);

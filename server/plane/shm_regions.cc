@@ -467,6 +467,7 @@ bool ShmRegions::Dispatch() {
   if (calls.empty()) return false;
   absl::ReaderMutexLock lock(&handler_mu_);
   for (auto& c : calls) {
+    c->alone_in_round_ = calls.size() == 1;
     if (handler_ == nullptr) {
       c->Reply(absl::UnavailableError("kvbankd is not serving region transfers (stopping)"));
     } else {

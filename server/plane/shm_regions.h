@@ -176,8 +176,12 @@ class ShmControlCall {
   void Reply(const absl::StatusOr<proto::ShmControlAnswer>& answer);
   // Whether Reply was called.
   bool replied() const { return replied_.load(std::memory_order_acquire); }
+  // Whether the listener handed this call over alone: no other frame had come with it, so work
+  // done on the listener for it keeps no frame that has arrived waiting.
+  bool alone_in_round() const { return alone_in_round_; }
 
  private:
+  friend class ShmRegions;
   const std::string tenant_;
   const proto::ShmControlRequest request_;
   const absl::Time deadline_;
@@ -185,6 +189,7 @@ class ShmControlCall {
   const uint64_t serial_;  // its key in the link's calls in flight
   std::atomic<bool> ended_{false};
   std::atomic<bool> replied_{false};
+  bool alone_in_round_ = false;  // set by the listener before it hands the call over
   absl::Mutex mu_;
   std::vector<std::function<void()>> on_end_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,7 +4,9 @@
 // StartRegionFetch; BeginAppendTxn, AppendFromRegions and CommitAppend), as the tenant that
 // claimed the connection's region, so both ways of asking check, fail and count alike. The
 // listener thread that hands a frame over must not block: waits hold no thread, and copies run
-// on the device workers but for small ones on host memory (CopiesInline).
+// on the device workers but for small ones on host memory, and a lone transfer's up to
+// ServiceOptions::lone_listener_copy_bytes (ListenerCopyBytes).
+#include <algorithm>
 #include <memory>
 #include <utility>
 #include <variant>
@@ -33,6 +35,16 @@ void KvBankService::ServeControl(std::shared_ptr<plane::ShmControlCall> call) {
   }
   return ServeControlFetch(
       call, PrepareFetchBlocks(call->tenant(), std::get<v1::FetchBlocksRequest>(body)));
+}
+
+uint64_t KvBankService::ListenerCopyBytes(const plane::ShmControlCall& call) {
+  const uint64_t lone = std::max(kInlineRegionCopyBytes, options_.lone_listener_copy_bytes);
+  if (lone == kInlineRegionCopyBytes || !call.alone_in_round() ||
+      region_copies_.load(std::memory_order_acquire) != 0) {
+    return kInlineRegionCopyBytes;
+  }
+  absl::MutexLock lock(&control_mu_);
+  return control_calls_ == 1 ? lone : kInlineRegionCopyBytes;
 }
 
 // The asker's deadline ends a call still pending (as gRPC ends a call past its deadline): its
@@ -93,7 +105,7 @@ void KvBankService::ServeControlAppend(std::shared_ptr<plane::ShmControlCall> ca
   };
   auto model = FindModel(*registry_, h.model());
   const bool inline_copy = model.ok() && !(*model)->pool().memory().waits_on_device() &&
-                           h.has_source() && CopiesInline(h.source().length());
+                           h.has_source() && h.source().length() <= ListenerCopyBytes(*call);
   if (inline_copy || !model.ok()) return run();  // (an unknown model is refused at once)
   ArmDeadline(call, deadline);                   // queued: the deadline may pass before it runs
   if (absl::Status s = device_work_->Submit(call->tenant(), WorkClass::kForeground, run); !s.ok()) {
@@ -110,12 +122,14 @@ void KvBankService::ServeControlFetch(std::shared_ptr<plane::ShmControlCall> cal
     return;
   }
   auto deadline = std::make_shared<ControlDeadline>();
+  const uint64_t inline_bytes = ListenerCopyBytes(*call);
   std::shared_ptr<RegionFetch> f = StartRegionFetch(
       call->tenant(), *std::move(fetch),
       [this, call, deadline](const absl::StatusOr<v1::FetchResponse>& resp) {
         call->Reply(resp.ok() ? absl::StatusOr<proto::ShmControlAnswer>(*resp) : resp.status());
         ControlCallDone(deadline);
-      });
+      },
+      inline_bytes);
   if (f == nullptr) return;  // answered already
   // A connection that closes (or the deadline) ends the fetch; the call holds it until then.
   call->OnEnd([f] { EndRegionFetch(*f); });

@@ -159,17 +159,20 @@ absl::Status KvBankService::AppendFromRegion(const std::string& tenant, const Se
 class KvBankService::RegionFetch final : public ReactorRefs<RegionFetch> {
  public:
   RegionFetch(KvBankService* service, std::string tenant, Plane plane, RegionSink dest,
-              OpenFetch open, bool on_device, FetchDone done)
+              OpenFetch open, bool on_device, uint64_t inline_bytes, FetchDone done)
       : service_(service),
         tenant_(std::move(tenant)),
         plane_(plane),
         on_device_(on_device),
+        inline_bytes_(inline_bytes),
         dest_(std::move(dest)),
         open_(std::move(open)),
         done_(std::move(done)) {}
 
   void Start(std::optional<FetchWaitSpec> wait) {
     if (!wait.has_value()) return Go();
+    // The wait ends on whichever thread commits or times out: that thread copies small ones only.
+    inline_bytes_ = std::min(inline_bytes_, kInlineRegionCopyBytes);
     wait_ = std::make_unique<FetchWait>(
         &service_->timers_, [this] { Ref(); }, [this] { Unref(); });
     wait_->Begin(
@@ -196,7 +199,7 @@ class KvBankService::RegionFetch final : public ReactorRefs<RegionFetch> {
       // Host memory: opening costs a look-up; a small payload is copied here too.
       auto reader = open_();
       if (!reader.ok()) return Answer(reader.status());
-      if (CopiesInline((*reader)->payload_bytes())) return Answer(Copy(**reader));
+      if ((*reader)->payload_bytes() <= inline_bytes_) return Answer(Copy(**reader));
       auto shared = std::shared_ptr<FetchReader>(*std::move(reader));
       return OnWorker([this, shared] { Answer(Copy(*shared)); });
     }
@@ -253,6 +256,7 @@ class KvBankService::RegionFetch final : public ReactorRefs<RegionFetch> {
   const std::string tenant_;  // whose work the copy is
   const Plane plane_;
   const bool on_device_;
+  uint64_t inline_bytes_;  // the most copied on the thread that starts the copy (set by Start)
   const RegionSink dest_;
   const OpenFetch open_;
   FetchDone done_;
@@ -266,7 +270,7 @@ bool KvBankService::CopiesInline(uint64_t payload_bytes) {
 }
 
 std::shared_ptr<KvBankService::RegionFetch> KvBankService::StartRegionFetch(
-    const std::string& tenant, PreparedFetch fetch, FetchDone done) {
+    const std::string& tenant, PreparedFetch fetch, FetchDone done, uint64_t inline_bytes) {
   Plane plane = Plane::kShm;
   absl::StatusOr<RegionSink> sink = absl::FailedPreconditionError("no region named");
   if (fetch.dest.has_value()) {
@@ -280,7 +284,7 @@ std::shared_ptr<KvBankService::RegionFetch> KvBankService::StartRegionFetch(
     return nullptr;
   }
   auto* f = new RegionFetch(this, tenant, plane, *std::move(sink), std::move(fetch.open),
-                            fetch.on_device, std::move(done));
+                            fetch.on_device, inline_bytes, std::move(done));
   std::shared_ptr<RegionFetch> asker(f, [](RegionFetch* r) { r->Release(); });
   f->Start(std::move(fetch.wait));
   return asker;

@@ -42,6 +42,9 @@ struct ServiceOptions {
   // (server/rpc/split_copy.h; helpers the other workers do not pick up in time are not waited
   // for). 0: one thread a copy.
   uint32_t region_copy_helpers = 1;
+  // A control frame's copy on host memory of at most this many bytes is made on the
+  // shared-memory listener when nothing else is under way (KvBankService::ListenerCopyBytes).
+  uint64_t lone_listener_copy_bytes = uint64_t{4} << 20;
   // What each tenant holds of the server-wide caps (queued work, waits, streams, regions, ...).
   // Null: the service makes one with DefaultLedger's caps and a single tenant's shares.
   std::shared_ptr<TenantLedger> ledger;
@@ -225,6 +228,12 @@ class KvBankService final : public internal::RawKvBankService {
   // reaction, the socket's listener): a hand-off to a worker would cost more than the copy.
   static constexpr uint64_t kInlineRegionCopyBytes = uint64_t{256} << 10;
   static bool CopiesInline(uint64_t payload_bytes);
+  // The most bytes `call`'s copy may take on the socket's listener: a lone transfer (the only
+  // control call being served, alone in the listener's round, no large region copy under way)
+  // up to ServiceOptions::lone_listener_copy_bytes, so that it pays no hand-off to a worker and
+  // its wake-up, while the listener is kept from other frames for one such copy at most (4 MiB:
+  // about 200 microseconds at 20 GB/s); otherwise kInlineRegionCopyBytes.
+  uint64_t ListenerCopyBytes(const plane::ShmControlCall& call);
 
   // A Fetch or FetchBlocks request, checked, ready to open; at most one of dest, device_dest,
   // nccl is set (none: the payload streams over gRPC).
@@ -264,9 +273,11 @@ class KvBankService final : public internal::RawKvBankService {
   // Starts a prepared fetch that names dest or device_dest: waits (wait_ms), opens, copies;
   // `done` gets the answer once, on any thread (possibly this one, before this returns). The
   // result is the asker's hold on it (null when done has run already with an error): pass it to
-  // EndRegionFetch when the asker goes away before the answer.
+  // EndRegionFetch when the asker goes away before the answer. A host-memory payload of at most
+  // `inline_bytes` that needs no wait is copied on this thread.
   std::shared_ptr<RegionFetch> StartRegionFetch(const std::string& tenant, PreparedFetch fetch,
-                                                FetchDone done);
+                                                FetchDone done,
+                                                uint64_t inline_bytes = kInlineRegionCopyBytes);
   static void EndRegionFetch(RegionFetch& f);
   // A prepared fetch (or the error preparing it) as a gRPC call: into a region, over NCCL, or
   // streamed (transfers.cc).

@@ -457,6 +457,7 @@ TEST_F(ServerTest, UnusableDeviceIsRefusedAtStart) {
       {"--device=cuda:4096", "cuda:4096"},  // no such device (or no CUDA in this build)
       {"--staging-bytes=0", "--staging-bytes must be"},
       {"--staging-bytes=lots", "--staging-bytes must be"},
+      {"--shm-lone-copy-bytes=lots", "--shm-lone-copy-bytes must be"},
   };
   for (const Case& c : kCases) {
     auto server = ServerProcess::Start({"--no-auth", c.flag}, absl::Seconds(10));

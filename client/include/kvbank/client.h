@@ -75,14 +75,21 @@ struct ClientOptions {
   // the CPU (reading the socket without blocking) before it sleeps in poll. A small transfer's
   // reply comes back within tens of microseconds, and a thread that sleeps for it pays a
   // wake-up on top (on a VM, a halted vCPU's: as much as the round trip itself). The cost is
-  // that much CPU time a call at most; larger transfers always sleep, leaving the cores to
-  // kvbankd's copy. Zero: always sleep.
+  // that much CPU time a call at most. A larger one of at most kShmControlLoneSpinBytes spins
+  // too, longer by its copy's time, when it is the only control-frame transfer this client has
+  // in flight; others sleep, leaving the cores to kvbankd's copies. Zero: always sleep.
   absl::Duration shm_control_spin = absl::Microseconds(50);
 };
 
 // The largest region transfer that waits for its control-frame reply on the CPU
 // (ClientOptions::shm_control_spin): about what kvbankd copies in those 50 microseconds.
 inline constexpr uint64_t kShmControlSpinBytes = 256 << 10;
+// The largest control-frame transfer that spins when it is this client's only one in flight:
+// kvbankd copies such a transfer on its socket's listener when nothing else is under way, so
+// its reply comes one copy after the request. It spins for shm_control_spin plus its bytes at
+// kShmControlSpinBytesPerSecond (a copy slower than that ends in poll, as before).
+inline constexpr uint64_t kShmControlLoneSpinBytes = 4 << 20;
+inline constexpr uint64_t kShmControlSpinBytesPerSecond = uint64_t{8} << 30;
 
 // Bytes [offset, offset + length) of a shared-memory region registered with kvbankd.
 struct RegionSlice {
