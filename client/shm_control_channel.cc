@@ -66,9 +66,9 @@ ShmControlChannel::Outcome ShmControlChannel::Call(proto::ShmControlRequest requ
     if (it->second.has_value()) {
       Outcome out{*std::move(it->second), true};
       waiting_.erase(it);
-      // kvbankd ends a request at its frame's timeout as a cancel, and that timeout is this
-      // caller's deadline rounded up: a cancel that comes once the deadline has passed is the
-      // deadline's doing, and is answered as gRPC answers a call past its deadline.
+      // kvbankd answers a request its frame's timeout (this caller's deadline, rounded up)
+      // ended DEADLINE_EXCEEDED; one that predates that answer ends it as a cancel: a cancel
+      // that comes once the deadline has passed is the deadline's doing all the same.
       if (out.reply.ok() && out.reply->status.code() == absl::StatusCode::kCancelled &&
           absl::Now() >= deadline) {
         out.reply->status = absl::DeadlineExceededError(

@@ -230,6 +230,11 @@ void ShmControlCall::End() {
   for (auto& fn : run) fn();
 }
 
+void ShmControlCall::EndAtDeadline() {
+  past_deadline_.store(true, std::memory_order_release);
+  End();
+}
+
 void ShmControlCall::Reply(const absl::StatusOr<proto::ShmControlAnswer>& answer) {
   if (replied_.exchange(true)) return;
   proto::ShmControlReplyFrame frame;
@@ -237,6 +242,11 @@ void ShmControlCall::Reply(const absl::StatusOr<proto::ShmControlAnswer>& answer
   frame.op = request_.op();
   if (answer.ok()) {
     frame.answer = *answer;
+  } else if (answer.status().code() == absl::StatusCode::kCancelled &&
+             past_deadline_.load(std::memory_order_acquire)) {
+    frame.status =
+        absl::DeadlineExceededError(absl::StrCat("the request's timeout_ms (", request_.timeout_ms,
+                                                 ") passed: ", answer.status().message()));
   } else {
     frame.status = answer.status();
   }

@@ -171,6 +171,9 @@ class ShmControlCall {
   void OnEnd(std::function<void()> fn);
   // Ends the call (as a cancel): ended() turns true and the OnEnd callbacks run, here.
   void End();
+  // Ends the call because its deadline() passed: as End(), and a CANCELLED answer given to it
+  // after this goes out as DEADLINE_EXCEEDED (as gRPC answers a call past its deadline).
+  void EndAtDeadline();
   // Answers the request (AppendResponse for an append, else FetchResponse) or its error; only the
   // first answer is sent. A connection that cannot take the reply at once is closed.
   void Reply(const absl::StatusOr<proto::ShmControlAnswer>& answer);
@@ -189,7 +192,8 @@ class ShmControlCall {
   const uint64_t serial_;  // its key in the link's calls in flight
   std::atomic<bool> ended_{false};
   std::atomic<bool> replied_{false};
-  bool alone_in_round_ = false;  // set by the listener before it hands the call over
+  std::atomic<bool> past_deadline_{false};  // set by EndAtDeadline
+  bool alone_in_round_ = false;             // set by the listener before it hands the call over
   absl::Mutex mu_;
   std::vector<std::function<void()>> on_end_ ABSL_GUARDED_BY(mu_);
 };

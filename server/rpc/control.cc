@@ -59,7 +59,7 @@ void KvBankService::ArmDeadline(const std::shared_ptr<plane::ShmControlCall>& ca
   }
   const uint64_t timer =
       timers_.At(call->deadline(), [weak = std::weak_ptr<plane::ShmControlCall>(call)] {
-        if (auto c = weak.lock()) c->End();
+        if (auto c = weak.lock()) c->EndAtDeadline();
       });
   absl::MutexLock lock(&d->mu);
   if (d->done) {

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -528,6 +529,56 @@ TEST_F(ShmRegionsTest, ControlFramesReachTheHandlerAsTheTenantsCalls) {
   regions_->SetControlHandler(nullptr);
   absl::MutexLock lock(&mu);
   calls.clear();
+}
+
+// A call its deadline ended answers DEADLINE_EXCEEDED where the work it stopped says CANCELLED
+// (as gRPC answers a call past its deadline); a call ended otherwise (its client went) stays a
+// cancel, and other errors pass as they are.
+TEST_F(ShmRegionsTest, ACallEndedAtItsDeadlineAnswersDeadlineExceeded) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  absl::Mutex mu;
+  std::vector<std::shared_ptr<ShmControlCall>> calls;
+  regions_->SetControlHandler([&](std::shared_ptr<ShmControlCall> c) {
+    absl::MutexLock lock(&mu);
+    calls.push_back(std::move(c));
+  });
+  auto h = HandOver(4096);
+  ASSERT_TRUE(h.ok());
+  auto claimed = regions_->Claim("a", h->handle);
+  ASSERT_TRUE(claimed.ok());
+  std::vector<uint8_t> bytes;
+  for (uint64_t i = 1; i <= 3; ++i) {
+    const std::vector<uint8_t> f = FetchFrame(i, claimed->region_id, 250);
+    bytes.insert(bytes.end(), f.begin(), f.end());
+  }
+  ASSERT_EQ(send(h->conn, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
+  ASSERT_TRUE(WaitFor([&] {
+    absl::MutexLock lock(&mu);
+    return calls.size() == 3;
+  }));
+  regions_->SetControlHandler(nullptr);  // (no more frames come)
+  bool ended_hook = false;
+  calls[0]->OnEnd([&] { ended_hook = true; });
+  calls[0]->EndAtDeadline();
+  EXPECT_TRUE(calls[0]->ended().load());
+  EXPECT_TRUE(ended_hook);
+  calls[1]->End();
+  calls[2]->EndAtDeadline();
+  const absl::Status answers[] = {absl::CancelledError("the fetch ended before its copy"),
+                                  absl::CancelledError("the fetch ended before its copy"),
+                                  absl::NotFoundError("no such sequence")};
+  std::map<uint64_t, absl::Status> got;
+  for (int i = 0; i < 3; ++i) {  // one at a time: ReadReply reads one reply
+    calls[i]->Reply(answers[i]);
+    auto r = ReadReply(h->conn);
+    ASSERT_TRUE(r.ok()) << r.status();
+    got[r->request_id] = r->status;
+  }
+  EXPECT_EQ(got[1].code(), absl::StatusCode::kDeadlineExceeded) << got[1];
+  EXPECT_TRUE(absl::StrContains(got[1].message(), "timeout_ms (250)")) << got[1];
+  EXPECT_TRUE(absl::StrContains(got[1].message(), "before its copy")) << got[1];
+  EXPECT_EQ(got[2].code(), absl::StatusCode::kCancelled) << got[2];
+  EXPECT_EQ(got[3].code(), absl::StatusCode::kNotFound) << got[3];
 }
 
 // A frame before the region is claimed is a protocol error; without a handler (a service that
