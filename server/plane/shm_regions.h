@@ -58,6 +58,7 @@
 #include "absl/types/span.h"
 #include "proto/shm_control.h"
 #include "server/core/tenant_ledger.h"
+#include "server/plane/shm_mapping.h"
 
 namespace kvbank::plane {
 
@@ -81,65 +82,7 @@ struct ShmOptions {
   absl::Duration spin = absl::Microseconds(50);
 };
 
-// One mapped memfd; unmapped when the last holder lets go. Thread-safe (immutable).
-class ShmMapping {
- public:
-  // Checks `fd` (a memfd or other shmem file on tmpfs, size in 1..max_bytes, every page
-  // allocated, mappable shared read/write) and maps it. INVALID_ARGUMENT naming what is wrong.
-  // A file not sealed against shrinking (F_SEAL_SHRINK) is taken too, its mapping guarded
-  // against SIGBUS (sigbus_guard.h; RESOURCE_EXHAUSTED past SigbusGuard::kMaxRanges of them).
-  // Keeps a duplicate of `fd` (to check for holes and size later); the caller closes its own.
-  static absl::StatusOr<std::shared_ptr<ShmMapping>> Map(int fd, uint64_t max_bytes);
-  ~ShmMapping();
-  ShmMapping(const ShmMapping&) = delete;
-  ShmMapping& operator=(const ShmMapping&) = delete;
-
-  uint8_t* data() const { return data_; }
-  uint64_t size() const { return size_; }
-  // FAILED_PRECONDITION when bytes [offset, offset + length) hold a page that is not allocated
-  // (punched out since the region was mapped): a copy would allocate it on kvbankd's account.
-  absl::Status CheckAllocated(uint64_t offset, uint64_t length) const;
-  // Whether the file is sealed against shrinking (else its mapping is guarded).
-  bool sealed() const { return guard_slot_ < 0; }
-  // OK for a sealed file. For an unsealed one FAILED_PRECONDITION once its owner truncated it:
-  // shorter than when mapped, or a copy hit SIGBUS (the mapping is throwaway memory since).
-  // Transfers ask it after their copy: a fetch then failed, an append must not commit.
-  absl::Status CheckIntact() const;
-
- private:
-  ShmMapping(uint8_t* data, uint64_t size, int fd, int guard_slot)
-      : data_(data), size_(size), fd_(fd), guard_slot_(guard_slot) {}
-  uint8_t* const data_;
-  const uint64_t size_;
-  const int fd_;          // a duplicate of the memfd, for SEEK_HOLE and fstat
-  const int guard_slot_;  // SigbusGuard's slot; -1: sealed, not guarded
-};
-
-// Bytes of a region, and the mapping that keeps them valid while this lives.
-struct RegionBytes {
-  std::shared_ptr<ShmMapping> mapping;
-  absl::Span<uint8_t> bytes;
-};
-
-// Runs of a region in payload order (ShmRegions::ResolveRuns), each run_bytes long.
-struct RegionRuns {
-  std::shared_ptr<ShmMapping> mapping;
-  uint64_t run_bytes = 0;
-  std::vector<absl::Span<uint8_t>> runs;
-  uint64_t size() const { return run_bytes * runs.size(); }
-  // Payload bytes [at, at + n) as the pieces of runs they lie in, in order.
-  template <typename Fn>  // absl::Status(uint64_t payload_at, absl::Span<uint8_t> piece)
-  absl::Status ForEachPiece(uint64_t at, uint64_t n, Fn&& fn) const {
-    while (n > 0) {
-      const uint64_t r = at / run_bytes, within = at % run_bytes;
-      const uint64_t len = std::min(n, run_bytes - within);
-      if (absl::Status s = fn(at, runs[r].subspan(within, len)); !s.ok()) return s;
-      at += len;
-      n -= len;
-    }
-    return absl::OkStatus();
-  }
-};
+// The most runs a region slice may name (ShmRegions::ResolveRuns).
 inline constexpr uint64_t kMaxRegionRuns = uint64_t{1} << 18;
 
 // Where kvbankd puts its shm socket when --shm-socket is left at "auto": the folder kvbank in
