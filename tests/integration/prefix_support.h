@@ -51,7 +51,7 @@ inline ModelLayout SmallLayout(const std::string& name) {
   return m;
 }
 
-uint64_t BlockBytes(const ModelLayout& m) { return ComputeBlockLayout(m).block_bytes; }
+inline uint64_t BlockBytes(const ModelLayout& m) { return ComputeBlockLayout(m).block_bytes; }
 
 // Seeded token ids (a vocabulary of 128k).
 inline std::vector<uint32_t> Tokens(uint64_t seed, size_t n) {
