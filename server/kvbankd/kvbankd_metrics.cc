@@ -289,6 +289,11 @@ void KvbankdMetrics::CollectServer(std::vector<FamilySnapshot>* out) const {
             "call (any outcome).",
             MetricType::kCounter)
       ->samples.push_back({"", {}, double(bytes.control_requests())});
+  AddFamily(out, "kvbank_shm_control_lone_copies_total",
+            "Of those, transfers over 256 KiB on host memory copied on the shm socket's listener "
+            "because nothing else was under way (--shm-lone-copy-bytes).",
+            MetricType::kCounter)
+      ->samples.push_back({"", {}, double(bytes.lone_copies())});
   const rpc::Listener* listener = listener_.load(std::memory_order_acquire);
   const rpc::ListenerStats ls = listener != nullptr ? listener->stats() : rpc::ListenerStats();
   AddFamily(out, "kvbank_connections",

@@ -106,6 +106,7 @@ void KvBankService::ServeControlAppend(std::shared_ptr<plane::ShmControlCall> ca
   auto model = FindModel(*registry_, h.model());
   const bool inline_copy = model.ok() && !(*model)->pool().memory().waits_on_device() &&
                            h.has_source() && h.source().length() <= ListenerCopyBytes(*call);
+  if (inline_copy && h.source().length() > kInlineRegionCopyBytes) plane_bytes_.AddLoneCopy();
   if (inline_copy || !model.ok()) return run();  // (an unknown model is refused at once)
   ArmDeadline(call, deadline);                   // queued: the deadline may pass before it runs
   if (absl::Status s = device_work_->Submit(call->tenant(), WorkClass::kForeground, run); !s.ok()) {

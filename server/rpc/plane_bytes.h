@@ -40,11 +40,16 @@ class PlaneBytes {
   // Region transfers asked for with a control frame on the shm socket (any outcome).
   void AddControlRequest() { control_.fetch_add(1, std::memory_order_relaxed); }
   uint64_t control_requests() const { return control_.load(std::memory_order_relaxed); }
+  // Of those, transfers larger than a copy always made at once that the listener copied itself,
+  // being alone (KvBankService::ListenerCopyBytes).
+  void AddLoneCopy() { lone_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t lone_copies() const { return lone_.load(std::memory_order_relaxed); }
 
  private:
   std::array<std::atomic<uint64_t>, 4> received_{};
   std::array<std::atomic<uint64_t>, 4> sent_{};
   std::atomic<uint64_t> control_{0};
+  std::atomic<uint64_t> lone_{0};
 };
 
 }  // namespace kvbank::rpc

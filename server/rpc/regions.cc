@@ -199,7 +199,10 @@ class KvBankService::RegionFetch final : public ReactorRefs<RegionFetch> {
       // Host memory: opening costs a look-up; a small payload is copied here too.
       auto reader = open_();
       if (!reader.ok()) return Answer(reader.status());
-      if ((*reader)->payload_bytes() <= inline_bytes_) return Answer(Copy(**reader));
+      if (const uint64_t n = (*reader)->payload_bytes(); n <= inline_bytes_) {
+        if (n > kInlineRegionCopyBytes) service_->plane_bytes_.AddLoneCopy();
+        return Answer(Copy(**reader));
+      }
       auto shared = std::shared_ptr<FetchReader>(*std::move(reader));
       return OnWorker([this, shared] { Answer(Copy(*shared)); });
     }

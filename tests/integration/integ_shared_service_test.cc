@@ -9,8 +9,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -468,6 +471,84 @@ TEST_F(SharedServiceTest, NothingLandsInARegionAfterItsFetchEnded) {
     ASSERT_TRUE(a->Free("m", seq->id).ok());
   }
 }
+
+// A large region transfer asked for with a control frame while nothing else is under way is
+// copied on the shm socket's listener (kvbank_shm_control_lone_copies_total counts it); one asked
+// for while another request is pending (a fetch waiting for its tokens) goes to a device worker,
+// and so does every one with --shm-lone-copy-bytes=0. The bytes are the same either way.
+class LoneCopyTest : public SharedServiceTest {
+ protected:
+  void Run(bool lone_on) {
+    std::vector<std::string> flags = {"--shm-socket=" + dir_ + "/shm"};
+    if (!lone_on) flags.push_back("--shm-lone-copy-bytes=0");
+    ASSERT_NO_FATAL_FAILURE(Start(flags));
+    // 32 KiB a token: 64 tokens are a 2 MiB payload.
+    ModelLayout m = SmallLayout("m");
+    m.num_layers = 8;
+    m.num_q_heads = m.num_kv_heads = 8;
+    m.head_dim = m.head_dim_v = 128;
+    m.layer_dtypes.assign(m.num_layers, DType::kFp16);
+    ASSERT_TRUE(As("ops")->EnsureModel(m, 64 * kMiB).ok());
+    ClientOptions o;
+    o.shm_socket = dir_ + "/shm";
+    std::unique_ptr<Client> a = As("a", o), waiter = As("a", o);
+    constexpr uint64_t kTokens = 64, kBytes = kTokens * 32 * 1024;
+    auto region = a->RegisterRegion(2 * kBytes);
+    ASSERT_TRUE(region.ok()) << region.status();
+    Random rng(4242);
+    for (uint64_t i = 0; i < kBytes; ++i) (*region)->data()[i] = uint8_t(rng.Next() % 0x3b);
+    auto lone = [&] { return Sample(Scrape(), "kvbank_shm_control_lone_copies_total"); };
+    ASSERT_EQ(lone(), 0);
+
+    // Alone: the append and the fetch back.
+    auto seq = a->CreateSequence("m");
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    Client::AppendArgs append;
+    append.num_tokens = kTokens;
+    ASSERT_TRUE(a->AppendFromRegion("m", seq->id, append, (*region)->Slice(0, kBytes)).ok());
+    auto back = a->FetchToRegion("m", seq->id, {}, (*region)->Slice(kBytes, kBytes));
+    ASSERT_TRUE(back.ok()) << back.status();
+    ASSERT_EQ(back->payload_bytes, kBytes);
+    EXPECT_EQ(std::memcmp((*region)->data(), (*region)->data() + kBytes, kBytes), 0);
+    EXPECT_EQ(lone(), lone_on ? 2 : 0);
+
+    // Not alone: another request waits on the server for tokens not yet appended.
+    auto later = a->CreateSequence("m");
+    ASSERT_TRUE(later.ok()) << later.status();
+    auto waiter_region = waiter->RegisterRegion(4096);
+    ASSERT_TRUE(waiter_region.ok()) << waiter_region.status();
+    Client::FetchArgs wait;
+    wait.token_end = 1;
+    wait.layer_end = 1;
+    wait.wait = absl::Seconds(30);
+    std::future<absl::StatusOr<Client::FetchResult>> waiting = std::async(std::launch::async, [&] {
+      return waiter->FetchToRegion("m", later->id, wait, (*waiter_region)->Slice(0, 4096));
+    });
+    // The waiter's request is pending once it is counted and no answer came.
+    ASSERT_TRUE(WaitUntil([&] {
+      return Sample(Scrape(), "kvbank_shm_control_requests_total") == 3;
+    })) << "the waiting fetch never reached kvbankd";
+    std::memset((*region)->data() + kBytes, 0, kBytes);
+    back = a->FetchToRegion("m", seq->id, {}, (*region)->Slice(kBytes, kBytes));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(std::memcmp((*region)->data(), (*region)->data() + kBytes, kBytes), 0);
+    EXPECT_EQ(waiting.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+        << "the waiter was answered before the second fetch: it did not overlap";
+    EXPECT_EQ(lone(), lone_on ? 2 : 0)
+        << "a transfer beside a pending request went on the listener";
+    // The waiter's token comes: it is answered.
+    Client::AppendArgs one;
+    one.num_tokens = 1;
+    std::vector<uint8_t> token(32 * 1024, 0x11);
+    ASSERT_TRUE(a->Append("m", later->id, one, token).ok());
+    auto waited = waiting.get();
+    ASSERT_TRUE(waited.ok()) << waited.status();
+    EXPECT_EQ(waited->payload_bytes, 4096u);
+  }
+};
+
+TEST_F(LoneCopyTest, ALoneLargeTransferIsCopiedOnTheListener) { Run(true); }
+TEST_F(LoneCopyTest, WithTheFlagAtZeroNoneIs) { Run(false); }
 
 }  // namespace
 }  // namespace kvbank::integ
