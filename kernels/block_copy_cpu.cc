@@ -24,6 +24,44 @@ inline void CopyRun(uint8_t* pool_bytes, uint64_t bytes, uint64_t run_begin, uin
   }
 }
 
+// The runs of one layer's K or V part that meet payload bytes [offset, offset + len), read out
+// of the pool. Block by block, and in each block head after head: a block holds the part's heads
+// one after another, so the pool is read in runs of heads x block_tokens rows (32 KiB for 8
+// heads of 16 rows of 256 bytes) instead of one head's 4 KiB before a jump to the next block.
+// The prefetchers do not cross pages: over memory larger than the caches a 16 MiB gather ran
+// 15-20% faster so (one thread: 14.4 -> 16.9 GB/s). With fewer than kMinGatherHeads heads in
+// the window it is slower (two heads: as many write streams, 8 KiB reads; a 64 MiB gather in
+// 256 KiB windows: 13.9 -> 12.3 GB/s): false then, and the caller copies head by head.
+constexpr uint32_t kMinGatherHeads = 4;
+bool GatherPart(const PayloadMap& m, const LayerView& v, uint64_t layer_begin, uint32_t part,
+                uint64_t offset, uint8_t* buf, uint64_t len) {
+  const uint64_t end = offset + len;
+  const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
+  const uint64_t head_bytes = m.num_tokens * row_bytes;
+  const uint64_t part_begin = v.PayloadRow(layer_begin, m.num_tokens, v.elem_bytes, part, 0, 0);
+  if (part_begin >= end || part_begin + v.num_kv_heads * head_bytes <= offset) return true;
+  // Heads [h0, h1) meet the window (the first and last perhaps in part: CopyRun clips).
+  const uint64_t lo = std::max(offset, part_begin) - part_begin;
+  const uint64_t hi = std::min(end - part_begin, v.num_kv_heads * head_bytes);
+  const uint32_t h0 = static_cast<uint32_t>(lo / head_bytes);
+  const uint32_t h1 = static_cast<uint32_t>((hi + head_bytes - 1) / head_bytes);
+  if (h1 - h0 < kMinGatherHeads) return false;
+  for (uint64_t t = 0; t < m.num_tokens;) {
+    const uint64_t pos = m.token_begin + t;
+    const uint32_t row = static_cast<uint32_t>(pos % v.block_tokens);
+    const uint64_t run = std::min<uint64_t>(v.block_tokens - row, m.num_tokens - t);
+    uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
+    for (uint32_t h = h0; h < h1; ++h) {
+      const uint64_t run_begin = v.PayloadRow(layer_begin, m.num_tokens, v.elem_bytes, part, h, t);
+      const uint64_t at = part == 0 ? v.KRow(h, row) : v.VRow(h, row);
+      CopyRun(block + at, run * row_bytes, run_begin, offset, buf, len,
+              CopyDirection::kPoolToPayload);
+    }
+    t += run;
+  }
+  return true;
+}
+
 }  // namespace
 
 void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8_t* buf,
@@ -39,6 +77,10 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
     for (uint32_t part = 0; part < v.KvParts(); ++part) {
       const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
       const uint64_t head_bytes = m.num_tokens * row_bytes;
+      if (dir == CopyDirection::kPoolToPayload &&
+          GatherPart(m, v, layer_begin, part, offset, buf, len)) {
+        continue;
+      }
       for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
         const uint64_t head_begin =
             v.PayloadRow(layer_begin, m.num_tokens, v.elem_bytes, part, h, 0);

@@ -86,6 +86,10 @@ std::vector<Case> Cases() {
     for (uint32_t hd : {1u, 3u, 72u}) {
       out.push_back({"gqa", Shape(AttentionKind::kGqa, 3, hd, bt, mixed), 0, 4, 0, 2 * bt + 1});
       out.push_back({"gqa-mid", Shape(AttentionKind::kGqa, 2, hd, bt, mixed), 1, 3, bt + 2, 5});
+      // Enough heads that a gather window may hold a part's heads whole (read block by block),
+      // from a token inside a block.
+      out.push_back(
+          {"gqa-8", Shape(AttentionKind::kGqa, 8, hd, bt, mixed), 0, 3, bt / 2 + 1, 3 * bt + 2});
       out.push_back({"mqa", Shape(AttentionKind::kMqa, 1, hd, bt, {DType::kFp16, DType::kFp16}), 1,
                      2, 1, 3 * bt});
     }
@@ -171,6 +175,10 @@ TEST(BlockCopyTest, PayloadScatterGatherMatchesReference) {
       }
       ASSERT_TRUE(got == payload) << "gather does not return what was scattered";
       ASSERT_TRUE(p.bytes == want) << "gather wrote to the pool";
+      // In one call: every part's heads in the window (the pool read block by block).
+      std::vector<uint8_t> whole(payload.size(), 0xA5);
+      PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, 0, whole.data(), whole.size());
+      ASSERT_TRUE(whole == payload) << "a whole-payload gather differs";
 
       // A window in the middle reads exactly its bytes and writes nothing outside `len`.
       if (payload.size() > 4) {
