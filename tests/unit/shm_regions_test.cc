@@ -23,7 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/shm_handshake.h"
 #include "gtest/gtest.h"
@@ -100,6 +102,11 @@ class ShmRegionsTest : public ::testing::Test {
     options_.socket_path = dir_ + "/shm.sock";
   }
   void TearDown() override {
+    if (regions_ != nullptr) regions_->SetControlHandler(nullptr);
+    {
+      absl::MutexLock lock(&calls_mu_);
+      calls_.clear();  // (answered INTERNAL if not answered, while the connections are open)
+    }
     regions_.reset();
     for (int fd : fds_) close(fd);
     std::remove(options_.socket_path.c_str());
@@ -124,11 +131,37 @@ class ShmRegionsTest : public ::testing::Test {
     if (h.ok()) Keep(h->conn);
     return h;
   }
+  // A region of 4096 bytes handed over and claimed by `tenant`: its connection and region id.
+  void HandOverAndClaim(const std::string& tenant, int* conn, uint64_t* region_id) {
+    auto h = HandOver(4096);
+    ASSERT_TRUE(h.ok()) << h.status();
+    auto claimed = regions_->Claim(tenant, h->handle);
+    ASSERT_TRUE(claimed.ok()) << claimed.status();
+    *conn = h->conn;
+    *region_id = claimed->region_id;
+  }
+  // The control handler keeps every call it is handed: Call(i) is the i-th.
+  void CollectCalls() {
+    regions_->SetControlHandler([this](std::shared_ptr<ShmControlCall> c) {
+      absl::MutexLock lock(&calls_mu_);
+      calls_.push_back(std::move(c));
+    });
+  }
+  size_t NumCalls() {
+    absl::MutexLock lock(&calls_mu_);
+    return calls_.size();
+  }
+  std::shared_ptr<ShmControlCall> Call(size_t i) {
+    absl::MutexLock lock(&calls_mu_);
+    return calls_.at(i);
+  }
 
   std::string dir_;
   ShmOptions options_;
   std::unique_ptr<ShmRegions> regions_;
   std::vector<int> fds_;
+  absl::Mutex calls_mu_;
+  std::vector<std::shared_ptr<ShmControlCall>> calls_ ABSL_GUARDED_BY(calls_mu_);
 };
 
 TEST_F(ShmRegionsTest, RegionIsSharedTenantOwnedAndBounded) {
@@ -463,72 +496,49 @@ TEST_F(ShmRegionsTest, GarbageOrNoDescriptorClosesThePeerAndNothingElse) {
 // rest wait in the socket); a connection that closes ends its calls.
 TEST_F(ShmRegionsTest, ControlFramesReachTheHandlerAsTheTenantsCalls) {
   ASSERT_NO_FATAL_FAILURE(StartRegions());
-  absl::Mutex mu;
-  std::vector<std::shared_ptr<ShmControlCall>> calls;
-  regions_->SetControlHandler([&](std::shared_ptr<ShmControlCall> c) {
-    absl::MutexLock lock(&mu);
-    calls.push_back(std::move(c));
-  });
-  auto h = HandOver(4096);
-  ASSERT_TRUE(h.ok());
-  auto claimed = regions_->Claim("tenant-a", h->handle);
-  ASSERT_TRUE(claimed.ok());
+  CollectCalls();
+  int conn = -1;
+  uint64_t region_id = 0;
+  ASSERT_NO_FATAL_FAILURE(HandOverAndClaim("tenant-a", &conn, &region_id));
   // More frames than may be in flight, in one send, the last one cut in two.
   const uint32_t n = proto::kShmControlMaxInFlight + 3;
   std::vector<uint8_t> bytes;
   for (uint32_t i = 1; i <= n; ++i) {
-    const std::vector<uint8_t> f = FetchFrame(i, claimed->region_id, i == 1 ? 5000 : 0);
+    const std::vector<uint8_t> f = FetchFrame(i, region_id, i == 1 ? 5000 : 0);
     bytes.insert(bytes.end(), f.begin(), f.end());
   }
-  ASSERT_EQ(send(h->conn, bytes.data(), bytes.size() - 7, MSG_NOSIGNAL), ssize_t(bytes.size() - 7));
-  auto count = [&] {
-    absl::MutexLock lock(&mu);
-    return calls.size();
-  };
-  ASSERT_TRUE(WaitFor([&] { return count() == proto::kShmControlMaxInFlight; }));
+  ASSERT_EQ(send(conn, bytes.data(), bytes.size() - 7, MSG_NOSIGNAL), ssize_t(bytes.size() - 7));
+  ASSERT_TRUE(WaitFor([&] { return NumCalls() == proto::kShmControlMaxInFlight; }));
   absl::SleepFor(absl::Milliseconds(50));  // (a check that no more come: none may)
-  EXPECT_EQ(count(), proto::kShmControlMaxInFlight) << "past the in-flight limit";
-  {
-    absl::MutexLock lock(&mu);
-    EXPECT_EQ(calls[0]->tenant(), "tenant-a");
-    EXPECT_EQ(calls[0]->request().request_id, 1u);
-    EXPECT_NE(calls[0]->deadline(), absl::InfiniteFuture()) << "timeout_ms 5000 gives a deadline";
-    EXPECT_EQ(calls[1]->deadline(), absl::InfiniteFuture());
-    // Answered out of order: the second first.
-    v1::FetchResponse resp;
-    resp.mutable_header()->set_payload_bytes(64);
-    calls[1]->Reply(proto::ShmControlAnswer(resp));
-    calls[0]->Reply(absl::NotFoundError("no such sequence"));
-  }
-  auto r1 = ReadReply(h->conn);
+  EXPECT_EQ(NumCalls(), proto::kShmControlMaxInFlight) << "past the in-flight limit";
+  EXPECT_EQ(Call(0)->tenant(), "tenant-a");
+  EXPECT_EQ(Call(0)->request().request_id, 1u);
+  EXPECT_NE(Call(0)->deadline(), absl::InfiniteFuture()) << "timeout_ms 5000 gives a deadline";
+  EXPECT_EQ(Call(1)->deadline(), absl::InfiniteFuture());
+  // Answered out of order: the second first.
+  v1::FetchResponse resp;
+  resp.mutable_header()->set_payload_bytes(64);
+  Call(1)->Reply(proto::ShmControlAnswer(resp));
+  Call(0)->Reply(absl::NotFoundError("no such sequence"));
+  auto r1 = ReadReply(conn);
   ASSERT_TRUE(r1.ok()) << r1.status();
   EXPECT_EQ(r1->request_id, 2u);
   EXPECT_EQ(std::get<v1::FetchResponse>(r1->answer).header().payload_bytes(), 64u);
   // Two answered: two more of the waiting frames come in; the cut one waits for its rest.
-  ASSERT_TRUE(WaitFor([&] { return count() == proto::kShmControlMaxInFlight + 2; }));
-  ASSERT_EQ(send(h->conn, bytes.data() + bytes.size() - 7, 7, MSG_NOSIGNAL), 7);
-  {
-    absl::MutexLock lock(&mu);
-    calls[2]->Reply(absl::NotFoundError("x"));  // room for the last one, now whole
-  }
-  ASSERT_TRUE(WaitFor([&] { return count() == n; }));
+  ASSERT_TRUE(WaitFor([&] { return NumCalls() == proto::kShmControlMaxInFlight + 2; }));
+  ASSERT_EQ(send(conn, bytes.data() + bytes.size() - 7, 7, MSG_NOSIGNAL), 7);
+  Call(2)->Reply(absl::NotFoundError("x"));  // room for the last one, now whole
+  ASSERT_TRUE(WaitFor([&] { return NumCalls() == n; }));
   // The client goes: every call in flight ends.
-  std::shared_ptr<ShmControlCall> last;
-  {
-    absl::MutexLock lock(&mu);
-    last = calls.back();
-  }
+  const std::shared_ptr<ShmControlCall> last = Call(n - 1);
   bool ended_hook = false;
   last->OnEnd([&] { ended_hook = true; });
   EXPECT_FALSE(last->ended().load());
-  shutdown(h->conn, SHUT_RDWR);
+  shutdown(conn, SHUT_RDWR);
   EXPECT_TRUE(WaitFor([&] { return last->ended().load(); }));
   EXPECT_TRUE(WaitFor([&] { return regions_->num_regions() == 0; }));
   EXPECT_TRUE(ended_hook);
   last->Reply(absl::CancelledError("gone"));  // into a closed connection: dropped
-  regions_->SetControlHandler(nullptr);
-  absl::MutexLock lock(&mu);
-  calls.clear();
 }
 
 // A call its deadline ended answers DEADLINE_EXCEEDED where the work it stopped says CANCELLED
@@ -536,41 +546,31 @@ TEST_F(ShmRegionsTest, ControlFramesReachTheHandlerAsTheTenantsCalls) {
 // cancel, and other errors pass as they are.
 TEST_F(ShmRegionsTest, ACallEndedAtItsDeadlineAnswersDeadlineExceeded) {
   ASSERT_NO_FATAL_FAILURE(StartRegions());
-  absl::Mutex mu;
-  std::vector<std::shared_ptr<ShmControlCall>> calls;
-  regions_->SetControlHandler([&](std::shared_ptr<ShmControlCall> c) {
-    absl::MutexLock lock(&mu);
-    calls.push_back(std::move(c));
-  });
-  auto h = HandOver(4096);
-  ASSERT_TRUE(h.ok());
-  auto claimed = regions_->Claim("a", h->handle);
-  ASSERT_TRUE(claimed.ok());
+  CollectCalls();
+  int conn = -1;
+  uint64_t region_id = 0;
+  ASSERT_NO_FATAL_FAILURE(HandOverAndClaim("a", &conn, &region_id));
   std::vector<uint8_t> bytes;
   for (uint64_t i = 1; i <= 3; ++i) {
-    const std::vector<uint8_t> f = FetchFrame(i, claimed->region_id, 250);
+    const std::vector<uint8_t> f = FetchFrame(i, region_id, 250);
     bytes.insert(bytes.end(), f.begin(), f.end());
   }
-  ASSERT_EQ(send(h->conn, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
-  ASSERT_TRUE(WaitFor([&] {
-    absl::MutexLock lock(&mu);
-    return calls.size() == 3;
-  }));
-  regions_->SetControlHandler(nullptr);  // (no more frames come)
+  ASSERT_EQ(send(conn, bytes.data(), bytes.size(), MSG_NOSIGNAL), ssize_t(bytes.size()));
+  ASSERT_TRUE(WaitFor([&] { return NumCalls() == 3; }));
   bool ended_hook = false;
-  calls[0]->OnEnd([&] { ended_hook = true; });
-  calls[0]->EndAtDeadline();
-  EXPECT_TRUE(calls[0]->ended().load());
+  Call(0)->OnEnd([&] { ended_hook = true; });
+  Call(0)->EndAtDeadline();
+  EXPECT_TRUE(Call(0)->ended().load());
   EXPECT_TRUE(ended_hook);
-  calls[1]->End();
-  calls[2]->EndAtDeadline();
+  Call(1)->End();
+  Call(2)->EndAtDeadline();
   const absl::Status answers[] = {absl::CancelledError("the fetch ended before its copy"),
                                   absl::CancelledError("the fetch ended before its copy"),
                                   absl::NotFoundError("no such sequence")};
   std::map<uint64_t, absl::Status> got;
   for (int i = 0; i < 3; ++i) {  // one at a time: ReadReply reads one reply
-    calls[i]->Reply(answers[i]);
-    auto r = ReadReply(h->conn);
+    Call(i)->Reply(answers[i]);
+    auto r = ReadReply(conn);
     ASSERT_TRUE(r.ok()) << r.status();
     got[r->request_id] = r->status;
   }
