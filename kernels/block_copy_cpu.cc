@@ -3,14 +3,102 @@
 
 #include "block_copy.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVBANK_COPY_X86 1
+#else
+#define KVBANK_COPY_X86 0
+#endif
+
 namespace kvbank::kernels {
 
 namespace {
 
+constexpr uint64_t kLine = 64;
+
+#if KVBANK_COPY_X86
+// `lines` whole 64-byte lines from `src` (any alignment) to `dst` (64-byte aligned), around the
+// caches. Unfenced: the caller fences once after its last one.
+void StreamLinesSse2(uint8_t* dst, const uint8_t* src, uint64_t lines) {
+  for (uint64_t i = 0; i < lines; ++i, dst += kLine, src += kLine) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+  }
+}
+
+// Two lines a step in 32-byte stores: 5-10% faster than the SSE2 loop in a 16 MiB gather of
+// 4 KiB runs over memory larger than the caches (Zen 5, 2 vCPUs).
+__attribute__((target("avx2"))) void StreamLinesAvx2(uint8_t* dst, const uint8_t* src,
+                                                     uint64_t lines) {
+  uint64_t i = 0;
+  for (; i + 2 <= lines; i += 2, dst += 2 * kLine, src += 2 * kLine) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
+  if (i < lines) StreamLinesSse2(dst, src, 1);
+}
+
+using StreamLinesFn = void (*)(uint8_t*, const uint8_t*, uint64_t);
+
+StreamLinesFn ActiveStreamLines() {
+  static const StreamLinesFn fn = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? StreamLinesAvx2 : StreamLinesSse2;
+  }();
+  return fn;
+}
+#endif
+
+// memcpy, with `dst`'s whole lines written around the caches. Unfenced (see StreamLinesSse2).
+void StreamCopyUnfenced(uint8_t* dst, const uint8_t* src, uint64_t n) {
+#if KVBANK_COPY_X86
+  const uint64_t head = (kLine - (reinterpret_cast<uintptr_t>(dst) & (kLine - 1))) & (kLine - 1);
+  if (n < head + kLine) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  const uint64_t lines = (n - head) / kLine;
+  ActiveStreamLines()(dst + head, src + head, lines);
+  const uint64_t done = head + lines * kLine;
+  std::memcpy(dst + done, src + done, n - done);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// Makes the streamed stores before it visible before any store after it (they are weakly
+// ordered: a reply sent after the copy must not overtake them).
+void StreamFence() {
+#if KVBANK_COPY_X86
+  _mm_sfence();
+#endif
+}
+
+inline void Copy(uint8_t* dst, const uint8_t* src, uint64_t n, CopyStores stores) {
+  if (stores == CopyStores::kStream && n >= kStreamRunBytes) {
+    StreamCopyUnfenced(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
+
 // One contiguous run: `rows` consecutive token rows of one head in one block. In the payload the
 // same run is contiguous too (tokens are the inner-most-but-one axis of both).
 inline void CopyRun(uint8_t* pool_bytes, uint64_t bytes, uint64_t run_begin, uint64_t offset,
-                    uint8_t* buf, uint64_t len, CopyDirection dir) {
+                    uint8_t* buf, uint64_t len, CopyDirection dir, CopyStores stores) {
   // Intersect the run [run_begin, run_begin + bytes) with the window [offset, offset + len).
   const uint64_t lo = std::max(run_begin, offset);
   const uint64_t hi = std::min(run_begin + bytes, offset + len);
@@ -18,9 +106,9 @@ inline void CopyRun(uint8_t* pool_bytes, uint64_t bytes, uint64_t run_begin, uin
   uint8_t* pool_at = pool_bytes + (lo - run_begin);
   uint8_t* buf_at = buf + (lo - offset);
   if (dir == CopyDirection::kPayloadToPool) {
-    std::memcpy(pool_at, buf_at, hi - lo);
+    Copy(pool_at, buf_at, hi - lo, stores);
   } else {
-    std::memcpy(buf_at, pool_at, hi - lo);
+    Copy(buf_at, pool_at, hi - lo, stores);
   }
 }
 
@@ -34,7 +122,7 @@ inline void CopyRun(uint8_t* pool_bytes, uint64_t bytes, uint64_t run_begin, uin
 // 256 KiB windows: 13.9 -> 12.3 GB/s): false then, and the caller copies head by head.
 constexpr uint32_t kMinGatherHeads = 4;
 bool GatherPart(const PayloadMap& m, const LayerView& v, uint64_t layer_begin, uint32_t part,
-                uint64_t offset, uint8_t* buf, uint64_t len) {
+                uint64_t offset, uint8_t* buf, uint64_t len, CopyStores stores) {
   const uint64_t end = offset + len;
   const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
   const uint64_t head_bytes = m.num_tokens * row_bytes;
@@ -55,7 +143,7 @@ bool GatherPart(const PayloadMap& m, const LayerView& v, uint64_t layer_begin, u
       const uint64_t run_begin = v.PayloadRow(layer_begin, m.num_tokens, v.elem_bytes, part, h, t);
       const uint64_t at = part == 0 ? v.KRow(h, row) : v.VRow(h, row);
       CopyRun(block + at, run * row_bytes, run_begin, offset, buf, len,
-              CopyDirection::kPoolToPayload);
+              CopyDirection::kPoolToPayload, stores);
     }
     t += run;
   }
@@ -64,8 +152,13 @@ bool GatherPart(const PayloadMap& m, const LayerView& v, uint64_t layer_begin, u
 
 }  // namespace
 
+void CopyBytes(uint8_t* dst, const uint8_t* src, uint64_t n, CopyStores stores) {
+  Copy(dst, src, n, stores);
+  if (stores == CopyStores::kStream) StreamFence();
+}
+
 void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8_t* buf,
-                    uint64_t len) {
+                    uint64_t len, CopyStores stores) {
   if (len == 0 || m.num_tokens == 0) return;
   const uint64_t end = offset + len;
   for (uint32_t li = 0; li < m.num_layers; ++li) {
@@ -78,7 +171,7 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
       const uint64_t row_bytes = part == 0 ? v.KRowBytes() : v.VRowBytes();
       const uint64_t head_bytes = m.num_tokens * row_bytes;
       if (dir == CopyDirection::kPoolToPayload &&
-          GatherPart(m, v, layer_begin, part, offset, buf, len)) {
+          GatherPart(m, v, layer_begin, part, offset, buf, len, stores)) {
         continue;
       }
       for (uint32_t h = 0; h < v.num_kv_heads; ++h) {
@@ -97,13 +190,14 @@ void PayloadCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uin
           if (run_begin + run * row_bytes > offset) {
             uint8_t* block = m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
             const uint64_t at = part == 0 ? v.KRow(h, row) : v.VRow(h, row);
-            CopyRun(block + at, run * row_bytes, run_begin, offset, buf, len, dir);
+            CopyRun(block + at, run * row_bytes, run_begin, offset, buf, len, dir, stores);
           }
           t += run;
         }
       }
     }
   }
+  if (stores == CopyStores::kStream) StreamFence();
 }
 
 void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8_t* buf,
@@ -135,7 +229,7 @@ void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8
               uint8_t* block =
                   m.pool + uint64_t(m.block_table[pos / v.block_tokens]) * m.block_bytes;
               uint8_t* at = block + (zp ? v.Int8ZeroPoint(kv, h, row) : v.Int8Scale(kv, h, row));
-              CopyRun(at, run * width, at_payload(t), offset, buf, len, dir);
+              CopyRun(at, run * width, at_payload(t), offset, buf, len, dir, CopyStores::kCached);
               t += run;
             }
           }
@@ -151,7 +245,7 @@ void ScaleCopyCpu(const PayloadMap& m, CopyDirection dir, uint64_t offset, uint8
             if (at_payload >= end || at_payload + kPayloadScaleBytes <= offset) continue;
             uint8_t* block = m.pool + uint64_t(m.block_table[m.first_block + b]) * m.block_bytes;
             CopyRun(block + v.Fp8Scale(kv, h), kPayloadScaleBytes, at_payload, offset, buf, len,
-                    dir);
+                    dir, CopyStores::kCached);
           }
         }
       }

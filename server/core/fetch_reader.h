@@ -50,6 +50,8 @@ class FetchReader {
   absl::Status Read(uint64_t offset, absl::Span<uint8_t> out) { return reader_->Read(offset, out); }
   // Whether Read may be called from several threads at once on disjoint ranges (host memory).
   bool ConcurrentReads() const { return reader_->ConcurrentReads(); }
+  // How Read writes `out` (PayloadReader::set_stores).
+  void SetStores(kernels::CopyStores stores) { reader_->set_stores(stores); }
   // The whole payload into device memory on the pool's device with room for payload_bytes()
   // (PayloadReader::ReadToDevice: the kernels write it in place). FAILED_PRECONDITION unless the
   // pool is cuda:N; INTERNAL when the device fails.

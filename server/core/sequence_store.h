@@ -185,6 +185,11 @@ class AppendTxn {
     if (done_) return absl::FailedPreconditionError("append already finished");
     return writer_->Advance(n);
   }
+  // How the copy writes the pool (PayloadWriter::set_stores).
+  void SetStores(kernels::CopyStores stores) { writer_->set_stores(stores); }
+  // Whether a fetch was waiting for the sequence's tokens when the append began
+  // (SequenceStore::WhenCommitted, a layer-wise handoff): it reads these bytes once they commit.
+  bool awaited() const { return awaited_; }
   // The whole payload at once from device memory on the pool's device
   // (PayloadWriter::WriteFromDevice: the kernels read it in place; FAILED_PRECONDITION unless
   // the pool is cuda:N, or for a storage-format payload). Then Commit, as after Write.
@@ -222,6 +227,7 @@ class AppendTxn {
   // The blocks copied on write when the append began, at their logical index: an abort puts them
   // back (unless another append wrote through the copies meanwhile: AppendRegion::joined).
   std::vector<std::pair<size_t, BlockRef>> originals_;
+  bool awaited_ = false;
   bool done_ = false;
 };
 

@@ -215,7 +215,7 @@ class StreamingWriter final : public PayloadWriter {
   absl::Status WriteRangeAt(uint64_t offset, absl::Span<const uint8_t> data) override {
     uint8_t* bytes = const_cast<uint8_t*>(data.data());  // read, never written
     kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, offset, bytes,
-                            data.size());
+                            data.size(), stores_);
     kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPayloadToPool, offset, bytes, data.size());
     return absl::OkStatus();
   }
@@ -247,7 +247,7 @@ class StreamingReader final : public PayloadReader {
       codec_->Read(offset, out);
     } else {
       kernels::PayloadCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
-                              out.size());
+                              out.size(), stores_);
       kernels::ScaleCopyCpu(map_, kernels::CopyDirection::kPoolToPayload, offset, out.data(),
                             out.size());
     }

@@ -105,6 +105,10 @@ class PayloadWriter {
   // Counts the next n bytes written (by WriteRange calls that covered them all). INVALID_ARGUMENT
   // past the payload.
   absl::Status Advance(uint64_t n);
+  // How the copy writes the pool (kernels::CopyStores; kStream for a large payload that nothing
+  // reads back soon). Host memory and a payload stored as it is only: a converted or staged
+  // payload is written as always.
+  void set_stores(kernels::CopyStores stores) { stores_ = stores; }
   // After the last byte: whatever is still to move and the checks that need the whole payload
   // (a storage-format payload's scales and codes). INVALID_ARGUMENT naming the first bad value.
   // REQUIRES: written() == spec().payload.total_bytes.
@@ -127,6 +131,7 @@ class PayloadWriter {
   const BlockLayout& blocks_;  // the layout the payload was made from
   MakePrivate make_private_;
   uint64_t written_ = 0;
+  kernels::CopyStores stores_ = kernels::CopyStores::kCached;
 };
 
 // Reads one payload from the blocks, in any order (in order is cheapest on staged memory: each
@@ -149,6 +154,9 @@ class PayloadReader {
   // Whether Read may run on several threads at once over disjoint ranges (host memory: the reads
   // are pure; a staged reader shares one staging buffer and does not allow it).
   virtual bool ConcurrentReads() const { return false; }
+  // How Read writes `out` (kernels::CopyStores; kStream for a large destination that nothing
+  // reads soon, as a client's region). Host memory and a payload stored as it is only.
+  void set_stores(kernels::CopyStores stores) { stores_ = stores; }
 
  protected:
   // `blocks`: the pool's layout (spec.heads, when set, stands in for it).
@@ -156,6 +164,7 @@ class PayloadReader {
       : spec_(std::move(spec)), blocks_(spec_.heads ? *spec_.heads : blocks) {}
   TransferSpec spec_;
   const BlockLayout& blocks_;  // the layout the payload was made from
+  kernels::CopyStores stores_ = kernels::CopyStores::kCached;
 };
 
 // The implementations, for PoolMemory's kinds to hand out. `memory` must outlive them.

@@ -239,6 +239,12 @@ if [[ "${KVBANK_SKIP_BENCH:-0}" != 1 ]]; then
     echo "== gpu_attention_bench exit code $?"
   } | tee "$OUT/gpu_attention_bench.log"
   {
+    echo "== $(date -u +%FT%TZ) copy_bench: the host copy kernel (timeout ${bench_timeout}s)"
+    ninja -C "$BUILD" copy_bench 2>&1 &&
+      timeout "$bench_timeout" "$BUILD/bin/copy_bench" --reps 31 2>&1
+    echo "== copy_bench exit code $?"
+  } | tee "$OUT/copy_bench.log"
+  {
     echo "== $(date -u +%FT%TZ) torch_sdpa_compare (timeout ${bench_timeout}s)"
     PYTHONUNBUFFERED=1 timeout "$bench_timeout" python3 bench/torch_sdpa_compare.py \
       --csv "$OUT/gpu_attention_bench.csv" --reps "$bench_reps" 2>&1

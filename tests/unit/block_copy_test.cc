@@ -151,47 +151,79 @@ TEST(BlockCopyTest, PayloadScatterGatherMatchesReference) {
   int cases = 0;
   for (const Case& c : Cases()) {
     for (uint64_t chunk : {uint64_t{0}, uint64_t{1}, uint64_t{7}, uint64_t{4096}}) {
-      SCOPED_TRACE(c.name + " bt=" + std::to_string(c.layout.block_tokens) +
-                   " hd=" + std::to_string(c.layout.head_dim) + " chunk=" + std::to_string(chunk));
-      Pool p = MakePool(c, rng);
-      const std::vector<uint64_t> addr = ReferenceAddresses(p.b, c.l0, c.l1, c.pos, c.n, p.table);
-      ASSERT_EQ(addr.size(), p.map.total_bytes);
-      ASSERT_EQ(std::set<uint64_t>(addr.begin(), addr.end()).size(), addr.size())
-          << "reference maps two payload bytes to one pool byte";
+      for (CopyStores stores : {CopyStores::kCached, CopyStores::kStream}) {
+        SCOPED_TRACE(c.name + " bt=" + std::to_string(c.layout.block_tokens) + " hd=" +
+                     std::to_string(c.layout.head_dim) + " chunk=" + std::to_string(chunk) +
+                     (stores == CopyStores::kStream ? " streamed" : ""));
+        Pool p = MakePool(c, rng);
+        const std::vector<uint64_t> addr = ReferenceAddresses(p.b, c.l0, c.l1, c.pos, c.n, p.table);
+        ASSERT_EQ(addr.size(), p.map.total_bytes);
+        ASSERT_EQ(std::set<uint64_t>(addr.begin(), addr.end()).size(), addr.size())
+            << "reference maps two payload bytes to one pool byte";
 
-      // Scatter a random payload; the reference does the same one byte at a time.
-      std::vector<uint8_t> payload = RandomBytes(rng, p.map.total_bytes);
-      std::vector<uint8_t> want = p.bytes;
-      for (size_t i = 0; i < addr.size(); ++i) want[addr[i]] = payload[i];
-      for (auto [off, len] : Chunks(payload.size(), chunk, rng)) {
-        PayloadCopyCpu(p.map, CopyDirection::kPayloadToPool, off, payload.data() + off, len);
-      }
-      ASSERT_TRUE(p.bytes == want) << "scatter differs from the reference (or touched other bytes)";
+        // Scatter a random payload; the reference does the same one byte at a time.
+        std::vector<uint8_t> payload = RandomBytes(rng, p.map.total_bytes);
+        std::vector<uint8_t> want = p.bytes;
+        for (size_t i = 0; i < addr.size(); ++i) want[addr[i]] = payload[i];
+        for (auto [off, len] : Chunks(payload.size(), chunk, rng)) {
+          PayloadCopyCpu(p.map, CopyDirection::kPayloadToPool, off, payload.data() + off, len,
+                         stores);
+        }
+        ASSERT_TRUE(p.bytes == want)
+            << "scatter differs from the reference (or touched other bytes)";
 
-      // Gather with an independent chunking into a buffer pre-filled with a sentinel.
-      std::vector<uint8_t> got(payload.size(), 0xA5);
-      for (auto [off, len] : Chunks(payload.size(), chunk == 0 ? 0 : chunk + 2, rng)) {
-        PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, off, got.data() + off, len);
-      }
-      ASSERT_TRUE(got == payload) << "gather does not return what was scattered";
-      ASSERT_TRUE(p.bytes == want) << "gather wrote to the pool";
-      // In one call: every part's heads in the window (the pool read block by block).
-      std::vector<uint8_t> whole(payload.size(), 0xA5);
-      PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, 0, whole.data(), whole.size());
-      ASSERT_TRUE(whole == payload) << "a whole-payload gather differs";
+        // Gather with an independent chunking into a buffer pre-filled with a sentinel.
+        std::vector<uint8_t> got(payload.size(), 0xA5);
+        for (auto [off, len] : Chunks(payload.size(), chunk == 0 ? 0 : chunk + 2, rng)) {
+          PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, off, got.data() + off, len, stores);
+        }
+        ASSERT_TRUE(got == payload) << "gather does not return what was scattered";
+        ASSERT_TRUE(p.bytes == want) << "gather wrote to the pool";
+        // In one call: every part's heads in the window (the pool read block by block).
+        std::vector<uint8_t> whole(payload.size(), 0xA5);
+        PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, 0, whole.data(), whole.size(), stores);
+        ASSERT_TRUE(whole == payload) << "a whole-payload gather differs";
 
-      // A window in the middle reads exactly its bytes and writes nothing outside `len`.
-      if (payload.size() > 4) {
-        const uint64_t off = rng() % (payload.size() / 2), len = 1 + rng() % (payload.size() - off);
-        std::vector<uint8_t> win(len + 8, 0x5A);
-        PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, off, win.data(), len);
-        for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(win[i], payload[off + i]) << "byte " << i;
-        for (uint64_t i = len; i < len + 8; ++i) ASSERT_EQ(win[i], 0x5A) << "overrun at " << i;
+        // A window in the middle reads exactly its bytes and writes nothing outside `len`.
+        if (payload.size() > 4) {
+          const uint64_t off = rng() % (payload.size() / 2),
+                         len = 1 + rng() % (payload.size() - off);
+          std::vector<uint8_t> win(len + 8, 0x5A);
+          PayloadCopyCpu(p.map, CopyDirection::kPoolToPayload, off, win.data(), len, stores);
+          for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(win[i], payload[off + i]) << "byte " << i;
+          for (uint64_t i = len; i < len + 8; ++i) ASSERT_EQ(win[i], 0x5A) << "overrun at " << i;
+        }
+        ++cases;
       }
-      ++cases;
     }
   }
-  EXPECT_GT(cases, 50);
+  EXPECT_GT(cases, 100);
+}
+
+// Every destination alignment within a line, lengths around the line and the stream threshold,
+// a source off by a few bytes: exactly the bytes asked for, nothing before or after.
+TEST(BlockCopyTest, CopyBytesWritesExactlyItsRange) {
+  std::mt19937_64 rng(kSeed + 3);
+  const std::vector<uint8_t> src = RandomBytes(rng, 8192);
+  for (CopyStores stores : {CopyStores::kCached, CopyStores::kStream}) {
+    for (uint64_t n : {uint64_t{0}, uint64_t{1}, uint64_t{63}, uint64_t{64}, uint64_t{65},
+                       kStreamRunBytes - 1, kStreamRunBytes, kStreamRunBytes + 1,
+                       kStreamRunBytes + 64 + 7, uint64_t{1000}, uint64_t{4096 + 13}}) {
+      for (uint64_t dst_at = 0; dst_at < 64; ++dst_at) {
+        const uint64_t src_at = (dst_at * 5) % 13;
+        std::vector<uint8_t> dst(n + 192, 0xC3);
+        // Line-aligned base: dst_at is the copy's offset within a line.
+        uint8_t* base = dst.data() + ((64 - reinterpret_cast<uintptr_t>(dst.data()) % 64) % 64);
+        CopyBytes(base + dst_at, src.data() + src_at, n, stores);
+        for (uint8_t* q = dst.data(); q < dst.data() + dst.size(); ++q) {
+          const uint8_t* at = base + dst_at;
+          const uint8_t want = q >= at && q < at + n ? src[src_at + (q - at)] : 0xC3;
+          ASSERT_EQ(*q, want) << "n=" << n << " dst_at=" << dst_at << " byte " << (q - dst.data())
+                              << (stores == CopyStores::kStream ? " streamed" : "");
+        }
+      }
+    }
+  }
 }
 
 TEST(BlockCopyTest, ZeroLengthAndZeroTokensCopyNothing) {

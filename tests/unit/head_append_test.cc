@@ -402,6 +402,37 @@ TEST_P(HeadAppendTest, WhenCommittedWakesOnTheCommitThatCompletesTheRange) {
             absl::StatusCode::kNotFound);
 }
 
+// An append knows whether a fetch waits for its sequence's tokens when it begins (the RPC layer
+// then keeps its bytes in the caches for that fetch): not before a wait, not for another
+// sequence's wait, yes while one waits, not once it has woken.
+TEST_P(HeadAppendTest, AnAppendKnowsWhetherAFetchWaitsForItsSequence) {
+  auto store = NewStore();
+  const uint64_t id = NewSequence(*store), other = NewSequence(*store);
+  const uint64_t bytes = PayloadLayout::Make(b_, 0, kLayers, 4, DType::kFp32).total_bytes;
+  auto begin = [&]() {
+    auto txn = store->BeginAppend(Spec(id, 4, 0, std::nullopt));
+    EXPECT_TRUE(txn.ok()) << txn.status();
+    return *std::move(txn);
+  };
+  EXPECT_FALSE(begin()->awaited()) << "no fetch waits";
+  FetchSpec want;
+  want.sequence_id = other;
+  want.token_end = 4;
+  std::vector<absl::Status> woken;
+  auto waiter = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  ASSERT_TRUE(waiter.ok() && *waiter != 0) << waiter.status();
+  EXPECT_FALSE(begin()->awaited()) << "a fetch waits for another sequence";
+  want.sequence_id = id;
+  waiter = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  ASSERT_TRUE(waiter.ok() && *waiter != 0) << waiter.status();
+  std::unique_ptr<AppendTxn> txn = begin();
+  EXPECT_TRUE(txn->awaited()) << "a fetch waits for these tokens";
+  ASSERT_TRUE(txn->Write(RandomFp32(bytes, 4)).ok());
+  ASSERT_TRUE(txn->Commit().ok());
+  ASSERT_EQ(woken.size(), 1u);
+  EXPECT_FALSE(begin()->awaited()) << "the fetch has woken";
+}
+
 INSTANTIATE_TEST_SUITE_P(Storage, HeadAppendTest,
                          testing::Values(DType::kFp16, DType::kBf16, DType::kInt8, DType::kFp8E4M3),
                          [](const testing::TestParamInfo<DType>& i) {
