@@ -73,11 +73,6 @@ std::vector<uint64_t> CommitWaiters::Sequences() const {
   return out;
 }
 
-bool CommitWaiters::Waiting(uint64_t sequence) const {
-  absl::MutexLock lock(&mu_);
-  return by_sequence_.contains(sequence);
-}
-
 size_t CommitWaiters::size() const {
   absl::MutexLock lock(&mu_);
   return sequence_of_.size();

@@ -52,8 +52,6 @@ class CommitWaiters {
   void TakeAll(uint64_t sequence, const absl::Status& why, Fired* fired);
   // The sequences with waiters.
   std::vector<uint64_t> Sequences() const;
-  // Whether `sequence` has waiters now.
-  bool Waiting(uint64_t sequence) const;
   // Waiters now.
   size_t size() const;
   // Runs the callbacks. Call with no lock held.

@@ -82,6 +82,9 @@ struct Sequence {
   uint64_t generation = 0;     // bumped by every compaction (positions move)
   bool publishable = true;     // false once compacted: the ids no longer form a prompt prefix
   bool prefix_copy = false;    // CreateOptions::prefix_copy: its appends count as copied bytes
+  // A fetch has waited for its tokens (WhenCommitted): a layer-wise handoff, whose reader pulls
+  // each append's bytes as soon as it commits (AppendTxn::awaited).
+  bool handed_off = false;
 
   // Length() as the store's token counters hold it (SequenceStore::Account).
   uint64_t counted_length = 0;

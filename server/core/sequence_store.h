@@ -187,8 +187,9 @@ class AppendTxn {
   }
   // How the copy writes the pool (PayloadWriter::set_stores).
   void SetStores(kernels::CopyStores stores) { writer_->set_stores(stores); }
-  // Whether a fetch was waiting for the sequence's tokens when the append began
-  // (SequenceStore::WhenCommitted, a layer-wise handoff): it reads these bytes once they commit.
+  // Whether the sequence is handed off layer by layer: a fetch has waited for its tokens
+  // (SequenceStore::WhenCommitted), and its reader pulls these bytes as soon as they commit, even
+  // one that falls behind and no longer waits.
   bool awaited() const { return awaited_; }
   // The whole payload at once from device memory on the pool's device
   // (PayloadWriter::WriteFromDevice: the kernels read it in place; FAILED_PRECONDITION unless

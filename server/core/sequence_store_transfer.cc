@@ -166,7 +166,7 @@ absl::StatusOr<std::unique_ptr<AppendTxn>> SequenceStore::BeginAppend(const Appe
     txn->head_end_ = h1;
     txn->position_ = pos;
     txn->own_blocks_ = have;
-    txn->awaited_ = waiters_->Waiting(spec.sequence_id);
+    txn->awaited_ = s->handed_off;
     copies.assign(std::make_move_iterator(blocks->begin()),
                   std::make_move_iterator(blocks->begin() + cow.size()));
     for (size_t i : cow) cow_sources.push_back(pool_->Share(s->table.at(i)));

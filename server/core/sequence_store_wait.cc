@@ -45,6 +45,7 @@ absl::StatusOr<uint64_t> SequenceStore::WhenCommitted(const FetchSpec& spec,
   CoreLock lock(&mu_);
   auto found = Find(spec.sequence_id, spec.tenant);
   if (!found.ok()) return found.status();
+  (*found)->handed_off = true;
   if (Available(**found, range) >= range.tokens) return 0;
   return waiters_->Add(spec.sequence_id, range, std::move(ready));
 }

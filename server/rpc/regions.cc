@@ -35,9 +35,9 @@ constexpr uint64_t kRegionCopySplitPiece = uint64_t{256} << 10;
 // written line first (2 MiB rotating over 128 MiB, four at once on a 2-vCPU VM: 0.73-0.80 of
 // memcpy -> 0.89-1.06). It does where the bytes are not read again while they would still be
 // cached:
-// - an append, unless a fetch waits for the sequence's tokens (a layer-wise handoff reads them
-//   at once: with them streamed, a decode's last pull ended 0.17 ms after the prefill's last push
-//   instead of 0.10);
+// - an append, unless the sequence is handed off layer by layer (a fetch has waited for its
+//   tokens: AppendTxn::awaited), whose reader pulls the bytes at once (with them streamed, a
+//   decode's last pull ended 0.17 ms after the prefill's last push instead of 0.10);
 // - a fetch into a region of at least kStreamRegionBytes. A smaller region is a buffer its
 //   client reuses and reads at once (the SDK's staging regions: streamed, a staged 2 MiB fetch
 //   took 0.21 ms instead of 0.17); a larger one, slices of a host KV buffer.

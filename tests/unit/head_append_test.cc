@@ -402,35 +402,49 @@ TEST_P(HeadAppendTest, WhenCommittedWakesOnTheCommitThatCompletesTheRange) {
             absl::StatusCode::kNotFound);
 }
 
-// An append knows whether a fetch waits for its sequence's tokens when it begins (the RPC layer
-// then keeps its bytes in the caches for that fetch): not before a wait, not for another
-// sequence's wait, yes while one waits, not once it has woken.
-TEST_P(HeadAppendTest, AnAppendKnowsWhetherAFetchWaitsForItsSequence) {
+// An append knows whether its sequence is handed off layer by layer (the RPC layer then keeps its
+// bytes in the caches for the reader): not before any fetch waited on it, not for another
+// sequence's wait; yes once a fetch waited, and still after that fetch has woken (a reader that
+// falls behind no longer waits). A fetch that asks with a wait for committed tokens counts too.
+TEST_P(HeadAppendTest, AnAppendKnowsWhetherItsSequenceIsHandedOff) {
   auto store = NewStore();
   const uint64_t id = NewSequence(*store), other = NewSequence(*store);
   const uint64_t bytes = PayloadLayout::Make(b_, 0, kLayers, 4, DType::kFp32).total_bytes;
-  auto begin = [&]() {
-    auto txn = store->BeginAppend(Spec(id, 4, 0, std::nullopt));
+  auto begin = [&](uint64_t seq) {
+    auto txn = store->BeginAppend(Spec(seq, 4, 0, std::nullopt));
     EXPECT_TRUE(txn.ok()) << txn.status();
     return *std::move(txn);
   };
-  EXPECT_FALSE(begin()->awaited()) << "no fetch waits";
+  auto commit = [&](std::unique_ptr<AppendTxn> txn) {
+    ASSERT_TRUE(txn->Write(RandomFp32(bytes, 4)).ok());
+    ASSERT_TRUE(txn->Commit().ok());
+  };
+  EXPECT_FALSE(begin(id)->awaited()) << "no fetch waited";
   FetchSpec want;
   want.sequence_id = other;
   want.token_end = 4;
   std::vector<absl::Status> woken;
   auto waiter = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
   ASSERT_TRUE(waiter.ok() && *waiter != 0) << waiter.status();
-  EXPECT_FALSE(begin()->awaited()) << "a fetch waits for another sequence";
+  EXPECT_FALSE(begin(id)->awaited()) << "a fetch waits for another sequence";
   want.sequence_id = id;
   waiter = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
   ASSERT_TRUE(waiter.ok() && *waiter != 0) << waiter.status();
-  std::unique_ptr<AppendTxn> txn = begin();
+  std::unique_ptr<AppendTxn> txn = begin(id);
   EXPECT_TRUE(txn->awaited()) << "a fetch waits for these tokens";
-  ASSERT_TRUE(txn->Write(RandomFp32(bytes, 4)).ok());
-  ASSERT_TRUE(txn->Commit().ok());
+  commit(std::move(txn));
   ASSERT_EQ(woken.size(), 1u);
-  EXPECT_FALSE(begin()->awaited()) << "the fetch has woken";
+  EXPECT_TRUE(begin(id)->awaited()) << "the fetch has woken; the handoff goes on";
+
+  // `other` holds the 4 tokens once its append commits; a wait for them answers at once.
+  ASSERT_NO_FATAL_FAILURE(commit(begin(other)));
+  ASSERT_EQ(woken.size(), 2u);
+  const uint64_t third = NewSequence(*store);
+  ASSERT_NO_FATAL_FAILURE(commit(begin(third)));
+  want.sequence_id = third;
+  auto answered = store->WhenCommitted(want, [&](absl::Status s) { woken.push_back(s); });
+  ASSERT_TRUE(answered.ok() && *answered == 0) << answered.status();
+  EXPECT_TRUE(begin(third)->awaited()) << "a fetch asked with a wait";
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, HeadAppendTest,
