@@ -32,8 +32,8 @@ constexpr uint64_t kSplitRegionCopyBytes = uint64_t{1} << 20;
 constexpr uint64_t kRegionCopySplitPiece = uint64_t{256} << 10;
 // A region copy of at least this many bytes may write its destination around the caches
 // (kernels::CopyStores::kStream): over memory larger than the caches that skips reading each
-// written line first (2 MiB rotating over 128 MiB, four at once on a 2-vCPU VM: 0.73-0.80 of
-// memcpy -> 0.89-1.06). It does where the bytes are not read again while they would still be
+// written line first (2 MiB rotating over 128 MiB, four at once on a 2-vCPU VM: 0.73-0.85 of
+// memcpy -> 0.89-1.02). It does where the bytes are not read again while they would still be
 // cached:
 // - an append, unless the sequence is handed off layer by layer (a fetch has waited for its
 //   tokens: AppendTxn::awaited), whose reader pulls the bytes at once (with them streamed, a
