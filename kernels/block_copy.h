@@ -42,7 +42,7 @@ enum class CopyStores : uint8_t {
   // destination nobody reads again soon: a client's shared-memory region, the pool behind a
   // large append. An ordinary store first reads each line it writes into the cache; over memory
   // larger than the caches that read is a third of the traffic (bench/copy_bench.cc: a gather or
-  // scatter of 2-64 MiB at 0.71-0.85 of one memcpy with ordinary stores, 0.97-1.12 streamed).
+  // scatter of 2-64 MiB at 0.71-0.86 of one memcpy with ordinary stores, 0.92-1.20 streamed).
   kStream,
 };
 inline constexpr uint64_t kStreamRunBytes = 256;
