@@ -30,6 +30,12 @@ Mooncake's package in the LMCache venv (pip install mooncake-transfer-engine-non
 Reported beside: Mooncake time / plugin time per op (above 1: the kvbank plugin is faster).
 --no-shm: the plugin and the SDK both move their bytes through gRPC over loopback TCP (kvbankd
 without its shared-memory socket), as Mooncake's client moves its bytes over TCP here.
+--zero-copy: the plugin's engine keeps its CPU buffer in shared memory (LMCache's extra_config
+shm_name), which the plugin registers with kvbankd: chunks move straight from and into the
+MemoryObjs. The SDK side then stores from and fetches into registered regions (no copy on its
+side either), and a third side, "copied", is the plugin in a second engine whose CPU buffer is
+private memory (through the client's staging regions, one copy a chunk on this side); reported
+beside: copied time / plugin time (above 1: zero-copy is faster).
 """
 
 import argparse
@@ -72,7 +78,11 @@ def main() -> int:
                     help="also LMCache's Mooncake Store connector, against a local Mooncake")
     ap.add_argument("--no-shm", action="store_true",
                     help="kvbankd without its shared-memory socket: every byte through gRPC")
+    ap.add_argument("--zero-copy", action="store_true",
+                    help="LMCache's CPU buffer in shared memory, registered with kvbankd")
     args = ap.parse_args()
+    if args.zero_copy and args.no_shm:
+        ap.error("--zero-copy needs kvbankd's shared-memory plane")
     os.environ["KVBANK_KVBANKD"] = os.path.abspath(args.kvbankd)
 
     token_bytes = 2 * args.layers * args.hidden * 2
@@ -84,32 +94,52 @@ def main() -> int:
     server = Server([f"--pool-bytes={pool}", f"--max-pool-bytes={pool}",
                      "--shm-socket=" + ("" if args.no_shm else sock)])
     cpu_gb = 3 * batch / (1 << 30) + 0.1
-    engine = le.make_engine("bench", le.plugin_config(server.target, threads=str(THREADS)),
-                            chunk=CHUNK, layers=args.layers, hidden=args.hidden, cpu_gb=cpu_gb)
+    plugin_cfg = le.plugin_config(server.target, threads=str(THREADS))
+    engines = ["bench"]
+    engine = le.make_engine(
+        "bench", dict(plugin_cfg, **({"shm_name": f"kvbank-lmcbench-{os.getpid()}"}
+                                     if args.zero_copy else {})),
+        chunk=CHUNK, layers=args.layers, hidden=args.hidden, cpu_gb=cpu_gb)
     conn = le.connector(engine)
-    cpu = conn.local_cpu_backend
     client = kvbank.Client(server.target)
     model, g, bt = conn.model, conn.g, conn.block_tokens
     root = client.get_prefix_root(model)
+    zero = conn._connection().region is not None
+    assert zero == args.zero_copy, "the plugin's zero-copy path is not what was asked for"
     print(f"chunk {chunk_bytes / (1 << 20):.1f} MiB x {args.chunks}, kvbank model {model} "
           f"({g} LMCache tokens, {conn.block_bytes >> 10} KiB per block), plugin plane "
-          f"{conn._connection().client.data_plane}, SDK plane {client.data_plane}", flush=True)
+          f"{conn._connection().client.data_plane}{', zero-copy' if zero else ''}, SDK plane "
+          f"{client.data_plane}", flush=True)
 
-    # The payloads: LMCache MemoryObjs for the plugin, numpy copies of the same bytes for the SDK.
-    objs = []
-    for i in range(args.chunks):
-        obj = cpu.allocate(conn.meta_shapes, conn.meta_dtypes, conn.meta_fmt)
-        obj.tensor.view(torch.int16).copy_(
-            le.kv_for(i, CHUNK, args.layers, args.hidden).view(torch.int16))
-        objs.append(obj)
-    arrays = [np.frombuffer(bytes(memoryview(o.byte_array).cast("B")), np.uint8) for o in objs]
-    outs = [np.empty(chunk_bytes, np.uint8) for _ in objs]
+    def memory_objs(c):
+        """The batch's chunks as MemoryObjs of connector c's engine (its CPU buffer)."""
+        out = []
+        for i in range(args.chunks):
+            obj = c.local_cpu_backend.allocate(c.meta_shapes, c.meta_dtypes, c.meta_fmt)
+            obj.tensor.view(torch.int16).copy_(
+                le.kv_for(i, CHUNK, args.layers, args.hidden).view(torch.int16))
+            out.append(obj)
+        return out
+
+    # The payloads: LMCache MemoryObjs for the plugin, the same bytes in numpy arrays for the
+    # SDK (in registered regions with --zero-copy: the SDK's own zero-copy use).
+    objs = memory_objs(conn)
+    held = list(objs)  # released at the end
+
+    def buffer():
+        return client.register_region(chunk_bytes) if zero else np.empty(chunk_bytes, np.uint8)
+
+    arrays, outs = [], []
+    for o in objs:
+        arrays.append(buffer())
+        arrays[-1][:] = np.frombuffer(memoryview(o.byte_array).cast("B"), np.uint8)
+        outs.append(buffer())
     pool_ = concurrent.futures.ThreadPoolExecutor(THREADS)
     rng = random.Random(20261203)
 
     def fresh_keys():
         return [CacheEngineKey("bench", 1, 0, rng.getrandbits(63), torch.bfloat16)
-                for _ in objs]
+                for _ in range(args.chunks)]
 
     def sdk_store(keys):
         def one(i):
@@ -128,14 +158,18 @@ def main() -> int:
             assert info.payload_bytes == chunk_bytes
         list(pool_.map(one, range(len(keys))))
 
-    def connector_side(c, what):
+    # One event loop for the whole run, as LMCache runs its connectors on a loop of its own (a
+    # loop made and closed per batch, asyncio.run, would cost a millisecond a batch).
+    loop = asyncio.new_event_loop()
+
+    def connector_side(c, what, objs):
         """store and retrieve of the MemoryObjs through LMCache remote connector `c`, after
         checking that the bytes it returns are the bytes it stored."""
         def store(keys):
-            asyncio.run(c.batched_put(keys, objs))
+            loop.run_until_complete(c.batched_put(keys, objs))
 
         def retrieve(keys, check=False):
-            got = asyncio.run(c.batched_get(keys))
+            got = loop.run_until_complete(c.batched_get(keys))
             assert all(o is not None for o in got), f"a {what} get missed"
             for o, a in zip(got, arrays):
                 if check:
@@ -153,7 +187,17 @@ def main() -> int:
         fn(keys)
         return time.perf_counter() - t
 
-    plugin_side = connector_side(conn, "plugin")
+    plugin_side = connector_side(conn, "plugin", objs)
+    copied = None
+    if zero:
+        engines.append("bench-copied")
+        copied = le.connector(le.make_engine("bench-copied", plugin_cfg, chunk=CHUNK,
+                                             layers=args.layers, hidden=args.hidden,
+                                             cpu_gb=cpu_gb))
+        assert copied._connection().region is None
+        copied_objs = memory_objs(copied)
+        copied_side = connector_side(copied, "copied plugin", copied_objs)
+        held += copied_objs
     sdk_store(keys := fresh_keys())
     sdk_retrieve(keys)  # warm-up of the SDK side too
 
@@ -182,8 +226,10 @@ def main() -> int:
         print(f"Mooncake: {type(mc_conn).__name__}, master {mc.master_addr}", flush=True)
 
     sides = {"plugin": plugin_side, "sdk": (sdk_store, sdk_retrieve)}
+    if copied is not None:
+        sides["copied"] = copied_side
     if mc_conn is not None:
-        sides["mooncake"] = connector_side(mc_conn, "Mooncake")
+        sides["mooncake"] = connector_side(mc_conn, "Mooncake", objs)
 
     res = {f"{side}_{op}": [] for side in sides for op in ("store", "retrieve")}
     for rep in range(args.reps):
@@ -205,13 +251,17 @@ def main() -> int:
         print(f"| {op} | {mp:.3f} | {ms:.3f} | {batch / mp / 1e9:.2f} | {batch / ms / 1e9:.2f} "
               f"| **{statistics.median(ratios):.2f}** | "
               f"{', '.join(f'{r:.2f}' for r in ratios)} |")
-    if mc_conn is not None:
-        print("Mooncake Store through LMCache's connector; ratio = Mooncake time / kvbank plugin "
-              "time (median of per-rep ratios; above 1: the kvbank plugin is faster)")
-        print("| op | Mooncake s | Mooncake GB/s | ratio | per-rep ratios |")
+    for side, title in (("copied", "The plugin over a private CPU buffer (staging regions); "
+                         "ratio = its time / the zero-copy plugin's time"),
+                        ("mooncake", "Mooncake Store through LMCache's connector; ratio = "
+                         "Mooncake time / kvbank plugin time")):
+        if side + "_store" not in res:
+            continue
+        print(f"{title} (median of per-rep ratios; above 1: the kvbank plugin is faster)")
+        print(f"| op | {side} s | {side} GB/s | ratio | per-rep ratios |")
         print("|---|---:|---:|---:|---|")
         for op in ("store", "retrieve"):
-            p, m = res["plugin_" + op], res["mooncake_" + op]
+            p, m = res["plugin_" + op], res[f"{side}_{op}"]
             ratios = [b / a for a, b in zip(p, m)]
             mm = statistics.median(m)
             print(f"| {op} | {mm:.3f} | {batch / mm / 1e9:.2f} | "
@@ -219,9 +269,11 @@ def main() -> int:
                   f"{', '.join(f'{r:.2f}' for r in ratios)} |")
     stats = conn._connection().client.plane_stats()
     print("plugin planes:", {k: v for k, v in stats.items() if v.get("calls")})
-    for o in objs:
+    for o in held:
         o.ref_count_down()
-    le.destroy("bench")
+    for name in engines:
+        le.destroy(name)
+    loop.close()
     if mc is not None:
         le.destroy("bench-mooncake")
         mc.stop()

@@ -25,6 +25,17 @@ remote_storage_plugins, one kvbank plugin per engine):
   threads      threads making the kvbank calls (default 4)
   retry_s      after a failed connection, calls are misses for this long before the next try
                (default 1)
+  zero_copy    "auto" (default): zero-copy when LMCache's CPU buffer is in shared memory (below);
+               "false": always through the client's staging regions
+
+Zero-copy. With LMCache's own `shm_name` in extra_config (extra_config: {shm_name: NAME}), its
+local CPU buffer is the POSIX shared-memory file /dev/shm/NAME. When kvbankd serves the
+same-host plane, the connector registers that file with kvbankd as a region
+(register_region_fd): a put appends a chunk straight from its MemoryObj and a get fetches a chunk
+straight into the MemoryObj LMCache allocated, with no copy in this process (LMCache's Mooncake
+connector registers the same buffer with Mooncake). Chunks outside that buffer, unfull chunks
+being stored (their last block padded) and a kvbankd on another host go through the client's
+staging regions as before.
 
 Mapping. kvbank stores KV by block under a prefix hash; LMCache stores opaque chunks under a
 key. A chunk is stored as one kvbank sequence of a model registered for the purpose: one layer,
@@ -59,11 +70,13 @@ import asyncio
 import concurrent.futures
 import hashlib
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -79,6 +92,9 @@ _T = TypeVar("_T")
 
 MAX_HEAD_DIM = 4096  # kvbank's bounds on a layout (base/layout.cc)
 MAX_BLOCK_TOKENS = 4096
+# How long the buffer of a failed zero-copy get is kept from LMCache: kvbankd's copy into it
+# stops at its next piece (at most a few milliseconds) once the call has ended.
+_SPOILT_S = 2.0
 _RECONNECT_ERRORS = (kvbank.UnavailableError, kvbank.DeadlineExceededError,
                      kvbank.NotFoundError, kvbank.CancelledError)
 
@@ -113,6 +129,65 @@ class _Connection:
     client: kvbank.Client
     root: bytes
     algorithm: str
+    # Zero-copy: LMCache's CPU buffer's file as a region of this client (register_region_fd),
+    # and the byte offset of the buffer's first byte in it.
+    region: np.ndarray | None = None
+    region_offset: int = 0
+
+
+@dataclass
+class _SharedBuffer:
+    """LMCache's local CPU buffer where it lies in a shared-memory file: the file (a descriptor
+    this connector holds until close), the buffer's address and size in this process, and its
+    first byte's offset in the file."""
+    fd: int
+    address: int
+    size: int
+    offset: int
+
+
+def _address(buf: memoryview) -> int:
+    """The address of a buffer's first byte (numpy's array interface: no copy, no ctypes)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def shared_buffer(local_cpu_backend: Any) -> tuple[_SharedBuffer | None, str]:
+    """LMCache's CPU buffer as a _SharedBuffer when it is in a shared-memory file (LMCache's
+    extra_config shm_name), with "" ; else None and why not. The file is checked to be the one
+    this process maps at the buffer's address (by device and inode in /proc/self/maps), so a
+    stale file of the same name is never taken for it."""
+    allocator = getattr(local_cpu_backend, "memory_allocator", None)
+    name = getattr(allocator, "shm_name", None)
+    buffer = getattr(allocator, "buffer", None)
+    if not name or buffer is None:
+        return None, "LMCache's CPU buffer is not in shared memory (set extra_config shm_name)"
+    address, size = int(buffer.data_ptr()), int(buffer.numel() * buffer.element_size())
+    path = os.path.join("/dev/shm", str(name).lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        return None, f"cannot open {path}: {e}"
+    try:
+        st = os.fstat(fd)
+        with open("/proc/self/maps", encoding="ascii") as maps:
+            for line in maps:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if not start <= address < end:
+                    continue
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                offset = int(fields[2], 16) + address - start
+                if ((major, minor, int(fields[4])) != (os.major(st.st_dev), os.minor(st.st_dev),
+                                                       st.st_ino)):
+                    break
+                if address + size > end or offset + size > st.st_size:
+                    break
+                return _SharedBuffer(fd, address, size, offset), ""
+        os.close(fd)
+        return None, f"LMCache's CPU buffer is not the file {path}"
+    except (OSError, ValueError, IndexError) as e:
+        os.close(fd)
+        return None, f"cannot check {path}: {e}"
 
 
 class KvbankConnector(RemoteConnector):
@@ -153,16 +228,31 @@ class KvbankConnector(RemoteConnector):
         if threads < 1:
             raise ValueError(f"extra_config {prefix}threads must be positive, not {threads}")
 
+        zero_copy = str(opts.get("zero_copy", "auto")).lower()
+        if zero_copy not in ("auto", "false"):
+            raise ValueError(f"extra_config {prefix}zero_copy must be auto or false, not "
+                             f"{zero_copy!r}")
+        self._shared: _SharedBuffer | None = None
+        if zero_copy == "auto" and self._shm:
+            self._shared, why = shared_buffer(local_cpu_backend)
+            if self._shared is None:
+                logger.info("KvbankConnector: chunks copied through staging regions: %s", why)
+
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
+        # Buffers of failed zero-copy gets, held until (monotonic time) kvbankd cannot be
+        # writing into them any more.
+        self._spoilt: list[tuple[float, MemoryObj]] = []
         self._retry_at = 0.0
         self._closed = False
+        self._threads = threads
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="kvbank-lmcache")
         conn = self._connection()
         logger.info("KvbankConnector %r: kvbank model %r at %s, %d LMCache tokens (%d bytes) per "
-                    "block, data plane %s", self.plugin_name, self.model, self.target, self.g,
-                    self.block_bytes, conn.client.data_plane if conn else "not connected yet")
+                    "block, data plane %s%s", self.plugin_name, self.model, self.target, self.g,
+                    self.block_bytes, conn.client.data_plane if conn else "not connected yet",
+                    ", zero-copy" if conn is not None and conn.region is not None else "")
 
     @classmethod
     def _plugin_name(cls, config: Any) -> str:
@@ -200,7 +290,26 @@ class KvbankConnector(RemoteConnector):
                 logger.warning("KvbankConnector: cannot use kvbank at %s: %s", self.target, e)
                 return None
             self._conn = _Connection(client, root.root, root.algorithm)
+            if self._shared is not None and client.data_plane == "shm":
+                try:
+                    self._conn.region = client.register_region_fd(self._shared.fd)
+                    self._conn.region_offset = self._shared.offset
+                except kvbank.Error as e:
+                    logger.warning("KvbankConnector: LMCache's CPU buffer cannot be a region "
+                                   "(%s): chunks copied through staging regions", e)
             return self._conn
+
+    def _in_region(self, conn: _Connection, buf: memoryview) -> Any:
+        """buf's bytes as the same bytes of the registered region (a numpy view) when buf lies
+        in LMCache's shared CPU buffer (then they move without a copy here); else buf itself."""
+        shared = self._shared
+        if conn.region is None or shared is None:
+            return buf
+        at = _address(buf) - shared.address
+        if at < 0 or at + buf.nbytes > shared.size:
+            return buf
+        at += conn.region_offset
+        return conn.region[at:at + buf.nbytes]
 
     def _failed(self, what: str, conn: _Connection, e: BaseException) -> None:
         logger.warning("KvbankConnector: %s failed: %s", what, e)
@@ -212,6 +321,25 @@ class KvbankConnector(RemoteConnector):
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _map(self, fn: Callable[..., _T], calls: list[tuple[Any, ...]]) -> list[_T]:
+        """[fn(*c) for c in calls] on the connector's threads, the event loop woken once a
+        thread rather than once a call (on a busy host, a wake-up of the loop's thread a chunk
+        takes CPU from the copies)."""
+        out: list[Any] = [None] * len(calls)
+        todo = iter(range(len(calls)))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                out[i] = fn(*calls[i])
+
+        await asyncio.gather(*(self._run(work) for _ in range(min(self._threads, len(calls)))))
+        return out
 
     # ---- names ----------------------------------------------------------------------------
 
@@ -300,10 +428,20 @@ class KvbankConnector(RemoteConnector):
         if obj is None:
             logger.warning("KvbankConnector: LMCache's CPU buffer is full; a miss")
             return None
+        self._release_spoilt(time.monotonic())
+        own = memoryview(obj.byte_array).cast("B")
+        buf = own
         try:
-            n = self._fetch_into(conn, self._digest(key), memoryview(obj.byte_array).cast("B"))
+            buf = self._in_region(conn, own)
+            n = self._fetch_into(conn, self._digest(key), buf)
         except Exception as e:
             self._failed("get", conn, e)
+            if buf is not own:
+                # kvbankd stops writing into the buffer at its next piece once a failed call has
+                # ended: the buffer goes back to LMCache only after that, not into another chunk.
+                with self._lock:
+                    self._spoilt.append((time.monotonic() + _SPOILT_S, obj))
+                return None
             n = None
         if n is None:
             obj.ref_count_down()
@@ -312,7 +450,15 @@ class KvbankConnector(RemoteConnector):
             obj = self.reshape_partial_chunk(obj, n * self.single_token_size)
         return obj
 
-    def _fetch_into(self, conn: _Connection, digest: str, buf: memoryview) -> int | None:
+    def _release_spoilt(self, now: float) -> None:
+        """Gives LMCache back the buffers of failed zero-copy gets held long enough."""
+        with self._lock:
+            due = [o for t, o in self._spoilt if t <= now]
+            self._spoilt = [(t, o) for t, o in self._spoilt if t > now]
+        for obj in due:
+            obj.ref_count_down()
+
+    def _fetch_into(self, conn: _Connection, digest: str, buf: Any) -> int | None:
         """Fetches the chunk into buf (a full chunk's bytes); its LMCache tokens, or None when
         no whole chain came back."""
         chain = self._chain(conn, digest, self.chunk_tokens)
@@ -327,7 +473,7 @@ class KvbankConnector(RemoteConnector):
         chain = self._chain(conn, digest, n)
         return n if self._fetch_chain(conn, chain, buf) == len(chain) * self.block_bytes else None
 
-    def _fetch_chain(self, conn: _Connection, chain: list[bytes], buf: memoryview) -> int:
+    def _fetch_chain(self, conn: _Connection, chain: list[bytes], buf: Any) -> int:
         """FetchBlocks of the chain into buf: the bytes written (0 when its first block is not
         cached: kvbank answers NOT_FOUND then)."""
         try:
@@ -342,7 +488,7 @@ class KvbankConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        return list(await asyncio.gather(*(self._run(self._get, k) for k in keys)))
+        return await self._map(self._get, [(k,) for k in keys])
 
     # ---- put ------------------------------------------------------------------------------
 
@@ -369,7 +515,7 @@ class KvbankConnector(RemoteConnector):
             return
         try:
             if seq.cached_tokens < total:
-                payload: Any = data
+                payload: Any = self._in_region(conn, data)
                 if data.nbytes < blocks * self.block_bytes:  # an unfull chunk: pad its block
                     padded = bytearray(blocks * self.block_bytes)
                     padded[:data.nbytes] = data
@@ -394,7 +540,7 @@ class KvbankConnector(RemoteConnector):
 
     async def batched_put(self, keys: list[CacheEngineKey],
                           memory_objs: list[MemoryObj]) -> None:
-        await asyncio.gather(*(self._run(self._put, k, m) for k, m in zip(keys, memory_objs)))
+        await self._map(self._put, list(zip(keys, memory_objs)))
 
     # ---- the rest -------------------------------------------------------------------------
 
@@ -428,6 +574,10 @@ class KvbankConnector(RemoteConnector):
         self._pool.shutdown(wait=True)
         if conn is not None:
             conn.client.close()
+        self._release_spoilt(float("inf"))
+        if self._shared is not None:
+            os.close(self._shared.fd)
+            self._shared = None
 
     def __repr__(self) -> str:
         return f"<KvbankConnector {self.target} model={self.model}>"

@@ -5,13 +5,16 @@ errors; a kvbankd that dies mid-retrieve leaves the engine serving, with misses 
 bytes."""
 
 import asyncio
+import mmap
+import os
+import types
 
 import pytest
 import torch
 from lmcache.utils import CacheEngineKey
 
 import kvbank
-from kvbank.lmcache import KvbankConnector, chunk_layout
+from kvbank.lmcache import KvbankConnector, chunk_layout, shared_buffer
 
 import lmc_engine as le
 
@@ -109,6 +112,79 @@ def test_large_chunks_take_shared_memory(server, engine_at, tmp_path):
         hidden * 2 // 2, stats
 
 
+def shm_name(tag):
+    """A POSIX shared-memory name of this test process's own (LMCache's extra_config shm_name)."""
+    return f"kvbank-lmc-test-{os.getpid()}-{tag}"
+
+
+def test_shared_cpu_buffer_moves_chunks_without_a_copy(server, engine_at):
+    # LMCache's CPU buffer in /dev/shm (its shm_name): registered with kvbankd as a region,
+    # chunks go straight from and into LMCache's MemoryObjs; a fresh engine reads them back bit
+    # for bit, zero-copy or not.
+    writer = engine_at(dict(le.plugin_config(server.target), shm_name=shm_name("w")))
+    conn = le.connector(writer)
+    c = conn._connection()
+    assert c.region is not None, "LMCache's shared CPU buffer was not registered"
+    n = 3 * C
+    tokens = le.prompt(25, n)
+    kv = le.kv_for(25, n)
+    writer.store(tokens, kv_source=kv)
+    le.wait_stored(writer, tokens)
+    stats = c.client.plane_stats()
+    chunk_bytes = kv.numel() * kv.element_size() // 3
+    assert stats["shm"]["bytes"] >= 3 * chunk_bytes, stats
+    assert stats["shm_staged"]["bytes"] == 0 and stats["grpc"]["bytes"] == 0, stats
+
+    for tag, extra in (("r", {"shm_name": shm_name("r")}), ("copied", {})):
+        reader = engine_at(dict(le.plugin_config(server.target), **extra))
+        rc = le.connector(reader)._connection()
+        assert (rc.region is not None) == bool(extra), tag
+        dest = torch.zeros_like(kv)
+        assert int(reader.retrieve(tokens, kv_dest=dest).sum()) == n, tag
+        assert le.same_bits(dest, kv), tag
+        stats = rc.client.plane_stats()
+        if extra:
+            assert stats["shm"]["bytes"] >= 3 * chunk_bytes, stats
+            assert stats["shm_staged"]["bytes"] == 0 and stats["grpc"]["bytes"] == 0, stats
+
+
+def test_shared_buffer_is_the_mapped_file_only(tmp_path):
+    # The connector takes LMCache's CPU buffer as a region only where the buffer is the very
+    # file /dev/shm/<shm_name> maps, at the offset it maps it.
+    name = shm_name("probe")
+    path = os.path.join("/dev/shm", name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 4 * mmap.PAGESIZE)
+        mapped = mmap.mmap(fd, 4 * mmap.PAGESIZE)
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+
+        def backend(name_, buffer):
+            return types.SimpleNamespace(memory_allocator=types.SimpleNamespace(
+                shm_name=name_, buffer=buffer))
+
+        got, why = shared_buffer(backend(name, whole))
+        assert got is not None, why
+        assert (got.address, got.size, got.offset) == (whole.data_ptr(), 4 * mmap.PAGESIZE, 0)
+        os.close(got.fd)
+        part = whole[mmap.PAGESIZE:3 * mmap.PAGESIZE]
+        got, why = shared_buffer(backend("/" + name, part))
+        assert got is not None and got.offset == mmap.PAGESIZE, why
+        os.close(got.fd)
+        # Private memory under the name of a file it is not: refused, the file left alone.
+        got, why = shared_buffer(backend(name, torch.zeros(4 * mmap.PAGESIZE, dtype=torch.uint8)))
+        assert got is None and "is not the file" in why
+        got, why = shared_buffer(backend(name + "-missing", whole))
+        assert got is None and "cannot open" in why
+        got, why = shared_buffer(backend(None, whole))
+        assert got is None and "shm_name" in why
+        del whole, part
+        mapped.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def test_batched_exists_counts_the_leading_hits(server, engine_at):
     engine = engine_at(le.plugin_config(server.target))
     conn = le.connector(engine)
@@ -185,6 +261,8 @@ def test_bad_keys_are_misses(server, engine_at):
                  id="no-target"),
     pytest.param(dict(le.plugin_config("127.0.0.1:1"), **{
         "remote_storage_plugin.kvbank.threads": "0"}), id="zero-threads"),
+    pytest.param(dict(le.plugin_config("127.0.0.1:1"), **{
+        "remote_storage_plugin.kvbank.zero_copy": "always"}), id="bad-zero-copy"),
 ])
 def test_bad_config_leaves_the_plugin_out(engine_at, extra):
     engine = engine_at(extra)
@@ -214,11 +292,14 @@ def test_unreachable_server_is_a_miss(engine_at):
     assert le.same_bits(dest, kv)
 
 
-def test_server_killed_mid_retrieve(own_server, engine_at):
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copied", "zero-copy"])
+def test_server_killed_mid_retrieve(own_server, engine_at, zero_copy):
     # LMCache's health monitor may find kvbank down: it then falls back to its CPU backend.
     cfg = dict(le.plugin_config(own_server.target, deadline_s="3", retry_s="60"),
                fallback_policy="local_cpu")
     writer = engine_at(cfg)
+    if zero_copy:  # the reader's CPU buffer is a region: kvbankd writes straight into it
+        cfg = dict(cfg, shm_name=shm_name("killed"))
     n = 6 * C
     tokens = le.prompt(71, n)
     kv = le.kv_for(71, n)
@@ -227,6 +308,7 @@ def test_server_killed_mid_retrieve(own_server, engine_at):
 
     reader = engine_at(cfg)  # its CPU backend is empty: every chunk comes from kvbank
     conn = le.connector(reader)
+    assert (conn._connection().region is not None) == zero_copy
     assert le.remote(reader).batched_contains(keys_of(reader, tokens)) == 6
     client = conn._connection().client
     fetch = client.fetch_blocks_into
@@ -252,6 +334,8 @@ def test_server_killed_mid_retrieve(own_server, engine_at):
         part = dest[:, :, b:b + C]
         assert bool((part.view(torch.int16) == 0).all()) or \
             le.same_bits(part, kv[:, :, b:b + C]), f"wrong bytes at token {b}"
+    if zero_copy:  # a failed fetch's buffer stays out of LMCache's hands for a while
+        assert conn._spoilt, "a failed zero-copy get gave its buffer straight back"
     assert asyncio.run(conn.ping()) != 0
     # The engine keeps serving: lookups miss, stores and retrieves go to its CPU backend.
     assert reader.lookup(le.prompt(72, 2 * C)) == 0
