@@ -104,6 +104,12 @@ logger = logging.getLogger("kvbank.sglang")
 _RECONNECT = (kvbank.UnavailableError, kvbank.DeadlineExceededError, kvbank.CancelledError,
               kvbank.FailedPreconditionError, kvbank.UnknownError, kvbank.InternalError)
 
+# After a zero-copy load fails (a deadline, a broken connection), how long batch_get_v1 waits
+# before it answers: kvbankd stops writing into the host slots at its next piece once the call
+# has ended (well under a millisecond), and SGLang may hand those slots to another request as
+# soon as the load answers False.
+_LATE_WRITE_GRACE_S = 0.1
+
 
 def page_key_value(key: Any) -> str | None:
     """The extra key value naming an SGLang page key: its UTF-8 bytes in hex (kvbank's extra
@@ -419,7 +425,12 @@ class KvbankHiCacheStorage(HiCacheStorage):
         try:
             hashes = self._hashes(conn, keys[:len(starts)])
             if conn.host_region is not None:
-                for i in range(self._fetch_runs(conn, hashes, starts)):
+                try:
+                    loaded = self._fetch_runs(conn, hashes, starts)
+                except Exception:
+                    time.sleep(_LATE_WRITE_GRACE_S)
+                    raise
+                for i in range(loaded):
                     results[i] = True
                 return results
 
