@@ -701,10 +701,8 @@ absl::StatusOr<RegionRuns> ShmRegions::ResolveRuns(const std::string& tenant, ui
     if (i < sorted.size()) begin = sorted[i], end = sorted[i] + run_bytes;
   }
   RegionRuns out;
-  out.run_bytes = run_bytes;
-  out.runs.reserve(run_offsets.size());
   uint8_t* const base = span->bytes.data() - sorted.front();
-  for (uint64_t r : run_offsets) out.runs.push_back(absl::MakeSpan(base + r, run_bytes));
+  for (uint64_t r : run_offsets) out.Add(absl::MakeSpan(base + r, run_bytes));
   out.mapping = std::move(span->mapping);
   return out;
 }

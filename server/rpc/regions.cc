@@ -87,8 +87,7 @@ absl::StatusOr<plane::RegionRuns> ResolveSlice(const plane::ShmRegions& regions,
     auto bytes = regions.Resolve(tenant, slice.region_id(), slice.offset(), slice.length(), field);
     if (!bytes.ok()) return bytes.status();
     plane::RegionRuns out;
-    out.run_bytes = bytes->bytes.size();
-    out.runs.push_back(bytes->bytes);
+    out.Add(bytes->bytes);
     out.mapping = std::move(bytes->mapping);
     return out;
   }

@@ -401,6 +401,27 @@ TEST_F(ShmTest, ScatteredRunsMoveThePayloadInOneCall) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(BytesEqual(back->payload, want->payload));
 
+  // Runs side by side in payload order (kvbankd copies each group as one run): four groups of
+  // four, the groups last to first with a 1 KiB gap; both ways, byte for byte.
+  RegionSlice grouped{r.id(), 100, 0, kRun, {}};
+  for (uint64_t i = 0; i < payload / kRun; ++i) {
+    grouped.run_offsets.push_back((3 - i / 4) * 5 * kRun + (i % 4) * kRun);
+  }
+  std::memset(d, 0xee, r.size());
+  f = c->FetchBlocksToRegion("m", hashes, {}, grouped);
+  ASSERT_TRUE(f.ok()) << f.status();
+  gathered.clear();
+  for (uint64_t o : grouped.run_offsets)
+    gathered.insert(gathered.end(), d + 100 + o, d + 100 + o + kRun);
+  EXPECT_TRUE(BytesEqual(gathered, want->payload));
+  for (uint64_t g = 0; g < 4; ++g) EXPECT_EQ(d[100 + g * 5 * kRun + 4 * kRun], 0xee) << "gap " << g;
+  auto seq3 = c->CreateSequence("m");
+  ASSERT_TRUE(seq3.ok());
+  ASSERT_TRUE(c->AppendFromRegion("m", seq3->id, plain, grouped).ok());
+  back = c->Fetch("m", seq3->id, {});
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(BytesEqual(back->payload, want->payload));
+
   // Bad runs: refused naming the field; nothing written, nothing appended.
   struct Case {
     RegionSlice slice;

@@ -343,6 +343,47 @@ TEST_F(ShmRegionsTest, RunsAreCheckedForHolesWhereTheyAre) {
       << "a hole in a gap under kRunCheckGap is checked as the runs are: " << near.status();
 }
 
+// Runs that continue one another in the region, in payload order, become one run (a host pool's
+// pages side by side); the payload still maps to the same bytes, piece by piece.
+TEST_F(ShmRegionsTest, RunsThatContinueEachOtherAreOne) {
+  ASSERT_NO_FATAL_FAILURE(StartRegions());
+  int memfd = -1;
+  auto good = HandOver(256 << 10, &memfd);
+  ASSERT_TRUE(good.ok()) << good.status();
+  auto claimed = regions_->Claim("t", good->handle);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  // Payload runs 0-2 side by side, run 3 apart, run 4 right after run 3, run 5 before them all.
+  const std::vector<uint64_t> offsets = {8192, 12288, 16384, 65536, 69632, 0};
+  auto runs = regions_->ResolveRuns("t", claimed->region_id, 0, 4096, offsets, "dest");
+  ASSERT_TRUE(runs.ok()) << runs.status();
+  ASSERT_EQ(runs->runs.size(), 3u);
+  EXPECT_EQ(runs->runs[0].size(), 3u * 4096);
+  EXPECT_EQ(runs->runs[1].size(), 2u * 4096);
+  EXPECT_EQ(runs->runs[2].size(), 4096u);
+  EXPECT_EQ(runs->size(), 6u * 4096);
+  uint8_t* const region = runs->runs[2].data();  // offset 0
+  // Every range of the payload, cut anywhere, lands where its unmerged run says.
+  for (uint64_t at : {uint64_t{0}, uint64_t{100}, uint64_t{4096}, uint64_t{12287}, uint64_t{20479},
+                      uint64_t{20480}}) {
+    for (uint64_t n : {uint64_t{1}, uint64_t{4096}, uint64_t{9000}, 6u * 4096 - at}) {
+      if (at + n > runs->size()) continue;
+      uint64_t next = at;
+      absl::Status s = runs->ForEachPiece(at, n, [&](uint64_t p, absl::Span<uint8_t> piece) {
+        EXPECT_EQ(p, next);
+        for (uint64_t b = 0; b < piece.size(); b += std::max<uint64_t>(1, piece.size() - 1)) {
+          const uint64_t q = p + b;  // payload byte q: run q / 4096 at its offset
+          EXPECT_EQ(piece.data() + b, region + offsets[q / 4096] + q % 4096)
+              << "payload byte " << q << " (from " << at << ", " << n << " bytes)";
+        }
+        next = p + piece.size();
+        return absl::OkStatus();
+      });
+      EXPECT_TRUE(s.ok()) << s;
+      EXPECT_EQ(next, at + n);
+    }
+  }
+}
+
 // A memfd that cannot be sealed (made without MFD_ALLOW_SEALING, as engines make their host pools)
 // or is not sealed against shrinking is taken, guarded: once its owner truncates it, transfers
 // over it fail (before the copy when the file is shorter, after it when it shrank during the
