@@ -35,7 +35,8 @@ same-host plane, the connector registers that file with kvbankd as a region
 straight into the MemoryObj LMCache allocated, with no copy in this process (LMCache's Mooncake
 connector registers the same buffer with Mooncake). Chunks outside that buffer, unfull chunks
 being stored (their last block padded) and a kvbankd on another host go through the client's
-staging regions as before.
+staging regions as before. A zero-copy get that fails keeps its MemoryObj from LMCache for 2 s:
+kvbankd stops writing into it at its next piece, never into a chunk allocated meanwhile.
 
 Mapping. kvbank stores KV by block under a prefix hash; LMCache stores opaque chunks under a
 key. A chunk is stored as one kvbank sequence of a model registered for the purpose: one layer,
@@ -152,8 +153,8 @@ def _address(buf: memoryview) -> int:
 
 
 def shared_buffer(local_cpu_backend: Any) -> tuple[_SharedBuffer | None, str]:
-    """LMCache's CPU buffer as a _SharedBuffer when it is in a shared-memory file (LMCache's
-    extra_config shm_name), with "" ; else None and why not. The file is checked to be the one
+    """(LMCache's CPU buffer as a _SharedBuffer, "") when the buffer is in a shared-memory file
+    (LMCache's extra_config shm_name); else (None, why not). The file is checked to be the one
     this process maps at the buffer's address (by device and inode in /proc/self/maps), so a
     stale file of the same name is never taken for it."""
     allocator = getattr(local_cpu_backend, "memory_allocator", None)
