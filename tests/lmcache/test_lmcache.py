@@ -117,11 +117,17 @@ def shm_name(tag):
     return f"kvbank-lmc-test-{os.getpid()}-{tag}"
 
 
+# The CPU buffer (GB) of an engine whose buffer is in /dev/shm: small, so that the tests fit a
+# container's 64 MiB /dev/shm too (a chunk here is 16 KiB).
+SHM_CPU_GB = 0.015
+
+
 def test_shared_cpu_buffer_moves_chunks_without_a_copy(server, engine_at):
     # LMCache's CPU buffer in /dev/shm (its shm_name): registered with kvbankd as a region,
     # chunks go straight from and into LMCache's MemoryObjs; a fresh engine reads them back bit
     # for bit, zero-copy or not.
-    writer = engine_at(dict(le.plugin_config(server.target), shm_name=shm_name("w")))
+    writer = engine_at(dict(le.plugin_config(server.target), shm_name=shm_name("w")),
+                       cpu_gb=SHM_CPU_GB)
     conn = le.connector(writer)
     c = conn._connection()
     assert c.region is not None, "LMCache's shared CPU buffer was not registered"
@@ -136,7 +142,7 @@ def test_shared_cpu_buffer_moves_chunks_without_a_copy(server, engine_at):
     assert stats["shm_staged"]["bytes"] == 0 and stats["grpc"]["bytes"] == 0, stats
 
     for tag, extra in (("r", {"shm_name": shm_name("r")}), ("copied", {})):
-        reader = engine_at(dict(le.plugin_config(server.target), **extra))
+        reader = engine_at(dict(le.plugin_config(server.target), **extra), cpu_gb=SHM_CPU_GB)
         rc = le.connector(reader)._connection()
         assert (rc.region is not None) == bool(extra), tag
         dest = torch.zeros_like(kv)
@@ -306,7 +312,7 @@ def test_server_killed_mid_retrieve(own_server, engine_at, zero_copy):
     writer.store(tokens, kv_source=kv)
     le.wait_stored(writer, tokens)
 
-    reader = engine_at(cfg)  # its CPU backend is empty: every chunk comes from kvbank
+    reader = engine_at(cfg, cpu_gb=SHM_CPU_GB)  # empty: every chunk comes from kvbank
     conn = le.connector(reader)
     assert (conn._connection().region is not None) == zero_copy
     assert le.remote(reader).batched_contains(keys_of(reader, tokens)) == 6
