@@ -130,10 +130,8 @@ class _Connection:
     client: kvbank.Client
     root: bytes
     algorithm: str
-    # Zero-copy: LMCache's CPU buffer's file as a region of this client (register_region_fd),
-    # and the byte offset of the buffer's first byte in it.
+    # Zero-copy: LMCache's CPU buffer's file as a region of this client (register_region_fd).
     region: np.ndarray | None = None
-    region_offset: int = 0
 
 
 @dataclass
@@ -294,7 +292,6 @@ class KvbankConnector(RemoteConnector):
             if self._shared is not None and client.data_plane == "shm":
                 try:
                     self._conn.region = client.register_region_fd(self._shared.fd)
-                    self._conn.region_offset = self._shared.offset
                 except kvbank.Error as e:
                     logger.warning("KvbankConnector: LMCache's CPU buffer cannot be a region "
                                    "(%s): chunks copied through staging regions", e)
@@ -309,7 +306,7 @@ class KvbankConnector(RemoteConnector):
         at = _address(buf) - shared.address
         if at < 0 or at + buf.nbytes > shared.size:
             return buf
-        at += conn.region_offset
+        at += shared.offset  # the buffer's place in its file: the region's offset
         return conn.region[at:at + buf.nbytes]
 
     def _failed(self, what: str, conn: _Connection, e: BaseException) -> None:
